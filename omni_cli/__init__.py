@@ -1,0 +1,19 @@
+"""omni_cli: talk to a local Qwen-Omni model in the terminal, in text and streamed speech.
+
+`omni_cli.load(...)` returns an `Assistant`; its `say()` gives a `Reply` (text, token ids, codec codes,
+audio, stats) and `stream()` yields events as they happen. torch and transformers are imported only
+when a model is loaded, so importing this package (and `--help`) is instant.
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+__all__ = ["load", "__version__"]
+
+
+def load(model: str | None = None, device: str = "auto", dtype: str = "auto", **kwargs):
+    """Load a Qwen2.5-Omni checkpoint (folder, hub id, or None for $OMNI_MODEL / the built-in tiny model)."""
+    from .assistant import Assistant
+
+    return Assistant.load(model, device=device, dtype=dtype, **kwargs)
