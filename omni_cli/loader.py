@@ -1,0 +1,431 @@
+"""Find and load a Qwen2.5-Omni checkpoint; pick the device and dtype it runs in.
+
+This is the only module that knows the checkpoint layout: a folder with `config.json`
+(model_type "qwen2_5_omni"), the weights, the tokenizer files, `generation_config.json` (the thinker's
+sampling defaults; optional) and `spk_dict.pt` (the voices: name -> {bos_token, cond, ref_mel}).
+A model is named by a local folder, a Hugging Face hub id (looked up in the local hub cache first,
+downloaded otherwise), `$OMNI_MODEL`, or nothing at all: then the built-in tiny random-weight model
+that ships with a source checkout is used, with a one-line notice on stderr.
+
+Every failure a person can fix is raised as a one-line `ModelError` / `UsageError` / `OmniError`.
+It does not know how a reply is generated (engine), how prompts are built (prompt) or where audio goes
+(sinks). torch, transformers and huggingface_hub are imported inside the functions that need them, so
+importing this module stays cheap.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import sys
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterable, Mapping
+
+from .errors import ModelError, OmniError, UsageError
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    import torch
+
+# The built-in random-weight model; present in a source checkout / `pip install -e .`.
+TINY_MODEL_DIR = Path(__file__).resolve().parent.parent / "assets" / "tiny-qwen2.5-omni"
+
+# The environment variable that names the default model (a folder or a hub id).
+MODEL_ENV = "OMNI_MODEL"
+
+# `config.json`'s model_type for the one family this loader accepts.
+MODEL_TYPE = "qwen2_5_omni"
+
+# What a voice entry in spk_dict.pt carries.
+SPEAKER_KEYS = ("bos_token", "cond", "ref_mel")
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+_DTYPES = {
+    "float32": "float32",
+    "fp32": "float32",
+    "float": "float32",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "fp16": "float16",
+    "half": "float16",
+}
+
+DEMO_NOTICE = (
+    "note: no model given, using the built-in tiny demo model: its weights are random, so it prints "
+    "gibberish and speaks noise; pass -m FOLDER_OR_HUB_ID (e.g. -m Qwen/Qwen2.5-Omni-7B) or set "
+    "OMNI_MODEL for a real one"
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# Finding the checkpoint
+# ---------------------------------------------------------------------------------------------
+
+
+def resolve_model(model: str | os.PathLike | None) -> tuple[Path, bool]:
+    """Where the checkpoint named by `model` lives, and whether it is the built-in demo model.
+
+    None means `$OMNI_MODEL` if set, else the built-in tiny model (with a one-line notice on stderr).
+    A local folder is checked (config.json of a Qwen2.5-Omni model, spk_dict.pt); anything shaped like
+    `owner/name` that is not an existing path is a hub id: the local hub cache first, then a download.
+    """
+    path, is_demo, _name = _resolve(model)
+    return path, is_demo
+
+
+def _resolve(model: str | os.PathLike | None) -> tuple[Path, bool, str]:
+    """(folder, is_demo, short display name)."""
+    if model is None:
+        env = os.environ.get(MODEL_ENV, "").strip()
+        if env:
+            return _resolve(env)
+        if not TINY_MODEL_DIR.is_dir():
+            raise ModelError(
+                f"the built-in tiny model is missing ({TINY_MODEL_DIR} does not exist; it comes with a "
+                "source checkout): pass -m FOLDER_OR_HUB_ID or set OMNI_MODEL"
+            )
+        print(DEMO_NOTICE, file=sys.stderr, flush=True)
+        path = _check_folder(TINY_MODEL_DIR)
+        return path, True, TINY_MODEL_DIR.name
+
+    text = os.fspath(model)
+    if not text.strip():
+        raise ModelError("empty model name: pass a model folder or a hub id such as Qwen/Qwen2.5-Omni-7B")
+    path = Path(text).expanduser()
+    if path.exists():
+        folder = _check_folder(path)
+        return folder, _is_tiny(folder), folder.name
+    if _looks_like_hub_id(text):
+        return _from_hub(text), False, text
+    raise ModelError(f"model folder {text} does not exist")
+
+
+def _looks_like_hub_id(text: str) -> bool:
+    return bool(_HUB_ID.match(text)) and not text.startswith((".", "~"))
+
+
+def _is_tiny(folder: Path) -> bool:
+    try:
+        return folder.resolve() == TINY_MODEL_DIR
+    except OSError:
+        return False
+
+
+def _check_folder(path: Path, label: str | None = None) -> Path:
+    """The folder, resolved, if it holds a Qwen2.5-Omni checkpoint; else a one-line ModelError."""
+    label = label or str(path)
+    if not path.exists():
+        raise ModelError(f"model folder {label} does not exist")
+    if not path.is_dir():
+        raise ModelError(f"{label} is a file, not a model folder")
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise ModelError(f"{label} has no config.json: not a model folder")
+    try:
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise ModelError(f"{label}/config.json cannot be read: {_one_line(exc)}") from exc
+    model_type = config.get("model_type") if isinstance(config, dict) else None
+    if model_type != MODEL_TYPE:
+        what = f"a {model_type} model" if model_type else "not a model with a model_type"
+        raise ModelError(f"{label} is {what}, not Qwen2.5-Omni")
+    if not (path / "spk_dict.pt").is_file():
+        raise ModelError(f"{label} has no spk_dict.pt (the voices): not a complete Qwen2.5-Omni checkpoint")
+    return path.resolve()
+
+
+def _from_hub(repo_id: str) -> Path:
+    """A hub id's snapshot folder: the local cache first, then a download."""
+    from huggingface_hub import snapshot_download
+
+    hint = f"run `hf download {repo_id}` where there is internet, or pass a local folder with -m"
+    try:
+        folder = Path(snapshot_download(repo_id, local_files_only=True))
+    except Exception:  # not cached (LocalEntryNotFoundError) or a broken cache entry
+        folder = None
+    if folder is not None:
+        try:
+            return _check_folder(folder, label=f"{repo_id} (cached at {folder})")
+        except ModelError as exc:
+            if "spk_dict.pt" not in str(exc) and "config.json" not in str(exc):
+                raise
+            # An incomplete cached copy: try to complete it below.
+    print(f"downloading {repo_id} from the Hugging Face Hub (this can take a while)...", file=sys.stderr, flush=True)
+    try:
+        folder = Path(snapshot_download(repo_id))
+    except KeyboardInterrupt:
+        raise
+    except Exception as exc:
+        raise ModelError(
+            f"model {repo_id} is not a local folder, not in the Hugging Face cache, and could not be "
+            f"downloaded ({type(exc).__name__}): {hint}"
+        ) from exc
+    return _check_folder(folder, label=f"{repo_id} (at {folder})")
+
+
+# ---------------------------------------------------------------------------------------------
+# Device and dtype
+# ---------------------------------------------------------------------------------------------
+
+
+def _npu_available(torch: Any) -> bool:
+    npu = getattr(torch, "npu", None)
+    try:
+        return bool(npu is not None and npu.is_available())
+    except Exception:
+        return False
+
+
+def _mps_available(torch: Any) -> bool:
+    mps = getattr(torch.backends, "mps", None)
+    try:
+        return bool(mps is not None and mps.is_available())
+    except Exception:
+        return False
+
+
+def available_devices() -> list[str]:
+    """Names of the devices this machine has, for messages ("cpu", "cuda:0", ...)."""
+    import torch
+
+    names = ["cpu"]
+    if torch.cuda.is_available():
+        names += [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+    if _npu_available(torch):
+        names += [f"npu:{i}" for i in range(torch.npu.device_count())]
+    if _mps_available(torch):
+        names.append("mps")
+    return names
+
+
+def pick_device(name: str = "auto") -> "torch.device":
+    """"auto" = CUDA, then NPU, then MPS, then CPU; an explicit name must exist here (else UsageError)."""
+    import torch
+
+    name = (name or "auto").strip().lower()
+    if name == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda", torch.cuda.current_device())
+        if _npu_available(torch):
+            return torch.device("npu", torch.npu.current_device())
+        if _mps_available(torch):
+            return torch.device("mps")
+        return torch.device("cpu")
+
+    known = "auto, cpu, cuda, cuda:N, npu, npu:N, mps"
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError) as exc:
+        raise UsageError(f"unknown device '{name}': use one of {known}") from exc
+    kind = device.type
+    if kind == "cpu":
+        return torch.device("cpu")
+    if kind == "cuda":
+        ok = torch.cuda.is_available() and (device.index is None or device.index < torch.cuda.device_count())
+    elif kind == "npu":
+        ok = _npu_available(torch) and (device.index is None or device.index < torch.npu.device_count())
+    elif kind == "mps":
+        ok = _mps_available(torch)
+    else:
+        raise UsageError(f"unknown device '{name}': use one of {known}")
+    if not ok:
+        raise UsageError(f"device '{name}' is not available here: available: {', '.join(available_devices())}")
+    if device.index is None and kind in ("cuda", "npu"):
+        device = torch.device(kind, getattr(torch, kind).current_device())
+    return device
+
+
+def pick_dtype(name: str, device: "torch.device") -> "torch.dtype":
+    """"auto" = bfloat16 on accelerators, float32 on CPU; else float32 / bfloat16 / float16."""
+    import torch
+
+    key = (name or "auto").strip().lower()
+    if key == "auto":
+        return torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
+    if key not in _DTYPES:
+        raise UsageError(f"unknown dtype '{name}': use auto, float32, bfloat16 or float16")
+    return getattr(torch, _DTYPES[key])
+
+
+# ---------------------------------------------------------------------------------------------
+# Voices
+# ---------------------------------------------------------------------------------------------
+
+
+def check_voice(speakers: Mapping[str, Any] | Iterable[str], voice: str) -> str:
+    """The voice's name as the checkpoint spells it (matched case-insensitively), else UsageError."""
+    names = list(speakers)
+    if voice in names:
+        return voice
+    folded = {n.lower(): n for n in names}
+    if isinstance(voice, str) and voice.lower() in folded:
+        return folded[voice.lower()]
+    listed = ", ".join(names) if names else "none"
+    raise UsageError(f"unknown voice '{voice}': this model's voices are {listed}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class LoadedModel:
+    """A checkpoint on its device, with what the engine needs beside the weights."""
+
+    # Qwen2_5OmniForConditionalGeneration in eval mode: thinker + talker in `dtype` on `device`,
+    # token2wav in float32 on `device`.
+    model: Any
+    # The checkpoint's tokenizer (AutoTokenizer from the folder).
+    tokenizer: Any
+    # Voices from spk_dict.pt: name -> {"bos_token": int, "cond": Tensor 1x192, "ref_mel": Tensor 1xTx80}.
+    speakers: dict
+    # The thinker's generation defaults (generation_config.json; library defaults if absent).
+    generation_config: Any
+    # The checkpoint folder (a hub snapshot folder for a hub id).
+    path: Path
+    device: "torch.device"
+    # dtype of thinker and talker (token2wav is always float32).
+    dtype: "torch.dtype"
+    # True for the built-in random-weight model.
+    is_demo: bool
+    # Short display name: the hub id, or the folder's name.
+    name: str
+
+    @property
+    def voices(self) -> list[str]:
+        return list(self.speakers)
+
+
+@contextlib.contextmanager
+def _quiet_transformers():
+    """Keep transformers' and huggingface_hub's warnings and progress bars off stderr while loading."""
+    import transformers
+    from transformers.utils import logging as hf_logging
+
+    old_level = hf_logging.get_verbosity()
+    bars_were_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield transformers
+    finally:
+        hf_logging.set_verbosity(old_level)
+        if bars_were_on:
+            hf_logging.enable_progress_bar()
+
+
+def _one_line(exc: BaseException, limit: int = 300) -> str:
+    text = " ".join(str(exc).split())
+    if len(text) > limit:
+        text = text[: limit - 3] + "..."
+    return text or type(exc).__name__
+
+
+def _is_oom(exc: BaseException) -> bool:
+    import torch
+
+    if isinstance(exc, (MemoryError, torch.OutOfMemoryError)):
+        return True
+    return isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()
+
+
+def load_model(model: str | os.PathLike | None = None, device: str = "auto", dtype: str = "auto") -> LoadedModel:
+    """Resolve, check and load a Qwen2.5-Omni checkpoint onto a device (see `LoadedModel`)."""
+    torch_device = pick_device(device)
+    torch_dtype = pick_dtype(dtype, torch_device)
+    path, is_demo, name = _resolve(model)
+
+    import torch
+
+    with _quiet_transformers() as transformers:
+        from transformers import AutoTokenizer, GenerationConfig, Qwen2_5OmniForConditionalGeneration
+
+        try:
+            omni = Qwen2_5OmniForConditionalGeneration.from_pretrained(
+                str(path), dtype=torch_dtype, local_files_only=True
+            )
+        except KeyboardInterrupt:
+            raise
+        except Exception as exc:
+            if _is_oom(exc):
+                raise OmniError(f"out of memory loading {name}: try --dtype bfloat16 or a smaller model") from exc
+            raise ModelError(f"cannot load the weights of {name} ({path}): {_one_line(exc)}") from exc
+
+        try:
+            omni.to(torch_device)
+            if getattr(omni, "has_talker", False):
+                omni.token2wav.float()
+            omni.eval()
+        except Exception as exc:
+            if _is_oom(exc):
+                _free(torch_device)
+                raise OmniError(
+                    f"out of GPU memory loading {name}: try --dtype bfloat16 or a smaller model"
+                ) from exc
+            raise
+
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        except KeyboardInterrupt:
+            raise
+        except Exception as exc:
+            raise ModelError(f"cannot load the tokenizer of {name} ({path}): {_one_line(exc)}") from exc
+
+        if (path / "generation_config.json").is_file():
+            try:
+                generation_config = GenerationConfig.from_pretrained(str(path), local_files_only=True)
+            except Exception as exc:
+                raise ModelError(f"{name}: bad generation_config.json: {_one_line(exc)}") from exc
+        else:
+            generation_config = GenerationConfig()
+
+    speakers = dict(getattr(omni, "speaker_map", None) or {})
+    if not speakers:
+        speakers = _load_speakers(path / "spk_dict.pt", name)
+    for voice, entry in speakers.items():
+        if not isinstance(entry, Mapping) or any(k not in entry for k in SPEAKER_KEYS):
+            raise ModelError(f"{name}: spk_dict.pt entry '{voice}' lacks one of {', '.join(SPEAKER_KEYS)}")
+    if not speakers:
+        raise ModelError(f"{name}: spk_dict.pt has no voices")
+
+    return LoadedModel(
+        model=omni,
+        tokenizer=tokenizer,
+        speakers=speakers,
+        generation_config=generation_config,
+        path=path,
+        device=torch_device,
+        dtype=torch_dtype,
+        is_demo=is_demo,
+        name=name,
+    )
+
+
+def _load_speakers(file: Path, name: str) -> dict:
+    import torch
+
+    try:
+        data = torch.load(file, weights_only=True, map_location="cpu")
+    except Exception as exc:
+        raise ModelError(f"{name}: cannot read spk_dict.pt: {_one_line(exc)}") from exc
+    if not isinstance(data, dict):
+        raise ModelError(f"{name}: spk_dict.pt is not a dict of voices")
+    return data
+
+
+def _free(device: "torch.device") -> None:
+    import gc
+
+    import torch
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
