@@ -1,0 +1,171 @@
+"""The Python API the CLI is built on: `Assistant.load(...)`, `say()`, `stream()`, conversations.
+
+    assistant = omni_cli.load()                 # $OMNI_MODEL, or the built-in tiny demo model
+    reply = assistant.say("Hello!", voice="Chelsie", seed=0)
+    reply.text, reply.text_ids, reply.codes, reply.audio, reply.sample_rate, reply.stats
+
+    for event in assistant.stream("Tell me a story"):   # TextDelta / AudioBlock / Done
+        ...
+
+    chat = assistant.conversation()             # multi-turn: history kept between calls
+    chat.say("Hi"); chat.say("And then?")
+
+It turns requests into `engine.TurnRequest`s (prompt ids, sampling settings, limits) and validates them
+(empty prompt, unknown voice, context overflow) with errors a person can act on. It knows nothing of
+terminals, files or sound devices: audio goes to whatever sink the caller passes.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Iterator
+
+from .config import SAMPLE_RATE, TALKER_DEFAULTS, SamplingOptions
+from .engine import AudioBlock, Done, Engine, Reply, TextDelta, TurnRequest, fresh_seed
+from .errors import UsageError
+from .prompt import DEFAULT_SYSTEM, Conversation, check_prompt, fit
+
+__all__ = ["Assistant", "Chat", "Reply", "TextDelta", "AudioBlock", "Done"]
+
+# Reply limits when the caller gives none. The demo model never stops by itself (random weights), so
+# it gets short ones: a whole demo reply takes seconds on one CPU core.
+DEFAULT_LIMITS = {"text": 1024, "codes": 4096}
+DEMO_LIMITS = {"text": 24, "codes": 150}
+
+
+def thinker_sampling(generation_config) -> SamplingOptions:
+    """The checkpoint's thinker settings, with transformers' defaults for what it leaves out."""
+    g = generation_config
+
+    def get(name, default):
+        value = getattr(g, name, None)
+        return default if value is None else value
+
+    return SamplingOptions(
+        do_sample=bool(get("do_sample", False)),
+        temperature=float(get("temperature", 1.0)),
+        top_k=int(get("top_k", 50)),
+        top_p=float(get("top_p", 1.0)),
+        repetition_penalty=float(get("repetition_penalty", 1.0)),
+    )
+
+
+def eos_ids(generation_config, tokenizer) -> list[int]:
+    eos = getattr(generation_config, "eos_token_id", None)
+    if eos is None:
+        eos = [tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.eos_token_id]
+    if isinstance(eos, int):
+        eos = [eos]
+    return [int(i) for i in eos if i is not None]
+
+
+class Assistant:
+    def __init__(self, loaded, *, max_context: int = 4096, max_codes: int | None = None) -> None:
+        self.loaded = loaded
+        self.is_demo = loaded.is_demo
+        self.name = loaded.name
+        self.sample_rate = SAMPLE_RATE
+        self.limits = DEMO_LIMITS if loaded.is_demo else DEFAULT_LIMITS
+        self.thinker_sampling = thinker_sampling(loaded.generation_config)
+        self.max_context = max_context
+        self.engine = Engine(
+            loaded.model,
+            loaded.tokenizer,
+            loaded.speakers,
+            eos_ids=eos_ids(loaded.generation_config, loaded.tokenizer),
+            max_context=max_context,
+            max_codes=max_codes or DEFAULT_LIMITS["codes"],
+        )
+
+    @classmethod
+    def load(cls, model: str | None = None, device: str = "auto", dtype: str = "auto", **kwargs) -> "Assistant":
+        from .loader import load_model
+
+        return cls(load_model(model, device=device, dtype=dtype), **kwargs)
+
+    @property
+    def voices(self) -> list[str]:
+        return list(self.loaded.speakers)
+
+    @property
+    def has_audio(self) -> bool:
+        return self.engine.has_talker
+
+    def conversation(self, system: str | None = None) -> "Chat":
+        return Chat(self, Conversation(system=DEFAULT_SYSTEM if system is None else system))
+
+    # ------------------------------------------------------------------------------------------
+    def say(self, prompt: str, voice: str = "Chelsie", greedy: bool = False, seed: int | None = None,
+            max_text_tokens: int | None = None, max_codes: int | None = None, sink=None,
+            text_only: bool = False, conversation: Conversation | None = None) -> Reply:
+        """One reply, start to end. Audio goes to `sink` as it is produced (if given) and into `reply.audio`."""
+        for event in self.stream(prompt, voice=voice, greedy=greedy, seed=seed, max_text_tokens=max_text_tokens,
+                                 max_codes=max_codes, sink=sink, text_only=text_only, conversation=conversation):
+            if isinstance(event, Done):
+                return event.reply
+        raise RuntimeError("turn ended without a reply")  # unreachable: stream always ends with Done
+
+    def stream(self, prompt: str, voice: str = "Chelsie", greedy: bool = False, seed: int | None = None,
+               max_text_tokens: int | None = None, max_codes: int | None = None, sink=None,
+               text_only: bool = False, conversation: Conversation | None = None
+               ) -> Iterator[TextDelta | AudioBlock | Done]:
+        """Yield `TextDelta`s and `AudioBlock`s as they exist, then `Done(reply)`.
+
+        With a `conversation`, the prompt is appended to its history and, once the turn completes,
+        the reply too (an interrupted turn leaves the history as it was).
+        """
+        req, conv = self._request(prompt, voice, greedy, seed, max_text_tokens, max_codes, sink, text_only, conversation)
+        for event in self.engine.stream(req):
+            if isinstance(event, Done) and conversation is not None:
+                conversation.turns[:] = conv.turns
+                conversation.add(prompt, event.reply.text)
+            yield event
+
+    def _request(self, prompt, voice, greedy, seed, max_text_tokens, max_codes, sink, text_only, conversation):
+        from .loader import check_voice
+
+        prompt = check_prompt(prompt)
+        text_only = text_only or not self.has_audio
+        if not text_only:
+            check_voice(self.loaded.speakers, voice)
+        n_text = self._limit(max_text_tokens, "text", "max_text_tokens")
+        n_codes = self._limit(max_codes, "codes", "max_codes")
+        if n_codes > self.engine.max_codes:
+            raise UsageError(f"max_codes {n_codes} is above this session's limit of {self.engine.max_codes}")
+        conv = Conversation(conversation.system, list(conversation.turns)) if conversation else Conversation()
+        ids, dropped = fit(self.loaded.tokenizer, conv, prompt, self.max_context - n_text)
+        if dropped:
+            print(f"note: dropped the oldest {dropped} exchange(s) to fit the context", file=sys.stderr)
+        tsamp, ksamp = self.thinker_sampling, TALKER_DEFAULTS
+        if greedy:
+            tsamp, ksamp = tsamp.greedy(), ksamp.greedy()
+        req = TurnRequest(
+            input_ids=ids, voice=voice, thinker=tsamp, talker=ksamp, max_text_tokens=n_text,
+            max_codes=n_codes, seed=fresh_seed() if seed is None else int(seed), text_only=text_only, sink=sink,
+        )
+        return req, conv
+
+    def _limit(self, value, key, name) -> int:
+        if value is None:
+            return self.limits[key]
+        value = int(value)
+        if value < 1:
+            raise UsageError(f"{name} must be at least 1 (got {value})")
+        return value
+
+
+class Chat:
+    """A conversation bound to an assistant: `say`/`stream` keep the history between turns."""
+
+    def __init__(self, assistant: Assistant, conversation: Conversation) -> None:
+        self.assistant = assistant
+        self.history = conversation
+
+    def say(self, prompt: str, **kwargs) -> Reply:
+        return self.assistant.say(prompt, conversation=self.history, **kwargs)
+
+    def stream(self, prompt: str, **kwargs):
+        return self.assistant.stream(prompt, conversation=self.history, **kwargs)
+
+    def clear(self) -> None:
+        self.history.clear()

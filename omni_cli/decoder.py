@@ -1,0 +1,38 @@
+"""One forward pass of a Qwen2-style decoder stack (the thinker's text model or the talker's model)
+over a `StaticKVCache`.
+
+The layers, norms and rotary embedding are transformers' own modules, called directly: the layer math is
+the library's, so our loops match the reference token for token. What we replace is the plumbing around
+them (cache, positions, masks), which in the library's `forward` branches on device values. Positions are
+a host-side offset: for text and audio prompts the three M-RoPE components of Qwen-Omni are equal, so 1-D
+positions are exact (image and video prompts would need `get_rope_index` and are not handled here).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .kv_cache import StaticKVCache
+
+
+def forward_layers(model, embeds: torch.Tensor, cache: StaticKVCache) -> torch.Tensor:
+    """Run `embeds` [1, n, width] through `model.layers` and `model.norm`; append n positions to `cache`.
+
+    With n > 1 this is a causal prefill (mask-free SDPA with is_causal, like the reference); with n == 1
+    a decode step attending to the whole valid cache.
+    """
+    n = embeds.shape[1]
+    start = cache.length
+    positions = torch.arange(start, start + n, device=embeds.device).view(1, 1, n).expand(3, 1, n)
+    position_embeddings = model.rotary_emb(embeds, positions)
+    hidden = embeds
+    for layer in model.layers:
+        hidden = layer(
+            hidden,
+            attention_mask=None,
+            position_embeddings=position_embeddings,
+            past_key_values=cache,
+            use_cache=True,
+        )
+    cache.advance(n)
+    return model.norm(hidden)

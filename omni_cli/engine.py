@@ -1,0 +1,401 @@
+"""One turn of the conversation: thinker and talker steps interleaved, outputs streamed as they exist.
+
+Schedule. The thinker prefills the prompt and samples reply token 0. Thinker step j feeds token j-1
+(giving its reply vector R[j-1]) and samples token j. Talker step k needs R[k], so it runs right after
+thinker step k+1: codec codes, and so audio, exist long before the text is finished. Once the text has
+ended, the talker is fed the text-EOS embedding once, then text-pad, until it samples a codec EOS.
+
+Threads. The engine thread issues steps and never reads a device value. Each sampled id goes through
+the async output boundary (`boundary.py`) to the producer thread, which notices text EOS and codec EOS
+(with a lag of at most `max_lag` steps; ids after an EOS are discarded), streams text deltas, and feeds
+codes to the vocoder thread (`vocoder.py`), which hands PCM blocks to the sink. The caller's thread
+just reads events. An exception in any worker travels to the caller and stops the others.
+
+It does not know about prompts or chat templates (it gets token ids), nor about the terminal.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+
+from .boundary import AsyncOutput
+from .channel import Channel
+from .config import SAMPLE_RATE, SamplingOptions
+from .kv_cache import StaticKVCache
+from .sampling import mark_seen, select
+from .talker import Talker
+from .thinker import Thinker
+
+AUDIO_CODE_LIMIT = 8192  # only codes below this are audio (token2wav's embedding has 8193 rows)
+
+
+# --- events a turn yields ---------------------------------------------------------------------
+@dataclass
+class TextDelta:
+    text: str
+
+
+@dataclass
+class AudioBlock:
+    pcm: np.ndarray  # float32 mono
+    sample_rate: int
+
+
+@dataclass
+class Reply:
+    text: str
+    text_ids: list[int]  # reply token ids as the reference returns them (final EOS included)
+    codes: list[int]  # talker codes before the codec EOS
+    audio: np.ndarray
+    sample_rate: int
+    stats: dict[str, Any]
+
+
+@dataclass
+class Done:
+    reply: "Reply"
+
+
+@dataclass(frozen=True)
+class TurnRequest:
+    input_ids: list[int]
+    voice: str
+    thinker: SamplingOptions
+    talker: SamplingOptions
+    max_text_tokens: int
+    max_codes: int
+    seed: int
+    text_only: bool = False
+    sink: Any = None  # an object with start/write/close/abort (sinks.py), or None
+
+
+@dataclass
+class _TurnState:
+    """Host-side facts the producer learns and the engine reads (plain attributes: GIL-atomic)."""
+
+    text_ids: list[int] = field(default_factory=list)
+    codes: list[int] = field(default_factory=list)
+    text_end: int | None = None  # number of reply tokens once the text is known to have ended
+    codes_end: int | None = None  # number of codes once the talker is known to have ended
+    skipped_codes: int = 0  # non-audio codes the talker produced (kept in `codes`, not vocoded)
+    times: dict[str, float] = field(default_factory=dict)
+
+
+class Engine:
+    """Owns the static caches and runs turns for one loaded Qwen2.5-Omni model."""
+
+    def __init__(self, model, tokenizer, speakers: dict, *, eos_ids: list[int], max_context: int = 4096,
+                 max_codes: int = 4096, max_lag: int = 4) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.speakers = speakers
+        self.eos_ids = list(eos_ids)
+        self.max_lag = max_lag
+        self.device = next(model.thinker.parameters()).device
+        dtype = next(model.thinker.parameters()).dtype
+        tcfg = model.config.thinker_config.text_config
+        self.thinker = Thinker(model.thinker, StaticKVCache.for_config(tcfg, max_context, device=self.device, dtype=dtype))
+        self.has_talker = getattr(model, "has_talker", False)
+        if self.has_talker:
+            kcfg = model.config.talker_config
+            cache = StaticKVCache.for_config(kcfg, max_context + max_codes + 2, device=self.device, dtype=dtype)
+            self.talker = Talker(model.talker, cache)
+            self.stop_codes = [self.talker.codec_pad, self.talker.codec_eos]  # the reference stops on both
+            embed = model.thinker.get_input_embeddings()
+            with torch.no_grad():
+                ids = torch.tensor([kcfg.tts_text_end_token_id, kcfg.tts_text_pad_token_id], device=self.device)
+                vecs = embed(ids)
+            self.text_eos_vec, self.text_pad_vec = vecs[0].view(1, 1, -1), vecs[1].view(1, 1, -1)
+        self.max_context = max_context
+        self.max_codes = max_codes
+        self.text_vocab = model.thinker.lm_head.out_features
+        self._lock = threading.Lock()  # one turn at a time: the caches are shared
+
+    # ------------------------------------------------------------------------------------------
+    def stream(self, req: TurnRequest) -> Iterator[TextDelta | AudioBlock | Done]:
+        """Run one turn; yield text deltas and audio blocks as they exist, then Done."""
+        if not self._lock.acquire(blocking=False):
+            raise RuntimeError("a turn is already running on this model")
+        try:
+            yield from _Turn(self, req).run()
+        finally:
+            self._lock.release()
+
+
+class _Turn:
+    """The threads and channels of one turn."""
+
+    def __init__(self, engine: Engine, req: TurnRequest) -> None:
+        self.e = engine
+        self.req = req
+        self.audio = engine.has_talker and not req.text_only
+        self.n_max = req.max_text_tokens if not self.audio else max(2, req.max_text_tokens)
+        self.state = _TurnState()
+        self.stop = threading.Event()
+        self.events: Channel = Channel(name="events")
+        self.codes_ch: Channel = Channel(name="codes")
+        self.boundary = AsyncOutput(engine.device, {"text": self.n_max, "code": max(1, req.max_codes)}, engine.max_lag)
+        self._workers_left = 2 if self.audio else 1
+        self._workers_lock = threading.Lock()
+        self._pcm: list[np.ndarray] = []
+        self._text_sent = ""
+
+    # -- orchestration (caller's thread) ------------------------------------------------------
+    def run(self) -> Iterator[TextDelta | AudioBlock | Done]:
+        t0 = time.perf_counter()
+        self.state.times["start"] = t0
+        threads = [threading.Thread(target=self._engine_main, name="omni-engine", daemon=True),
+                   threading.Thread(target=self._producer_main, name="omni-producer", daemon=True)]
+        if self.audio:
+            threads.append(threading.Thread(target=self._vocoder_main, name="omni-vocoder", daemon=True))
+        sink = self.req.sink
+        ok = False
+        try:
+            if sink is not None and self.audio:
+                sink.start(SAMPLE_RATE)
+            for t in threads:
+                t.start()
+            for event in self.events:
+                yield event
+            ok = True
+        finally:
+            if not ok:
+                self._shutdown()
+            for t in threads:
+                t.join()
+            if sink is not None and self.audio:
+                if ok:
+                    sink.close()
+                else:
+                    sink.abort()
+        yield Done(self._result(t0))  # reached only when the turn completed
+
+    def _shutdown(self) -> None:
+        self.stop.set()
+        self.boundary.pending.cancel()
+        self.codes_ch.cancel()
+        self.events.cancel()
+
+    def _fail(self, exc: BaseException) -> None:
+        self.stop.set()
+        self.boundary.pending.cancel()
+        self.codes_ch.cancel()
+        self.events.fail(exc)
+
+    def _worker_done(self) -> None:
+        with self._workers_lock:
+            self._workers_left -= 1
+            if self._workers_left == 0:
+                self.events.close()
+
+    # -- engine thread: issue steps, never read device values ----------------------------------
+    def _engine_main(self) -> None:
+        try:
+            with torch.inference_mode():
+                self._loop()
+        except BaseException as exc:  # noqa: BLE001 - travels to the caller
+            self._fail(exc)
+        finally:
+            self.boundary.finish()
+
+    def _loop(self) -> None:
+        e, req, st, out = self.e, self.req, self.state, self.boundary
+        dev = e.device
+        ids = torch.tensor([req.input_ids], device=dev)
+        gen = torch.Generator(device=dev)
+        gen.manual_seed(req.seed)
+        eos_t = torch.tensor(e.eos_ids, device=dev)
+        seen_text = torch.zeros(1, e.text_vocab, dtype=torch.bool, device=dev)
+        seen_text[0, ids[0]] = True
+
+        first = e.thinker.prefill(ids)
+        tok = select(first.logits, req.thinker, seen_text, None, gen)
+        mark_seen(seen_text, tok)
+        out.push("text", 0, tok)
+        st.times["thinker_first"] = time.perf_counter()
+        toks = [tok]  # device tensors; the host never reads them
+        ended_before = [torch.zeros(1, dtype=torch.bool, device=dev)]  # an EOS was sampled before token k
+        replies: list[torch.Tensor] = []  # R[k] = hidden + embedding of token k
+        j, k = 1, 0
+        code = None
+        if self.audio:
+            seen_codes = torch.zeros(1, e.talker.codec_head.out_features, dtype=torch.bool, device=dev)
+            seen_codes[0, e.talker.prompt_ids(ids.shape[1])] = True
+            suppress = torch.zeros_like(seen_codes)
+            suppress[0, e.talker.codec_bos] = True
+            voice_bos = e.thinker.embed(torch.tensor([[e.speakers[req.voice]["bos_token"]]], device=dev))
+        thinker_steps = talker_steps = 0
+        t_thinker = t_talker = 0.0
+        while not self.stop.is_set():
+            text_end = st.text_end
+            if j < self.n_max and (text_end is None or j < text_end):
+                out.wait_for("text", j, self.stop)
+                t = time.perf_counter()
+                o = e.thinker.decode_one(toks[j - 1])
+                replies.append(o.hidden + o.embeds)
+                ended_before.append(ended_before[-1] | torch.isin(toks[j - 1], eos_t))
+                tok = select(o.logits, req.thinker, seen_text, None, gen)
+                mark_seen(seen_text, tok)
+                out.push("text", j, tok)
+                toks.append(tok)
+                j += 1
+                thinker_steps += 1
+                t_thinker += time.perf_counter() - t
+            thinker_finished = j >= self.n_max or (st.text_end is not None and j >= st.text_end)
+            talker_finished = not self.audio or st.codes_end is not None or k >= req.max_codes
+            if thinker_finished and talker_finished:
+                break
+            if talker_finished:
+                continue
+            vec = self._reply_vector(k, replies, toks, ended_before, eos_t)
+            if vec is None:
+                continue  # R[k] does not exist yet: the thinker goes first
+            out.wait_for("code", k, self.stop)
+            t = time.perf_counter()
+            if k == 0:
+                logits = e.talker.prefill(first.embeds, first.hidden, voice_bos, vec)
+            else:
+                logits = e.talker.decode_one(code, vec)
+            code = select(logits, req.talker, seen_codes, suppress, gen)
+            mark_seen(seen_codes, code)
+            out.push("code", k, code)
+            k += 1
+            talker_steps += 1
+            t_talker += time.perf_counter() - t
+            st.times["talker_last_step"] = time.perf_counter()
+        st.times.update(thinker_steps=thinker_steps, talker_steps=talker_steps,
+                        thinker_time=t_thinker, talker_time=t_talker)
+
+    def _reply_vector(self, k, replies, toks, ended_before, eos_t):
+        """Talker input vector k: R[k], text-EOS for the last reply token, text-pad after it."""
+        e, end = self.e, self.state.text_end
+        if (end is not None and k >= end) or k >= self.n_max:
+            return e.text_pad_vec
+        if (end is not None and k == end - 1) or k == self.n_max - 1:
+            return e.text_eos_vec
+        if k >= len(replies):
+            return None
+        # Host does not know yet whether the text ended: decide on the device.
+        is_last = torch.isin(toks[k], eos_t).view(1, 1, 1)
+        ended = ended_before[k].view(1, 1, 1)
+        return torch.where(ended, e.text_pad_vec, torch.where(is_last, e.text_eos_vec, replies[k]))
+
+    # -- producer thread: host values, EOS bookkeeping, text deltas, code hand-off -------------
+    def _producer_main(self) -> None:
+        try:
+            self.boundary.drain(self._handle)
+        except BaseException as exc:  # noqa: BLE001
+            self._fail(exc)
+            return
+        finally:
+            self.codes_ch.close()
+        self._worker_done()
+
+    def _handle(self, kind: str, index: int, value: int) -> None:
+        st = self.state
+        if kind == "text":
+            if st.text_end is not None:
+                return  # overshoot past the text's end: discarded
+            st.text_ids.append(value)
+            if value in self.e.eos_ids or index == self.n_max - 1:
+                st.text_end = index + 1
+            self._emit_text()
+            return
+        if st.codes_end is not None:
+            return
+        if st.text_end == 1 and st.text_ids[0] in self.e.eos_ids:
+            st.codes_end = 0  # empty reply: nothing to say
+        elif value in self.e.stop_codes:
+            st.codes_end = index
+        else:
+            st.codes.append(value)
+            if value < AUDIO_CODE_LIMIT:
+                self.codes_ch.put([value])
+            else:
+                st.skipped_codes += 1
+            if index + 1 >= self.req.max_codes:
+                st.codes_end = index + 1
+        if st.codes_end is not None:
+            self.codes_ch.close()
+
+    def _emit_text(self) -> None:
+        text = self.e.tokenizer.decode(self.state.text_ids, skip_special_tokens=True)
+        if text.endswith("\ufffd") and self.state.text_end is None:
+            return  # half a UTF-8 character: wait for the rest
+        if text.startswith(self._text_sent) and len(text) > len(self._text_sent):
+            delta = text[len(self._text_sent):]
+            self._text_sent = text
+            self.state.times.setdefault("first_text", time.perf_counter())
+            self.events.put(TextDelta(delta))
+
+    # -- vocoder thread: codes → PCM → sink ------------------------------------------------------
+    def _vocoder_main(self) -> None:
+        from .vocoder import StreamingVocoder, vocoder_worker
+
+        pcm: Channel = Channel(name="pcm")
+        try:
+            spk = self.e.speakers[self.req.voice]
+            t2w = self.e.model.token2wav
+            gen = torch.Generator(device=next(t2w.parameters()).device)
+            gen.manual_seed(self.req.seed)
+            voc = StreamingVocoder(t2w, spk["cond"], spk["ref_mel"], max_codes=self.req.max_codes, generator=gen)
+            worker = threading.Thread(target=vocoder_worker, args=(voc, self.codes_ch, pcm), name="omni-vocoder-dec", daemon=True)
+            worker.start()
+            try:
+                for block in pcm:
+                    self._on_block(block)
+            finally:
+                pcm.cancel()
+                worker.join()
+        except BaseException as exc:  # noqa: BLE001
+            self._fail(exc)
+            return
+        self._worker_done()
+
+    def _on_block(self, block: np.ndarray) -> None:
+        self.state.times.setdefault("first_audio", time.perf_counter())
+        self._pcm.append(block)
+        if self.req.sink is not None:
+            self.req.sink.write(block)
+        self.events.put(AudioBlock(block, SAMPLE_RATE))
+
+    # -- result ----------------------------------------------------------------------------------
+    def _result(self, t0: float) -> Reply:
+        st = self.state
+        end = time.perf_counter()
+        audio = np.concatenate(self._pcm) if self._pcm else np.zeros(0, dtype=np.float32)
+        seconds = len(audio) / SAMPLE_RATE
+        times = st.times
+
+        def since(key):
+            return (times[key] - t0) if key in times else None
+
+        th_steps, tk_steps = times.get("thinker_steps", 0), times.get("talker_steps", 0)
+        stats = {
+            "time_to_first_text": since("first_text"),
+            "time_to_first_audio": since("first_audio"),
+            "total_time": end - t0,
+            "thinker_steps": th_steps + 1,  # + the prefill
+            "talker_steps": tk_steps,
+            "thinker_ms_per_token": 1000 * times.get("thinker_time", 0.0) / th_steps if th_steps else None,
+            "talker_ms_per_step": 1000 * times.get("talker_time", 0.0) / tk_steps if tk_steps else None,
+            "talker_last_step": since("talker_last_step"),
+            "audio_seconds": seconds,
+            "real_time_factor": (end - t0) / seconds if seconds else None,
+            "text_tokens": len(st.text_ids),
+            "codes": len(st.codes),
+            "non_audio_codes": st.skipped_codes,
+        }
+        text = self.e.tokenizer.decode(st.text_ids, skip_special_tokens=True)
+        return Reply(text, list(st.text_ids), list(st.codes), audio, SAMPLE_RATE, stats)
+
+
+def fresh_seed() -> int:
+    return int.from_bytes(os.urandom(4), "little")

@@ -1,0 +1,61 @@
+"""Talker steps (the speech-codec LLM): `prefill` from the thinker's prompt vectors and `decode_one` code.
+
+Inputs are built exactly as transformers' `Qwen2_5OmniForConditionalGeneration.generate` builds them:
+prefill = [prompt hidden + prompt embeddings, voice's text-bos embedding (+ codec pad), first reply
+vector (+ codec bos)]; decode step k = embedding of code k-1 + reply vector k. Every input goes through
+`thinker_to_talker_proj`, a plain `torch.nn.Linear` that we call directly on the critical path.
+
+It does not know where reply vectors come from (the engine picks reply vector, text-EOS or text-pad),
+nor about sampling or stopping.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .decoder import forward_layers
+from .kv_cache import StaticKVCache
+
+
+class Talker:
+    def __init__(self, talker_module, cache: StaticKVCache) -> None:
+        self.model = talker_module.model  # Qwen2_5OmniTalkerModel
+        self.proj = talker_module.thinker_to_talker_proj
+        self.codec_embed = talker_module.get_input_embeddings()
+        self.codec_head = talker_module.codec_head
+        self.cache = cache
+        cfg = talker_module.config
+        self.codec_bos = cfg.tts_codec_start_token_id
+        self.codec_pad = cfg.tts_codec_pad_token_id
+        self.codec_eos = cfg.tts_codec_end_token_id
+        self.codec_mask = cfg.tts_codec_mask_token_id
+
+    def _codec(self, ids: list[int], device) -> torch.Tensor:
+        return self.codec_embed(torch.tensor(ids, device=device))
+
+    def prefill(
+        self,
+        prompt_embeds: torch.Tensor,  # [1, L, W] thinker input embeddings of the prompt
+        prompt_hidden: torch.Tensor,  # [1, L, W] thinker last hidden states of the prompt
+        voice_bos_embed: torch.Tensor,  # [1, 1, W] thinker embedding of the voice's text-bos id
+        first_reply: torch.Tensor,  # [1, 1, W] reply vector of the first reply token
+    ) -> torch.Tensor:
+        """Returns float32 logits [1, vocab] for code 0."""
+        self.cache.reset()
+        x = torch.cat([prompt_hidden + prompt_embeds, voice_bos_embed, first_reply], dim=1)
+        pad_bos = self._codec([self.codec_pad, self.codec_bos], x.device)
+        x[:, -1, :] += pad_bos[1]
+        x[:, -2, :] += pad_bos[0]
+        hidden = forward_layers(self.model, self.proj(x), self.cache)
+        # Same as the reference: head over all positions, last row kept.
+        return self.codec_head(hidden).float()[:, -1]
+
+    def decode_one(self, code: torch.Tensor, reply: torch.Tensor) -> torch.Tensor:
+        """Feed code k-1 ([1] long) with reply vector k ([1, 1, W]); returns float32 logits [1, vocab]."""
+        x = self.codec_embed(code.view(1, 1)) + reply
+        hidden = forward_layers(self.model, self.proj(x), self.cache)
+        return self.codec_head(hidden).float()[:, -1]
+
+    def prompt_ids(self, prompt_len: int) -> list[int]:
+        """The codec-side ids the reference's talker prompt holds (they count for the repetition penalty)."""
+        return [self.codec_mask] * prompt_len + [self.codec_pad, self.codec_bos]
