@@ -42,6 +42,13 @@ MODEL_TYPE = "qwen2_5_omni"
 # What a voice entry in spk_dict.pt carries.
 SPEAKER_KEYS = ("bos_token", "cond", "ref_mel")
 
+_WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
+
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 _DTYPES = {
@@ -116,6 +123,25 @@ def _is_tiny(folder: Path) -> bool:
         return False
 
 
+class IncompleteModel(ModelError):
+    """A Qwen2.5-Omni folder that lacks weights, tokenizer or voices (a partial download, say)."""
+
+
+def missing_parts(folder: Path) -> list[str]:
+    """What a Qwen2.5-Omni folder lacks of weights, tokenizer and voices (config.json is checked apart)."""
+    missing = []
+    if not any((folder / name).is_file() for name in _WEIGHT_FILES):
+        missing.append("weights (model.safetensors)")
+    has_tokenizer = (folder / "tokenizer.json").is_file() or (
+        (folder / "vocab.json").is_file() and (folder / "merges.txt").is_file()
+    )
+    if not has_tokenizer:
+        missing.append("tokenizer (tokenizer.json)")
+    if not (folder / "spk_dict.pt").is_file():
+        missing.append("spk_dict.pt (the voices)")
+    return missing
+
+
 def _check_folder(path: Path, label: str | None = None) -> Path:
     """The folder, resolved, if it holds a Qwen2.5-Omni checkpoint; else a one-line ModelError."""
     label = label or str(path)
@@ -134,8 +160,9 @@ def _check_folder(path: Path, label: str | None = None) -> Path:
     if model_type != MODEL_TYPE:
         what = f"a {model_type} model" if model_type else "not a model with a model_type"
         raise ModelError(f"{label} is {what}, not Qwen2.5-Omni")
-    if not (path / "spk_dict.pt").is_file():
-        raise ModelError(f"{label} has no spk_dict.pt (the voices): not a complete Qwen2.5-Omni checkpoint")
+    missing = missing_parts(path)
+    if missing:
+        raise IncompleteModel(f"{label} has no {' and no '.join(missing)}: not a complete Qwen2.5-Omni checkpoint")
     return path.resolve()
 
 
@@ -148,22 +175,39 @@ def _from_hub(repo_id: str) -> Path:
         folder = Path(snapshot_download(repo_id, local_files_only=True))
     except Exception:  # not cached (LocalEntryNotFoundError) or a broken cache entry
         folder = None
-    if folder is not None:
+    if folder is not None and (folder / "config.json").is_file():
         try:
             return _check_folder(folder, label=f"{repo_id} (cached at {folder})")
-        except ModelError as exc:
-            if "spk_dict.pt" not in str(exc) and "config.json" not in str(exc):
-                raise
-            # An incomplete cached copy: try to complete it below.
+        except IncompleteModel:
+            pass  # a partial download: try to complete it below
+    from huggingface_hub import constants
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
+
+    if constants.HF_HUB_OFFLINE:
+        raise ModelError(
+            f"model {repo_id} is neither a local folder nor in the Hugging Face cache, and HF_HUB_OFFLINE "
+            f"is set: {hint}"
+        )
     print(f"downloading {repo_id} from the Hugging Face Hub (this can take a while)...", file=sys.stderr, flush=True)
     try:
         folder = Path(snapshot_download(repo_id))
     except KeyboardInterrupt:
         raise
-    except Exception as exc:
+    except GatedRepoError as exc:
         raise ModelError(
-            f"model {repo_id} is not a local folder, not in the Hugging Face cache, and could not be "
-            f"downloaded ({type(exc).__name__}): {hint}"
+            f"model {repo_id} is gated: accept its terms on the hub, log in with `hf auth login`, "
+            "or pass a local folder with -m"
+        ) from exc
+    except RepositoryNotFoundError as exc:
+        raise ModelError(
+            f"model {repo_id} is neither a local folder nor a hub repository (if it is private: "
+            "`hf auth login`); pass a model folder or a hub id such as Qwen/Qwen2.5-Omni-7B"
+        ) from exc
+    except Exception as exc:
+        reason = _one_line(str(exc).splitlines()[0] if str(exc) else exc, limit=120)
+        raise ModelError(
+            f"model {repo_id} is neither a local folder nor in the Hugging Face cache, and downloading it "
+            f"failed ({reason}): {hint}"
         ) from exc
     return _check_folder(folder, label=f"{repo_id} (at {folder})")
 
@@ -349,8 +393,11 @@ def load_model(model: str | os.PathLike | None = None, device: str = "auto", dty
         from transformers import AutoTokenizer, GenerationConfig, Qwen2_5OmniForConditionalGeneration
 
         try:
-            omni = Qwen2_5OmniForConditionalGeneration.from_pretrained(
-                str(path), dtype=torch_dtype, local_files_only=True
+            # The base class's from_pretrained, as Qwen2_5OmniForConditionalGeneration.from_pretrained calls
+            # it, but asking for the loading report (the subclass's override cannot return it); the voices
+            # are loaded below, as the override would.
+            omni, info = super(Qwen2_5OmniForConditionalGeneration, Qwen2_5OmniForConditionalGeneration).from_pretrained(
+                str(path), dtype=torch_dtype, local_files_only=True, output_loading_info=True
             )
         except KeyboardInterrupt:
             raise
@@ -358,6 +405,14 @@ def load_model(model: str | os.PathLike | None = None, device: str = "auto", dty
             if _is_oom(exc):
                 raise OmniError(f"out of memory loading {name}: try --dtype bfloat16 or a smaller model") from exc
             raise ModelError(f"cannot load the weights of {name} ({path}): {_one_line(exc)}") from exc
+        missing = sorted(info.get("missing_keys") or ())
+        if missing:
+            # transformers left these random; its own warning is silenced above, so say it here.
+            print(
+                f"warning: {name} lacks {len(missing)} weights (first: {missing[0]}): they are random",
+                file=sys.stderr,
+                flush=True,
+            )
 
         try:
             omni.to(torch_device)
@@ -387,9 +442,9 @@ def load_model(model: str | os.PathLike | None = None, device: str = "auto", dty
         else:
             generation_config = GenerationConfig()
 
-    speakers = dict(getattr(omni, "speaker_map", None) or {})
-    if not speakers:
-        speakers = _load_speakers(path / "spk_dict.pt", name)
+    speakers = _load_speakers(path / "spk_dict.pt", name)
+    # What Qwen2_5OmniForConditionalGeneration.from_pretrained does after loading (load_speakers).
+    omni.speaker_map = dict(speakers)
     for voice, entry in speakers.items():
         if not isinstance(entry, Mapping) or any(k not in entry for k in SPEAKER_KEYS):
             raise ModelError(f"{name}: spk_dict.pt entry '{voice}' lacks one of {', '.join(SPEAKER_KEYS)}")
