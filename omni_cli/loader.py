@@ -262,6 +262,9 @@ def pick_device(name: str = "auto") -> "torch.device":
         return torch.device("cpu")
 
     known = "auto, cpu, cuda, cuda:N, npu, npu:N, mps"
+    if name.partition(":")[0] == "npu" and not _npu_available(torch):
+        # torch only knows the "npu" type once torch_npu is imported.
+        raise UsageError(f"device '{name}' is not available here: available: {', '.join(available_devices())}")
     try:
         device = torch.device(name)
     except (RuntimeError, ValueError) as exc:
@@ -433,6 +436,8 @@ def load_model(model: str | os.PathLike | None = None, device: str = "auto", dty
             raise
         except Exception as exc:
             raise ModelError(f"cannot load the tokenizer of {name} ({path}): {_one_line(exc)}") from exc
+        if not getattr(tokenizer, "chat_template", None):
+            raise ModelError(f"the tokenizer of {name} ({path}) has no chat template (tokenizer_config.json)")
 
         if (path / "generation_config.json").is_file():
             try:
