@@ -1,0 +1,89 @@
+"""Shared test fixtures: the built-in tiny model, fake checkpoint folders, and running omni-say.
+
+No test reaches the network: HF_HUB_OFFLINE is set here, before huggingface_hub is first imported,
+and for every CLI subprocess.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+# Before anything imports huggingface_hub (it reads this once, at import).
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ.pop("OMNI_MODEL", None)
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+TINY_MODEL = REPO_ROOT / "assets" / "tiny-qwen2.5-omni"
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir() -> Path:
+    """The built-in tiny checkpoint (shipped in the repo under assets/)."""
+    if not (TINY_MODEL / "config.json").is_file():
+        pytest.fail(f"the built-in tiny model is missing at {TINY_MODEL} (scripts/make_tiny_model.py makes it)")
+    return TINY_MODEL
+
+
+def make_model_dir(
+    folder: Path,
+    model_type: str | None = "qwen2_5_omni",
+    files: tuple[str, ...] = ("model.safetensors", "tokenizer.json", "spk_dict.pt"),
+) -> Path:
+    """A fake checkpoint folder: config.json with `model_type` (None: no config.json) and empty `files`.
+
+    Good for everything the loader checks before it reads the weights.
+    """
+    folder.mkdir(parents=True, exist_ok=True)
+    if model_type is not None:
+        (folder / "config.json").write_text(json.dumps({"model_type": model_type}))
+    for name in files:
+        (folder / name).write_bytes(b"")
+    return folder
+
+
+@pytest.fixture
+def fake_model(tmp_path):
+    """Factory: `fake_model(name, model_type=..., files=...)` -> a fake checkpoint folder under tmp_path."""
+
+    def make(name: str = "model", **kwargs) -> Path:
+        return make_model_dir(tmp_path / name, **kwargs)
+
+    return make
+
+
+def cli_env(**extra: str) -> dict[str, str]:
+    """A clean environment for omni-say: offline, no OMNI_MODEL, this checkout importable."""
+    env = {k: v for k, v in os.environ.items() if k not in ("OMNI_MODEL", "PYTHONSTARTUP")}
+    env["HF_HUB_OFFLINE"] = "1"
+    env["TRANSFORMERS_OFFLINE"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
+    env["PYTHONIOENCODING"] = "utf-8"
+    env.update(extra)
+    return env
+
+
+def run_omni_say(*args: str, env: dict[str, str] | None = None, timeout: float = 600, cwd=None):
+    """Run `python -m omni_cli.cli ARGS` in a subprocess; a CompletedProcess with text stdout/stderr."""
+    return subprocess.run(
+        [sys.executable, "-m", "omni_cli.cli", *map(str, args)],
+        env=cli_env() if env is None else env,
+        cwd=cwd or REPO_ROOT,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        encoding="utf-8",
+        errors="replace",
+        timeout=timeout,
+    )
+
+
+@pytest.fixture
+def run_cli():
+    """`run_cli(*args, env=None, timeout=600)`: omni-say in a subprocess (see `run_omni_say`)."""
+    return run_omni_say

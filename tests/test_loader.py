@@ -1,0 +1,282 @@
+"""loader: finding a checkpoint, refusing what is not one, device/dtype choice, loading the tiny model."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from omni_cli import loader
+from omni_cli.errors import ModelError, OmniError, UsageError
+from omni_cli.loader import check_voice, load_model, pick_device, pick_dtype, resolve_model
+
+
+def one_line(exc: BaseException) -> str:
+    text = str(exc)
+    assert "\n" not in text, text
+    return text
+
+
+# -- resolve_model ------------------------------------------------------------------------------
+
+
+def test_missing_folder(tmp_path):
+    with pytest.raises(ModelError) as err:
+        resolve_model(str(tmp_path / "nope"))
+    assert one_line(err.value) == f"model folder {tmp_path / 'nope'} does not exist"
+
+
+def test_relative_missing_folder_is_not_a_hub_id():
+    with pytest.raises(ModelError, match="does not exist"):
+        resolve_model("./no/such/folder")
+
+
+def test_folder_without_config(fake_model):
+    folder = fake_model("empty", model_type=None)
+    with pytest.raises(ModelError) as err:
+        resolve_model(str(folder))
+    assert one_line(err.value) == f"{folder} has no config.json: not a model folder"
+
+
+def test_not_an_omni_config(fake_model):
+    folder = fake_model("llama", model_type="llama")
+    with pytest.raises(ModelError) as err:
+        resolve_model(str(folder))
+    assert one_line(err.value) == f"{folder} is a llama model, not Qwen2.5-Omni"
+
+
+def test_bad_config_json(tmp_path):
+    folder = tmp_path / "m"
+    folder.mkdir()
+    (folder / "config.json").write_text("{not json")
+    with pytest.raises(ModelError, match="config.json cannot be read"):
+        resolve_model(str(folder))
+
+
+def test_a_file_is_not_a_model_folder(tmp_path):
+    file = tmp_path / "model.bin"
+    file.write_bytes(b"x")
+    with pytest.raises(ModelError, match="not a model folder"):
+        resolve_model(str(file))
+
+
+@pytest.mark.parametrize(
+    "missing, words",
+    [("spk_dict.pt", "spk_dict.pt"), ("model.safetensors", "weights"), ("tokenizer.json", "tokenizer")],
+)
+def test_incomplete_checkpoint(fake_model, missing, words):
+    files = tuple(f for f in ("model.safetensors", "tokenizer.json", "spk_dict.pt") if f != missing)
+    folder = fake_model("partial", files=files)
+    with pytest.raises(ModelError) as err:
+        resolve_model(str(folder))
+    assert words in one_line(err.value)
+    assert str(folder) in str(err.value)
+
+
+def test_complete_folder(fake_model):
+    folder = fake_model("ok")
+    path, is_demo = resolve_model(str(folder))
+    assert path == folder.resolve()
+    assert is_demo is False
+
+
+def test_sharded_weights_and_split_tokenizer_count(fake_model):
+    folder = fake_model("sharded", files=("model.safetensors.index.json", "vocab.json", "merges.txt", "spk_dict.pt"))
+    assert resolve_model(str(folder))[0] == folder.resolve()
+
+
+def test_hub_id_not_in_cache_offline(tmp_path, monkeypatch):
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ModelError) as err:
+        resolve_model("nobody/no-such-omni")
+    message = one_line(err.value)
+    assert "nobody/no-such-omni" in message
+    assert "hf download nobody/no-such-omni" in message
+
+
+def test_hub_id_found_in_cache(tmp_path, fake_model, monkeypatch):
+    """A hub id resolves to its snapshot in the local hub cache, offline, without a download."""
+    import huggingface_hub.constants
+
+    cache = tmp_path / "hub"
+    repo = cache / "models--someone--tiny-omni"
+    revision = "0123456789abcdef0123456789abcdef01234567"
+    snapshot = fake_model(f"hub/models--someone--tiny-omni/snapshots/{revision}")
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(revision)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.chdir(tmp_path)
+    path, is_demo = resolve_model("someone/tiny-omni")
+    assert path == snapshot.resolve()
+    assert is_demo is False
+
+
+def test_not_a_path_nor_hub_id(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for name in ("a/b/c", "just-a-name"):
+        with pytest.raises(ModelError, match="does not exist"):
+            resolve_model(name)
+
+
+def test_omni_model_env(fake_model, monkeypatch, capsys):
+    folder = fake_model("from-env")
+    monkeypatch.setenv("OMNI_MODEL", str(folder))
+    assert resolve_model(None) == (folder.resolve(), False)
+    assert capsys.readouterr().err == ""
+
+
+def test_omni_model_env_missing(tmp_path, monkeypatch):
+    monkeypatch.setenv("OMNI_MODEL", str(tmp_path / "gone"))
+    with pytest.raises(ModelError, match="gone does not exist"):
+        resolve_model(None)
+
+
+def test_default_is_the_tiny_demo_with_one_notice(tiny_model_dir, monkeypatch, capsys):
+    monkeypatch.delenv("OMNI_MODEL", raising=False)
+    path, is_demo = resolve_model(None)
+    assert path == tiny_model_dir.resolve()
+    assert is_demo is True
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert "random" in err and "OMNI_MODEL" in err and "-m" in err
+
+
+def test_tiny_model_dir_constant(tiny_model_dir):
+    assert loader.TINY_MODEL_DIR == tiny_model_dir.resolve()
+
+
+# -- device and dtype ---------------------------------------------------------------------------
+
+
+def test_auto_device():
+    import torch
+
+    device = pick_device("auto")
+    if torch.cuda.is_available():
+        assert device.type == "cuda"
+    elif not (hasattr(torch, "npu") or torch.backends.mps.is_available()):
+        assert device == torch.device("cpu")
+
+
+def test_cpu_device():
+    import torch
+
+    assert pick_device("cpu") == torch.device("cpu")
+
+
+@pytest.mark.parametrize("name", ["tpu", "cuda:99", "gpu", "npu:7"])
+def test_bad_device(name):
+    with pytest.raises(UsageError) as err:
+        pick_device(name)
+    message = one_line(err.value)
+    assert name in message
+    assert "cpu" in message  # names what is available / known
+
+
+def test_cuda_absent_names_what_is_available():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(UsageError, match="not available here: available: cpu"):
+        pick_device("cuda")
+
+
+def test_dtypes():
+    import torch
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert pick_dtype("auto", cpu) == torch.float32
+    assert pick_dtype("auto", cuda) == torch.bfloat16
+    assert pick_dtype("float32", cuda) == torch.float32
+    assert pick_dtype("bfloat16", cpu) == torch.bfloat16
+    assert pick_dtype("float16", cpu) == torch.float16
+    assert pick_dtype("bf16", cpu) == torch.bfloat16
+
+
+def test_bad_dtype():
+    import torch
+
+    with pytest.raises(UsageError, match="unknown dtype 'int8'"):
+        pick_dtype("int8", torch.device("cpu"))
+
+
+# -- voices -------------------------------------------------------------------------------------
+
+
+def test_check_voice():
+    speakers = {"Chelsie": {}, "Ethan": {}}
+    assert check_voice(speakers, "Ethan") == "Ethan"
+    assert check_voice(speakers, "chelsie") == "Chelsie"
+    assert check_voice(["Chelsie", "Ethan"], "ETHAN") == "Ethan"
+    with pytest.raises(UsageError) as err:
+        check_voice(speakers, "Bob")
+    assert one_line(err.value) == "unknown voice 'Bob': this model's voices are Chelsie, Ethan"
+
+
+# -- loading ------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_dir):
+    return load_model(str(tiny_model_dir), device="cpu", dtype="auto")
+
+
+def test_load_tiny(tiny, tiny_model_dir):
+    import torch
+    from transformers import GenerationConfig, Qwen2_5OmniForConditionalGeneration
+
+    assert isinstance(tiny, loader.LoadedModel)
+    assert isinstance(tiny.model, Qwen2_5OmniForConditionalGeneration)
+    assert sorted(tiny.speakers) == ["Chelsie", "Ethan"]
+    assert tiny.voices == list(tiny.speakers)
+    for entry in tiny.speakers.values():
+        assert {"bos_token", "cond", "ref_mel"} <= set(entry)
+    assert tiny.device == torch.device("cpu")
+    assert tiny.dtype == torch.float32
+    assert tiny.path == tiny_model_dir.resolve()
+    assert tiny.is_demo is True
+    assert tiny.name == "tiny-qwen2.5-omni"
+    assert isinstance(tiny.generation_config, GenerationConfig)
+    assert tiny.tokenizer.chat_template
+    assert tiny.model.training is False
+    assert next(tiny.model.token2wav.parameters()).dtype == torch.float32
+
+
+def test_load_tiny_bfloat16_keeps_token2wav_float32(tiny_model_dir):
+    import torch
+
+    loaded = load_model(str(tiny_model_dir), device="cpu", dtype="bfloat16")
+    assert loaded.dtype == torch.bfloat16
+    assert next(loaded.model.thinker.parameters()).dtype == torch.bfloat16
+    assert next(loaded.model.talker.parameters()).dtype == torch.bfloat16
+    assert {p.dtype for p in loaded.model.token2wav.parameters()} == {torch.float32}
+
+
+def test_load_bad_device_before_anything(tiny_model_dir):
+    with pytest.raises(UsageError):
+        load_model(str(tiny_model_dir), device="tpu")
+
+
+@pytest.mark.parametrize("damage", ["truncate", "garbage"])
+def test_corrupt_weights(tiny_model_dir, tmp_path, damage, capsys):
+    folder = tmp_path / "broken"
+    shutil.copytree(tiny_model_dir, folder)
+    weights = folder / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2] if damage == "truncate" else b"\x00garbage" * 64)
+    with pytest.raises(ModelError) as err:
+        load_model(str(folder), device="cpu")
+    assert "broken" in one_line(err.value)
+    assert capsys.readouterr().err == ""  # nothing from transformers on stderr
+
+
+def test_errors_are_omni_errors():
+    assert issubclass(loader.IncompleteModel, ModelError)
+    assert issubclass(ModelError, OmniError)
