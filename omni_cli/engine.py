@@ -16,6 +16,7 @@ It does not know about prompts or chat templates (it gets token ids), nor about 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -74,6 +75,12 @@ class TurnRequest:
     seed: int
     text_only: bool = False
     sink: Any = None  # an object with start/write/close/abort (sinks.py), or None
+    # Benchmarks: ignore text EOS and allow only audio codes, so the reply has exactly the asked lengths.
+    force_lengths: bool = False
+    # Record device events around every step (exact per-step GPU times and the gaps between talker steps).
+    step_events: bool = False
+    # Tests: run the decode loop under torch.cuda.set_sync_debug_mode("error") (any host sync raises).
+    sync_debug: bool = False
 
 
 @dataclass
@@ -92,7 +99,8 @@ class Engine:
     """Owns the static caches and runs turns for one loaded Qwen2.5-Omni model."""
 
     def __init__(self, model, tokenizer, speakers: dict, *, eos_ids: list[int], max_context: int = 4096,
-                 max_codes: int = 4096, max_lag: int = 4) -> None:
+                 max_codes: int = 4096, max_lag: int = 4, fast_decode: bool | None = None,
+                 graphs: bool = True) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.speakers = speakers
@@ -115,6 +123,15 @@ class Engine:
             self.text_eos_vec, self.text_pad_vec = vecs[0].view(1, 1, -1), vecs[1].view(1, 1, -1)
         self.max_context = max_context
         self.max_codes = max_codes
+        # The fused fixed-shape decode step pays off on accelerators (fewer, larger kernels, CUDA graphs);
+        # on CPU the library's own layers are used unless asked (tests compare the two).
+        if fast_decode is None:
+            fast_decode = self.device.type != "cpu"
+        self.fast_decode = fast_decode
+        if fast_decode:
+            self.thinker.enable_fast_decode(graphs)
+            if self.has_talker:
+                self.talker.enable_fast_decode(graphs)
         self.text_vocab = model.thinker.lm_head.out_features
         self._lock = threading.Lock()  # one turn at a time: the caches are shared
 
@@ -146,6 +163,8 @@ class _Turn:
         self._workers_lock = threading.Lock()
         self._pcm: list[np.ndarray] = []
         self._text_sent = ""
+        self.eos_ids = [] if req.force_lengths else engine.eos_ids
+        self.clock = _StepClock(engine.device, req.step_events)
 
     # -- orchestration (caller's thread) ------------------------------------------------------
     def run(self) -> Iterator[TextDelta | AudioBlock | Done]:
@@ -211,7 +230,7 @@ class _Turn:
         ids = torch.tensor([req.input_ids], device=dev)
         gen = torch.Generator(device=dev)
         gen.manual_seed(req.seed)
-        eos_t = torch.tensor(e.eos_ids, device=dev)
+        eos_t = torch.tensor(self.eos_ids or [-1], device=dev)
         seen_text = torch.zeros(1, e.text_vocab, dtype=torch.bool, device=dev)
         seen_text[0, ids[0]] = True
 
@@ -223,14 +242,27 @@ class _Turn:
         toks = [tok]  # device tensors; the host never reads them
         ended_before = [torch.zeros(1, dtype=torch.bool, device=dev)]  # an EOS was sampled before token k
         replies: list[torch.Tensor] = []  # R[k] = hidden + embedding of token k
-        j, k = 1, 0
-        code = None
         if self.audio:
             seen_codes = torch.zeros(1, e.talker.codec_head.out_features, dtype=torch.bool, device=dev)
             seen_codes[0, e.talker.prompt_ids(ids.shape[1])] = True
             suppress = torch.zeros_like(seen_codes)
             suppress[0, e.talker.codec_bos] = True
+            if req.force_lengths:
+                suppress[0, AUDIO_CODE_LIMIT:] = True
             voice_bos = e.thinker.embed(torch.tensor([[e.speakers[req.voice]["bos_token"]]], device=dev))
+        with _sync_debug(req.sync_debug and dev.type == "cuda"):
+            thinker_steps, talker_steps, t_thinker, t_talker = self._steps(
+                first, toks, ended_before, replies, seen_text, gen, eos_t,
+                seen_codes if self.audio else None, suppress if self.audio else None,
+                voice_bos if self.audio else None)
+        st.times.update(thinker_steps=thinker_steps, talker_steps=talker_steps,
+                        thinker_time=t_thinker, talker_time=t_talker)
+
+    def _steps(self, first, toks, ended_before, replies, seen_text, gen, eos_t, seen_codes, suppress, voice_bos):
+        """The hot loop: thinker step j, then talker step k as soon as its reply vector exists."""
+        e, req, st, out = self.e, self.req, self.state, self.boundary
+        j, k = 1, 0
+        code = None
         thinker_steps = talker_steps = 0
         t_thinker = t_talker = 0.0
         while not self.stop.is_set():
@@ -238,12 +270,14 @@ class _Turn:
             if j < self.n_max and (text_end is None or j < text_end):
                 out.wait_for("text", j, self.stop)
                 t = time.perf_counter()
+                mark = self.clock.start()
                 o = e.thinker.decode_one(toks[j - 1])
                 replies.append(o.hidden + o.embeds)
                 ended_before.append(ended_before[-1] | torch.isin(toks[j - 1], eos_t))
                 tok = select(o.logits, req.thinker, seen_text, None, gen)
                 mark_seen(seen_text, tok)
                 out.push("text", j, tok)
+                self.clock.end("thinker", mark)
                 toks.append(tok)
                 j += 1
                 thinker_steps += 1
@@ -259,6 +293,7 @@ class _Turn:
                 continue  # R[k] does not exist yet: the thinker goes first
             out.wait_for("code", k, self.stop)
             t = time.perf_counter()
+            mark = self.clock.start()
             if k == 0:
                 logits = e.talker.prefill(first.embeds, first.hidden, voice_bos, vec)
             else:
@@ -266,12 +301,12 @@ class _Turn:
             code = select(logits, req.talker, seen_codes, suppress, gen)
             mark_seen(seen_codes, code)
             out.push("code", k, code)
+            self.clock.end("talker" if k else "talker_prefill", mark)
             k += 1
             talker_steps += 1
             t_talker += time.perf_counter() - t
             st.times["talker_last_step"] = time.perf_counter()
-        st.times.update(thinker_steps=thinker_steps, talker_steps=talker_steps,
-                        thinker_time=t_thinker, talker_time=t_talker)
+        return thinker_steps, talker_steps, t_thinker, t_talker
 
     def _reply_vector(self, k, replies, toks, ended_before, eos_t):
         """Talker input vector k: R[k], text-EOS for the last reply token, text-pad after it."""
@@ -304,13 +339,13 @@ class _Turn:
             if st.text_end is not None:
                 return  # overshoot past the text's end: discarded
             st.text_ids.append(value)
-            if value in self.e.eos_ids or index == self.n_max - 1:
+            if value in self.eos_ids or index == self.n_max - 1:
                 st.text_end = index + 1
             self._emit_text()
             return
         if st.codes_end is not None:
             return
-        if st.text_end == 1 and st.text_ids[0] in self.e.eos_ids:
+        if st.text_end == 1 and st.text_ids[0] in self.eos_ids:
             st.codes_end = 0  # empty reply: nothing to say
         elif value in self.e.stop_codes:
             st.codes_end = index
@@ -343,9 +378,8 @@ class _Turn:
         try:
             spk = self.e.speakers[self.req.voice]
             t2w = self.e.model.token2wav
-            gen = torch.Generator(device=next(t2w.parameters()).device)
-            gen.manual_seed(self.req.seed)
-            voc = StreamingVocoder(t2w, spk["cond"], spk["ref_mel"], max_codes=self.req.max_codes, generator=gen)
+            # The seed makes a CPU generator: the noise is drawn on the CPU, as transformers' is.
+            voc = StreamingVocoder(t2w, spk["cond"], spk["ref_mel"], max_codes=self.req.max_codes, generator=self.req.seed)
             worker = threading.Thread(target=vocoder_worker, args=(voc, self.codes_ch, pcm), name="omni-vocoder-dec", daemon=True)
             worker.start()
             try:
@@ -379,6 +413,7 @@ class _Turn:
 
         th_steps, tk_steps = times.get("thinker_steps", 0), times.get("talker_steps", 0)
         stats = {
+            "started_at": t0,  # time.perf_counter() at the turn's start; the times below are relative to it
             "time_to_first_text": since("first_text"),
             "time_to_first_audio": since("first_audio"),
             "total_time": end - t0,
@@ -393,8 +428,64 @@ class _Turn:
             "codes": len(st.codes),
             "non_audio_codes": st.skipped_codes,
         }
+        stats.update(self.clock.summary())
         text = self.e.tokenizer.decode(st.text_ids, skip_special_tokens=True)
         return Reply(text, list(st.text_ids), list(st.codes), audio, SAMPLE_RATE, stats)
+
+
+@contextlib.contextmanager
+def _sync_debug(enabled: bool):
+    if not enabled:
+        yield
+        return
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+class _StepClock:
+    """Optional device-side timing of each step (CUDA events; perf_counter elsewhere), read after the turn."""
+
+    def __init__(self, device: torch.device, enabled: bool) -> None:
+        self.enabled = enabled
+        self.cuda = enabled and device.type == "cuda"
+        self.marks: list[tuple[str, Any, Any]] = []
+
+    def _now(self):
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def start(self):
+        return self._now() if self.enabled else None
+
+    def end(self, kind: str, start) -> None:
+        if self.enabled:
+            self.marks.append((kind, start, self._now()))
+
+    def _ms(self, a, b) -> float:
+        return a.elapsed_time(b) if self.cuda else 1000 * (b - a)
+
+    def summary(self) -> dict:
+        if not self.marks:
+            return {}
+        if self.cuda:
+            torch.cuda.synchronize()
+        steps: dict[str, list[float]] = {}
+        gaps = []
+        for (kind, start, end), nxt in zip(self.marks, self.marks[1:] + [None]):
+            steps.setdefault(kind, []).append(self._ms(start, end))
+            if kind == "talker" and nxt is not None and nxt[0] == "talker":
+                gaps.append(self._ms(end, nxt[1]) * 1000)  # µs the device waited between two talker steps
+        out = {f"{k}_step_ms": sorted(v)[len(v) // 2] for k, v in steps.items()}  # medians
+        if gaps:
+            out["talker_gap_us_median"] = sorted(gaps)[len(gaps) // 2]
+            out["talker_gap_us_mean"] = sum(gaps) / len(gaps)
+        return out
 
 
 def fresh_seed() -> int:

@@ -29,9 +29,28 @@ class Talker:
         self.codec_pad = cfg.tts_codec_pad_token_id
         self.codec_eos = cfg.tts_codec_end_token_id
         self.codec_mask = cfg.tts_codec_mask_token_id
+        # Made once: building a tensor from host values inside the loop would be a host→device copy.
+        self.pad_bos_ids = torch.tensor([self.codec_pad, self.codec_bos], device=self.proj.weight.device)
 
-    def _codec(self, ids: list[int], device) -> torch.Tensor:
-        return self.codec_embed(torch.tensor(ids, device=device))
+    fused = None
+
+    def enable_fast_decode(self, graphs: bool) -> None:
+        """Decode through the fused fixed-shape step (`fused.py`), replayed as CUDA graphs when possible."""
+        from .fused import FusedDecoder
+        from .graphs import StepGraphs
+
+        dev = self.cache.keys[0].device
+        width = self.proj.in_features
+        self.fused = FusedDecoder(self.model, self.cache)
+        self.static_code = torch.zeros(1, dtype=torch.long, device=dev)
+        self.static_reply = torch.zeros(1, 1, width, dtype=self.proj.weight.dtype, device=dev)
+        self.static_pos = torch.zeros(1, dtype=torch.long, device=dev)
+        self.graphs = StepGraphs(self._fused_step, dev, self.cache.max_len, graphs)
+
+    def _fused_step(self, span: int) -> torch.Tensor:
+        x = self.codec_embed(self.static_code.view(1, 1)) + self.static_reply
+        hidden = self.fused.step(self.proj(x), self.static_pos, span)
+        return self.codec_head(hidden).float()[:, -1]
 
     def prefill(
         self,
@@ -43,7 +62,7 @@ class Talker:
         """Returns float32 logits [1, vocab] for code 0."""
         self.cache.reset()
         x = torch.cat([prompt_hidden + prompt_embeds, voice_bos_embed, first_reply], dim=1)
-        pad_bos = self._codec([self.codec_pad, self.codec_bos], x.device)
+        pad_bos = self.codec_embed(self.pad_bos_ids)
         x[:, -1, :] += pad_bos[1]
         x[:, -2, :] += pad_bos[0]
         hidden = forward_layers(self.model, self.proj(x), self.cache)
@@ -52,6 +71,13 @@ class Talker:
 
     def decode_one(self, code: torch.Tensor, reply: torch.Tensor) -> torch.Tensor:
         """Feed code k-1 ([1] long) with reply vector k ([1, 1, W]); returns float32 logits [1, vocab]."""
+        if self.fused is not None:
+            self.static_code.copy_(code)
+            self.static_reply.copy_(reply)
+            self.static_pos.fill_(self.cache.length)
+            logits = self.graphs(self.cache.length + 1)
+            self.cache.advance(1)
+            return logits
         x = self.codec_embed(code.view(1, 1)) + reply
         hidden = forward_layers(self.model, self.proj(x), self.cache)
         return self.codec_head(hidden).float()[:, -1]

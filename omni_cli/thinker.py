@@ -32,6 +32,24 @@ class Thinker:
         self.lm_head = thinker_module.lm_head
         self.cache = cache
 
+    def enable_fast_decode(self, graphs: bool) -> None:
+        """Decode through the fused fixed-shape step (`fused.py`), replayed as CUDA graphs when possible."""
+        from .fused import FusedDecoder
+        from .graphs import StepGraphs
+
+        dev = self.cache.keys[0].device
+        self.fused = FusedDecoder(self.model, self.cache)
+        self.static_token = torch.zeros(1, dtype=torch.long, device=dev)
+        self.static_pos = torch.zeros(1, dtype=torch.long, device=dev)
+        self.graphs = StepGraphs(self._fused_step, dev, self.cache.max_len, graphs)
+
+    def _fused_step(self, span: int):
+        embeds = self.embed(self.static_token.view(1, 1))
+        hidden = self.fused.step(embeds, self.static_pos, span)
+        return embeds, hidden, self.lm_head(hidden)[:, -1].float()
+
+    fused = None
+
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(ids)
 
@@ -47,6 +65,13 @@ class Thinker:
 
     def decode_one(self, token: torch.Tensor) -> ThinkerOut:
         """Feed one token ([1] long, on device) and return its vectors and the next logits."""
+        if self.fused is not None:
+            # The outputs live in static (graph) buffers until the next step: callers use them at once.
+            self.static_token.copy_(token)
+            self.static_pos.fill_(self.cache.length)
+            embeds, hidden, logits = self.graphs(self.cache.length + 1)
+            self.cache.advance(1)
+            return ThinkerOut(embeds, hidden, logits)
         embeds = self.embed(token.view(1, 1))
         hidden = forward_layers(self.model, embeds, self.cache)
         return ThinkerOut(embeds, hidden, self.lm_head(hidden)[:, -1].float())

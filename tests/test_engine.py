@@ -1,0 +1,144 @@
+"""The turn's threads: audio reaches the sink while the talker still runs, stops are noticed with a
+bounded lag and what comes after an EOS is discarded, and a failure in any worker is raised by `say()`
+with no thread left running."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from omni_cli import engine as engine_mod
+from omni_cli.assistant import Assistant
+from omni_cli.errors import UsageError
+from omni_cli.sinks import RecordingSink
+from omni_cli.talker import Talker
+
+PROMPT = "Say something nice."
+
+
+@pytest.fixture(scope="module")
+def assistant():
+    return Assistant.load(os.environ.get("OMNI_TEST_MODEL"), device="cpu")
+
+
+def omni_threads():
+    return [t for t in threading.enumerate() if t.name.startswith("omni-")]
+
+
+def test_first_audio_reaches_the_sink_before_the_talkers_last_step(assistant):
+    sink = RecordingSink()
+    reply = assistant.say(PROMPT, greedy=True, max_text_tokens=12, max_codes=400, sink=sink)
+    assert len(reply.codes) >= 300  # a long stretch, so "before the end" means something
+    talker_last_step = reply.stats["started_at"] + reply.stats["talker_last_step"]  # perf_counter clock
+    assert sink.first_block_time is not None
+    assert sink.first_block_time < talker_last_step
+    assert reply.stats["time_to_first_audio"] < reply.stats["talker_last_step"]
+    np.testing.assert_array_equal(sink.audio, reply.audio)
+
+
+def test_reply_shape_and_stats(assistant):
+    reply = assistant.say(PROMPT, seed=3, max_text_tokens=8, max_codes=60)
+    assert reply.sample_rate == 24_000
+    assert reply.audio.dtype == np.float32
+    assert len(reply.audio) == len([c for c in reply.codes if c < 8192]) * 480  # 50 codes = 1 s
+    assert reply.text_ids and all(isinstance(i, int) for i in reply.text_ids)
+    for key in ("time_to_first_text", "time_to_first_audio", "thinker_steps", "talker_steps",
+                "thinker_ms_per_token", "talker_ms_per_step", "real_time_factor"):
+        assert reply.stats[key] is not None, key
+    again = assistant.say(PROMPT, seed=3, max_text_tokens=8, max_codes=60)
+    assert again.codes == reply.codes and again.text_ids == reply.text_ids
+    np.testing.assert_array_equal(again.audio, reply.audio)  # the seed covers the vocoder's noise too
+
+
+def test_codec_eos_stops_the_turn_and_overshoot_is_discarded(assistant, monkeypatch):
+    eos_at = 30
+    original = Talker.decode_one
+    steps = {"n": 0}
+
+    def decode_one(self, code, reply):
+        logits = original(self, code, reply)
+        steps["n"] += 1
+        if steps["n"] >= eos_at:  # from step `eos_at` on, the talker "wants" to stop
+            logits = logits.clone()
+            logits[:, self.codec_eos] = 1e4
+        return logits
+
+    monkeypatch.setattr(Talker, "decode_one", decode_one)
+    reply = assistant.say(PROMPT, greedy=True, max_text_tokens=8, max_codes=200)
+    assert len(reply.codes) == eos_at  # codes 0..eos_at-1; the EOS and any overshoot are dropped
+    assert len(reply.audio) == eos_at * 480
+    assert reply.stats["talker_steps"] <= eos_at + 1 + assistant.engine.max_lag
+
+
+def test_text_only_skips_the_talker(assistant):
+    sink = RecordingSink()
+    reply = assistant.say(PROMPT, greedy=True, max_text_tokens=8, text_only=True, sink=sink)
+    assert reply.codes == [] and len(reply.audio) == 0 and reply.text_ids
+    assert sink.first_block_time is None
+
+
+@pytest.mark.parametrize("where", ["vocoder", "producer", "engine"])
+def test_a_worker_failure_is_raised_by_say_and_no_thread_survives(assistant, monkeypatch, where):
+    class Boom(RuntimeError):
+        pass
+
+    def boom(*args, **kwargs):
+        raise Boom(where)
+
+    if where == "vocoder":
+        from omni_cli import vocoder
+
+        monkeypatch.setattr(vocoder.StreamingVocoder, "push", boom)
+    elif where == "producer":
+        original = engine_mod._Turn._handle
+
+        def handle(self, kind, index, value):
+            if kind == "code" and index == 5:
+                boom()
+            return original(self, kind, index, value)
+
+        monkeypatch.setattr(engine_mod._Turn, "_handle", handle)
+    else:
+        monkeypatch.setattr(Talker, "decode_one", boom)
+    sink = RecordingSink()
+    with pytest.raises(Boom, match=where):
+        assistant.say(PROMPT, greedy=True, max_text_tokens=8, max_codes=100, sink=sink)
+    assert sink.aborted
+    for t in omni_threads():
+        t.join(timeout=5)
+    assert omni_threads() == []
+    # the model is usable again afterwards
+    monkeypatch.undo()
+    assert assistant.say(PROMPT, greedy=True, max_text_tokens=4, max_codes=10).codes
+
+
+def test_closing_the_stream_early_stops_every_thread(assistant):
+    events = assistant.stream(PROMPT, greedy=True, max_text_tokens=8, max_codes=300)
+    first = next(events)
+    assert first is not None
+    events.close()
+    for t in omni_threads():
+        t.join(timeout=5)
+    assert omni_threads() == []
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(prompt="   "), "empty prompt"),
+    (dict(prompt="hi", voice="Nobody"), "Chelsie"),
+    (dict(prompt="hi", max_codes=0), "max_codes"),
+    (dict(prompt="word " * 5000), "context"),
+])
+def test_bad_requests_are_usage_errors(assistant, kwargs, message):
+    with pytest.raises(UsageError, match=message):
+        assistant.say(**kwargs)
+
+
+def test_kv_cache_is_reused_not_reallocated(assistant):
+    keys = assistant.engine.thinker.cache.keys[0]
+    assistant.say(PROMPT, greedy=True, max_text_tokens=4, max_codes=10)
+    assert assistant.engine.thinker.cache.keys[0] is keys
+    assert isinstance(keys, torch.Tensor) and keys.shape[2] == assistant.max_context
