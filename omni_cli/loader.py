@@ -218,6 +218,11 @@ def _from_hub(repo_id: str) -> Path:
 
 
 def _npu_available(torch: Any) -> bool:
+    if not hasattr(torch, "npu"):
+        try:  # Ascend's plug-in registers torch.npu when imported
+            import torch_npu  # noqa: F401
+        except Exception:
+            return False
     npu = getattr(torch, "npu", None)
     try:
         return bool(npu is not None and npu.is_available())
