@@ -60,7 +60,9 @@ def build_config(preset: str):
                                                 "mrope_section": [16, 24, 24]}, vocab_size=8448)
     return Qwen2_5OmniConfig(
         thinker_config={"text_config": text, "audio_config": dict(p["audio"], output_dim=width),
-                        "vision_config": dict(p["vision"], out_hidden_size=width)},
+                        "vision_config": dict(p["vision"], out_hidden_size=width),
+                        # the real checkpoint's special ids (the library's defaults lack some of them)
+                        "vision_start_token_id": 151652, "vision_end_token_id": 151653, "vision_token_id": 151654},
         talker_config=talker,
         token2wav_config={},  # the library's DiT / BigVGAN defaults are the real sizes
         enable_audio_output=True,

@@ -100,7 +100,7 @@ class Engine:
 
     def __init__(self, model, tokenizer, speakers: dict, *, eos_ids: list[int], max_context: int = 4096,
                  max_codes: int = 4096, max_lag: int = 4, fast_decode: bool | None = None,
-                 graphs: bool = True) -> None:
+                 graphs: bool = True, compile: bool | None = None) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.speakers = speakers
@@ -129,9 +129,12 @@ class Engine:
             fast_decode = self.device.type != "cpu"
         self.fast_decode = fast_decode
         if fast_decode:
-            self.thinker.enable_fast_decode(graphs)
+            from .graphs import compile_wanted
+
+            compile = compile_wanted(graphs if compile is None else compile, self.device)
+            self.thinker.enable_fast_decode(graphs, compile)
             if self.has_talker:
-                self.talker.enable_fast_decode(graphs)
+                self.talker.enable_fast_decode(graphs, compile)
         self.text_vocab = model.thinker.lm_head.out_features
         self._lock = threading.Lock()  # one turn at a time: the caches are shared
 
@@ -233,9 +236,14 @@ class _Turn:
         eos_t = torch.tensor(self.eos_ids or [-1], device=dev)
         seen_text = torch.zeros(1, e.text_vocab, dtype=torch.bool, device=dev)
         seen_text[0, ids[0]] = True
+        no_eos = None
+        if req.force_lengths:  # like transformers' min_new_tokens: EOS cannot be picked before the end
+            no_eos = torch.zeros_like(seen_text)
+            no_eos[0, e.eos_ids] = True
+        self.text_suppress = no_eos
 
         first = e.thinker.prefill(ids)
-        tok = select(first.logits, req.thinker, seen_text, None, gen)
+        tok = select(first.logits, req.thinker, seen_text, self.text_suppress, gen)
         mark_seen(seen_text, tok)
         out.push("text", 0, tok)
         st.times["thinker_first"] = time.perf_counter()
@@ -274,7 +282,7 @@ class _Turn:
                 o = e.thinker.decode_one(toks[j - 1])
                 replies.append(o.hidden + o.embeds)
                 ended_before.append(ended_before[-1] | torch.isin(toks[j - 1], eos_t))
-                tok = select(o.logits, req.thinker, seen_text, None, gen)
+                tok = select(o.logits, req.thinker, seen_text, self.text_suppress, gen)
                 mark_seen(seen_text, tok)
                 out.push("text", j, tok)
                 self.clock.end("thinker", mark)

@@ -7,7 +7,8 @@ pool. On CPU, or with graphs switched off, calling it just runs `fn` eagerly wit
 so both paths do identical math.
 
 The switch: `RuntimeOptions.graphs`, the CLI's `--no-graphs`, or the environment variable
-`OMNI_NO_GRAPHS=1`. It knows nothing about models.
+`OMNI_NO_GRAPHS=1`; it also turns off `torch.compile` of the decode layers (`compile_wanted`). It knows
+nothing about models.
 """
 
 from __future__ import annotations
@@ -24,6 +25,14 @@ def graphs_wanted(enabled: bool, device: torch.device) -> bool:
     if os.environ.get("OMNI_NO_GRAPHS", "").strip() not in ("", "0"):
         return False
     return enabled and device.type == "cuda"
+
+
+def compile_wanted(enabled: bool, device: torch.device) -> bool:
+    """torch.compile for the decode layers: on CUDA with the graph switch on (`OMNI_NO_COMPILE=1` alone
+    turns compilation off, e.g. to look at eager kernels under the profiler)."""
+    if os.environ.get("OMNI_NO_COMPILE", "").strip() not in ("", "0"):
+        return False
+    return graphs_wanted(enabled, device)
 
 
 def bucket(span: int, limit: int) -> int:

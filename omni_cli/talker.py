@@ -34,14 +34,14 @@ class Talker:
 
     fused = None
 
-    def enable_fast_decode(self, graphs: bool) -> None:
+    def enable_fast_decode(self, graphs: bool, compile: bool = False) -> None:
         """Decode through the fused fixed-shape step (`fused.py`), replayed as CUDA graphs when possible."""
         from .fused import FusedDecoder
         from .graphs import StepGraphs
 
         dev = self.cache.keys[0].device
         width = self.proj.in_features
-        self.fused = FusedDecoder(self.model, self.cache)
+        self.fused = FusedDecoder(self.model, self.cache, compile=compile)
         self.static_code = torch.zeros(1, dtype=torch.long, device=dev)
         self.static_reply = torch.zeros(1, 1, width, dtype=self.proj.weight.dtype, device=dev)
         self.static_pos = torch.zeros(1, dtype=torch.long, device=dev)

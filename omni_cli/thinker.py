@@ -32,13 +32,13 @@ class Thinker:
         self.lm_head = thinker_module.lm_head
         self.cache = cache
 
-    def enable_fast_decode(self, graphs: bool) -> None:
+    def enable_fast_decode(self, graphs: bool, compile: bool = False) -> None:
         """Decode through the fused fixed-shape step (`fused.py`), replayed as CUDA graphs when possible."""
         from .fused import FusedDecoder
         from .graphs import StepGraphs
 
         dev = self.cache.keys[0].device
-        self.fused = FusedDecoder(self.model, self.cache)
+        self.fused = FusedDecoder(self.model, self.cache, compile=compile)
         self.static_token = torch.zeros(1, dtype=torch.long, device=dev)
         self.static_pos = torch.zeros(1, dtype=torch.long, device=dev)
         self.graphs = StepGraphs(self._fused_step, dev, self.cache.max_len, graphs)
