@@ -137,6 +137,7 @@ class Engine:
                 self.talker.enable_fast_decode(graphs, compile)
         self.text_vocab = model.thinker.lm_head.out_features
         self._lock = threading.Lock()  # one turn at a time: the caches are shared
+        self.lingering: list[threading.Thread] = []
 
     # ------------------------------------------------------------------------------------------
     def stream(self, req: TurnRequest) -> Iterator[TextDelta | AudioBlock | Done]:
@@ -144,6 +145,8 @@ class Engine:
         if not self._lock.acquire(blocking=False):
             raise RuntimeError("a turn is already running on this model")
         try:
+            while self.lingering:  # a vocoder thread still finishing an interrupted turn
+                self.lingering.pop().join()
             yield from _Turn(self, req).run()
         finally:
             self._lock.release()
@@ -190,13 +193,16 @@ class _Turn:
         finally:
             if not ok:
                 self._shutdown()
+                if sink is not None and self.audio:
+                    sink.abort()  # silence first: an interrupted reply stops sounding at once
             for t in threads:
-                t.join()
-            if sink is not None and self.audio:
-                if ok:
-                    sink.close()
-                else:
-                    sink.abort()
+                # After an interrupt the vocoder may be inside a chunk; don't hold the caller for it.
+                # The engine joins it before the next turn starts (`Engine.stream`).
+                t.join(timeout=None if ok or t.name != "omni-vocoder" else 0.02)
+                if t.is_alive():
+                    self.e.lingering.append(t)
+            if ok and sink is not None and self.audio:
+                sink.close()
         yield Done(self._result(t0))  # reached only when the turn completed
 
     def _shutdown(self) -> None:
@@ -382,24 +388,18 @@ class _Turn:
     def _vocoder_main(self) -> None:
         from .vocoder import StreamingVocoder, vocoder_worker
 
-        pcm: Channel = Channel(name="pcm")
         try:
             spk = self.e.speakers[self.req.voice]
-            t2w = self.e.model.token2wav
             # The seed makes a CPU generator: the noise is drawn on the CPU, as transformers' is.
-            voc = StreamingVocoder(t2w, spk["cond"], spk["ref_mel"], max_codes=self.req.max_codes, generator=self.req.seed)
-            worker = threading.Thread(target=vocoder_worker, args=(voc, self.codes_ch, pcm), name="omni-vocoder-dec", daemon=True)
-            worker.start()
-            try:
-                for block in pcm:
-                    self._on_block(block)
-            finally:
-                pcm.cancel()
-                worker.join()
+            voc = StreamingVocoder(self.e.model.token2wav, spk["cond"], spk["ref_mel"],
+                                   max_codes=self.req.max_codes, generator=self.req.seed)
         except BaseException as exc:  # noqa: BLE001
             self._fail(exc)
             return
-        self._worker_done()
+        out = _BlocksToTurn(self)
+        vocoder_worker(voc, self.codes_ch, out)  # returns after close() or fail(); never raises
+        if not out.failed:
+            self._worker_done()
 
     def _on_block(self, block: np.ndarray) -> None:
         self.state.times.setdefault("first_audio", time.perf_counter())
@@ -451,6 +451,24 @@ def _sync_debug(enabled: bool):
         yield
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+class _BlocksToTurn:
+    """The vocoder worker's output side: each PCM block goes straight to the turn (sink + events)."""
+
+    def __init__(self, turn: "_Turn") -> None:
+        self.turn = turn
+        self.failed = False
+
+    def put(self, block: np.ndarray) -> None:
+        self.turn._on_block(block)  # raises Cancelled once the caller has gone: the worker stops
+
+    def close(self) -> None:
+        pass
+
+    def fail(self, exc: BaseException) -> None:
+        self.failed = True
+        self.turn._fail(exc)
 
 
 class _StepClock:
