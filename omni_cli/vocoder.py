@@ -1,0 +1,330 @@
+"""Streaming token2wav for Qwen2.5-Omni: codec codes in, final 24 kHz PCM blocks out, chunk by chunk.
+
+`StreamingVocoder` turns talker codes into audio while the talker is still generating. The DiT
+(flow matching, 10-point RK4, classifier-free guidance) attends block-wise: 24 mel frames a block
+(12 codes), and each layer sees at most one block back or one block ahead (the layers listed in
+`look_backward_layers` / `look_ahead_layers`). So one chunk of mel is decoded from a window of
+[past context | chunk | future context] and only the chunk is kept, the way Qwen's own streaming
+decoder does it (72-frame chunks, 48 frames of past, 24 of future). BigVGAN then turns final mel into
+audio; at each seam it gets `bigvgan_context` mel frames on both sides and the overlap is trimmed.
+History is never decoded again: each chunk costs its own frames plus a constant context.
+
+The starting noise of the whole utterance is drawn once, so a chunk's window uses the same noise
+rows as the whole-utterance decode (`decode_whole`), which makes the two comparable; with the same
+seed, `decode_whole` is transformers' `token2wav(code, conditioning, reference_mel)`. The streamed
+audio is not bit-equal to the whole decode: the ODE carries information across the window edges over
+its 36 evaluations, which a fixed window cuts off. The tests state the measured difference.
+
+`vocoder_worker` is the body of the vocoder thread: codes channel in, PCM channel out, errors carried
+to the consumer.
+
+It deliberately does not know where codes come from (talker, file, test), where audio goes (speaker,
+WAV, null), how a checkpoint is laid out, or Qwen3-Omni's code2wav. It uses transformers' modules
+for the model and runs its own loop around them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import RungeKutta4ODESolver
+
+from .channel import Cancelled, Channel
+
+AUDIO_CODES = 8192  # talker ids below this are audio; the rest (pad, bos, eos, ...) are control
+END = None  # an item that ends the codes stream early; closing the channel is just as good
+
+
+class StreamingVocoder:
+    """Chunked token2wav over one utterance; `push` codes, get back PCM blocks that are final."""
+
+    def __init__(
+        self,
+        token2wav,
+        cond: torch.Tensor,
+        ref_mel: torch.Tensor,
+        max_codes: int,
+        generator: torch.Generator | int | None = None,
+        *,
+        codes_per_chunk: int = 24,
+        first_chunk_codes: int | None = None,
+        past_frames: int | None = None,
+        future_frames: int | None = None,
+        bigvgan_context: int = 20,
+        num_steps: int = 10,
+        guidance_scale: float = 0.5,
+        sway_coefficient: float | None = -1.0,
+    ) -> None:
+        """
+        token2wav: a float32 `Qwen2_5OmniToken2WavModel` (put in eval mode here: the DiT has dropout).
+        cond, ref_mel: the voice, 1x192 and 1xTx80, as in `spk_dict.pt`.
+        max_codes: the longest utterance; the starting noise is drawn for all of it at once.
+        generator: a `torch.Generator`, a seed, or None for torch's global RNG (what transformers uses).
+        codes_per_chunk / first_chunk_codes: chunk sizes in codes, multiples of a DiT block (12 codes);
+            the first chunk defaults to one block so the first audio comes as early as the window allows.
+        past_frames / future_frames: DiT context in mel frames; default one block per look-back /
+            look-ahead layer, which is how far one DiT evaluation reaches (48 / 24 on the real model).
+        bigvgan_context: mel frames BigVGAN sees beyond each seam (Qwen's streaming decoder uses 20).
+        num_steps, guidance_scale, sway_coefficient: the ODE settings; defaults are transformers'.
+        """
+        self.model = token2wav.eval()
+        self.dit = token2wav.code2wav_dit_model
+        self.bigvgan = token2wav.code2wav_bigvgan_model
+        config = self.dit.config
+        self.device = next(self.dit.parameters()).device
+        self.dtype = next(self.dit.parameters()).dtype
+        self.repeats = config.repeats
+        self.block = config.block_size
+        self.mel_dim = config.mel_dim
+        self.num_steps = num_steps
+        self.guidance_scale = guidance_scale
+        self.sway_coefficient = sway_coefficient
+        self.max_codes = max_codes
+        self.code_limit = min(AUDIO_CODES, self.dit.text_embed.codec_embed.num_embeddings)
+
+        block_codes = self.block // self.repeats
+        first_chunk_codes = block_codes if first_chunk_codes is None else first_chunk_codes
+        for name, n in (("codes_per_chunk", codes_per_chunk), ("first_chunk_codes", first_chunk_codes)):
+            # Chunks must start on block boundaries, or a window's block partition would differ
+            # from the whole decode's and every frame would attend to a different set.
+            if n <= 0 or n % block_codes:
+                raise ValueError(f"{name} must be a positive multiple of {block_codes} codes, got {n}")
+        self.chunk_frames = codes_per_chunk * self.repeats
+        self.first_chunk_frames = first_chunk_codes * self.repeats
+        self.past_frames = self.block * len(config.look_backward_layers) if past_frames is None else past_frames
+        self.future_frames = self.block * len(config.look_ahead_layers) if future_frames is None else future_frames
+        if self.past_frames % self.block or self.past_frames < 0 or self.future_frames < 0:
+            raise ValueError("past_frames must be a non-negative multiple of the DiT block size")
+        self.bigvgan_context = bigvgan_context
+
+        self._voice = self._voice_conditioning(cond, ref_mel)
+        if isinstance(generator, int):
+            generator = torch.Generator().manual_seed(generator)
+        self.generator = generator
+        self.reset()
+
+    # -- per voice and per utterance state -------------------------------------------------------
+    @torch.inference_mode()
+    def _voice_conditioning(self, cond: torch.Tensor, ref_mel: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The speaker parts of the DiT input for the CFG batch (conditioned, unconditioned).
+
+        transformers' DiTInputEmbedding runs the ECAPA speaker encoder over [ref_mel, zeros] on
+        every one of the 36 evaluations of every call; its result depends only on the voice, so it
+        is computed here once, on the same batch of two, which keeps the numbers identical.
+        """
+        cond = cond.to(self.device, self.dtype).reshape(1, -1)
+        ref_mel = ref_mel.to(self.device, self.dtype)
+        encoded = self.dit.input_embed.spk_encoder(torch.cat([ref_mel, torch.zeros_like(ref_mel)], dim=0))
+        speaker = torch.cat([cond, torch.zeros_like(cond)], dim=0)
+        return encoded, speaker
+
+    def reset(self, seed: int | None = None) -> None:
+        """Start a new utterance (same voice): fresh starting noise, nothing decoded yet.
+
+        The noise continues the generator's stream (like successive transformers calls), unless
+        `seed` reseeds it first (a generator of its own is made if the vocoder used the global RNG).
+        """
+        if seed is not None:
+            self.generator = (self.generator or torch.Generator()).manual_seed(seed)
+        # One draw for the longest utterance: on CPU, torch's normal sampler fills in groups of 16
+        # values and 80 mel bins are 5 groups, so the first T rows equal `torch.randn([1, T, 80])`
+        # under the same seed, which is what transformers' `sample()` draws.
+        self.noise = torch.randn(
+            [1, self.max_codes * self.repeats, self.mel_dim], generator=self.generator, dtype=self.dtype
+        ).to(self.device)
+        self.codes = torch.zeros(1, self.max_codes, dtype=torch.long)
+        self.mel = torch.zeros(1, self.mel_dim, self.max_codes * self.repeats, dtype=self.dtype, device=self.device)
+        self.n_codes = 0
+        self.mel_done = 0  # mel frames that are final
+        self.audio_done = 0  # mel frames whose audio has been handed out
+        self.finished = False
+        self.dit_frames = 0  # mel frames run through the DiT window (for cost accounting)
+        self.dit_calls = 0
+        self.bigvgan_frames = 0
+
+    # -- streaming -------------------------------------------------------------------------------
+    def push(self, codes: Sequence[int]) -> list[np.ndarray]:
+        """Take new audio codes; return the PCM blocks (float32, 24 kHz) that became final."""
+        if self.finished:
+            raise RuntimeError("push() after finish(); call reset() for a new utterance")
+        new = self._check_codes(codes)
+        if self.n_codes + len(new) > self.max_codes:
+            raise ValueError(f"utterance longer than max_codes={self.max_codes}")
+        self.codes[0, self.n_codes : self.n_codes + len(new)] = torch.from_numpy(new)
+        self.n_codes += len(new)
+        blocks = []
+        # A chunk is final once its look-ahead context exists; several may be due after a big push.
+        while self._next_chunk_end() + self.future_frames <= self.n_codes * self.repeats:
+            end = self._next_chunk_end()
+            self._decode_mel(self.mel_done, end, end + self.future_frames)
+            blocks += self._vocode(last=False)
+        return blocks
+
+    def finish(self) -> list[np.ndarray]:
+        """End of utterance: decode the tail (no look-ahead exists or is needed) and flush the audio."""
+        if self.finished:
+            return []
+        self.finished = True
+        total = self.n_codes * self.repeats
+        if self.mel_done < total:
+            self._decode_mel(self.mel_done, total, total)
+        return self._vocode(last=True)
+
+    def _next_chunk_end(self) -> int:
+        return self.mel_done + (self.first_chunk_frames if self.mel_done == 0 else self.chunk_frames)
+
+    def _check_codes(self, codes: Sequence[int]) -> np.ndarray:
+        new = np.asarray(codes, dtype=np.int64).reshape(-1)
+        if new.size and (new.min() < 0 or new.max() >= self.code_limit):
+            # Control ids (eos 8294, pad 8292, ...) must be stripped upstream; silently dropping or
+            # clamping them here would hide a bug in the engine.
+            bad = new[(new < 0) | (new >= self.code_limit)][:4].tolist()
+            raise ValueError(f"not an audio code (must be 0..{self.code_limit - 1}): {bad}")
+        return new
+
+    @torch.inference_mode()
+    def _decode_mel(self, start: int, end: int, window_end: int) -> None:
+        """Run the DiT on [start - past, window_end) and keep frames [start, end) as final mel."""
+        window_start = max(0, start - self.past_frames)
+        code = self.codes[:, window_start // self.repeats : window_end // self.repeats].to(self.device)
+        mel = self._sample(code, self.noise[:, window_start:window_end])
+        self.mel[:, :, start:end] = mel[:, :, start - window_start : end - window_start]
+        self.mel_done = end
+        self.dit_frames += window_end - window_start
+        self.dit_calls += 1
+
+    @torch.inference_mode()
+    def _vocode(self, last: bool) -> list[np.ndarray]:
+        """BigVGAN over the final mel not yet voiced, with context on both sides, trimmed at seams."""
+        # Audio for a frame is final once `bigvgan_context` frames of final mel follow it
+        # (or the utterance ended); the frames before it only serve as left context.
+        stop = self.mel_done if last else self.mel_done - self.bigvgan_context
+        if stop <= self.audio_done:
+            return []
+        left = max(0, self.audio_done - self.bigvgan_context)
+        right = self.mel_done
+        audio = self.bigvgan(self.mel[:, :, left:right]).reshape(-1)
+        # BigVGAN gives exactly `hop` samples a frame (its transposed convs are padded that way),
+        # so frame indices map onto sample indices without drift.
+        hop = audio.shape[-1] // (right - left)
+        block = audio[(self.audio_done - left) * hop : (stop - left) * hop]
+        self.bigvgan_frames += right - left
+        self.audio_done = stop
+        return [block.float().cpu().numpy().copy()]
+
+    # -- whole utterance (the reference) ----------------------------------------------------------
+    @torch.inference_mode()
+    def decode_whole(self, codes: Sequence[int]) -> np.ndarray:
+        """The whole utterance in one DiT + BigVGAN call, with the same noise as the stream.
+
+        Leaves the streaming state alone. With torch's global RNG seeded as this vocoder's
+        generator was, this equals transformers' `token2wav(code, conditioning, reference_mel)`.
+        """
+        new = self._check_codes(codes)
+        if len(new) > self.max_codes:
+            raise ValueError(f"utterance longer than max_codes={self.max_codes}")
+        if len(new) == 0:
+            return np.zeros(0, dtype=np.float32)
+        code = torch.from_numpy(new).reshape(1, -1).to(self.device)
+        mel = self._sample(code, self.noise[:, : len(new) * self.repeats])
+        return self.bigvgan(mel).reshape(-1).float().cpu().numpy()
+
+    # -- the DiT, called piece by piece --------------------------------------------------------
+    def _sample(self, code: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+        """Flow-matching ODE from `noise` [1, T, 80] given `code` [1, T/2]; returns mel [1, 80, T]."""
+        static = self._static_inputs(code)
+        length = noise.shape[1]
+        positions = torch.arange(length, device=self.device)[None, :].repeat(2, 1)
+        # Positions restart at 0 in every window: the DiT's RoPE is relative, so only the block
+        # partition matters, and windows start on block boundaries.
+        rope = self.dit.rotary_embed(static, positions)
+        block_diff = self.dit._create_block_diff(static)
+        guidance = self.guidance_scale
+
+        # Always the CFG batch of two: transformers switches to a batch of one below guidance 1e-5,
+        # which gives the same velocity up to rounding.
+        def velocity(t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+            out = self._dit_forward(x, t, static, rope, block_diff)
+            guided, null = torch.chunk(out, 2, dim=0)
+            return guided + (guided - null) * guidance
+
+        times = torch.linspace(0, 1, self.num_steps, device=self.device, dtype=self.dtype)
+        if self.sway_coefficient is not None:
+            times += self.sway_coefficient * (torch.cos(torch.pi / 2 * times) - 1 + times)
+        solver = RungeKutta4ODESolver(function=velocity, initial_value=noise)
+        return solver.integrate(times)[-1].permute(0, 2, 1)
+
+    def _static_inputs(self, code: torch.Tensor) -> torch.Tensor:
+        """The DiT input that stays fixed over the ODE: [ECAPA(ref_mel) | code embedding | cond], CFG batch."""
+        length = code.shape[1] * self.repeats
+        encoded, speaker = self._voice
+        code_embed = torch.cat([self.dit.text_embed(code), self.dit.text_embed(code, drop_code=True)], dim=0)
+        return torch.cat(
+            (
+                encoded.unsqueeze(1).repeat(1, length, 1),
+                code_embed,
+                speaker.unsqueeze(1).repeat(1, length, 1),
+            ),
+            dim=-1,
+        )
+
+    def _dit_forward(self, x, t, static, rope, block_diff) -> torch.Tensor:
+        """One CFG evaluation (batch of two), the same float operations as the DiT's own forward."""
+        time_embedding = self.dit.time_embed(t.repeat(2))
+        hidden = self.dit.input_embed.proj(torch.cat((torch.cat([x, x], dim=0), static), dim=-1))
+        for layer in self.dit.transformer_blocks:
+            hidden = layer(hidden, time_embedding, position_embeddings=rope, block_diff=block_diff)
+        hidden = self.dit.norm_out(hidden, time_embedding)
+        return self.dit.proj_out(hidden)
+
+
+def vocoder_worker(
+    vocoder: StreamingVocoder,
+    codes: Channel,
+    pcm: Channel,
+    on_block: Callable[[np.ndarray, float], None] | None = None,
+) -> None:
+    """Body of the vocoder thread: lists of codes in, float32 PCM blocks out, then `pcm.close()`.
+
+    An error (in the vocoder, or one the codes channel carries from the engine) ends `pcm` with
+    `fail(exc)`, so the consumer raises it; the codes channel is cancelled so the engine stops too.
+    If the consumer cancels `pcm`, the worker stops quietly and cancels `codes`.
+    `on_block(block, t)` sees each block with its `time.perf_counter()` time before it is handed on.
+    """
+
+    def emit(blocks: list[np.ndarray]) -> None:
+        for block in blocks:
+            if on_block is not None:
+                on_block(block, time.perf_counter())
+            pcm.put(block)
+
+    try:
+        with _side_stream(vocoder.device):
+            for item in codes:
+                if item is END:
+                    break
+                emit(vocoder.push(item))
+            emit(vocoder.finish())
+        pcm.close()
+    except Cancelled:
+        codes.cancel()
+    except BaseException as exc:  # noqa: BLE001 - every failure must reach the consumer
+        codes.cancel()
+        pcm.fail(exc)
+
+
+def _side_stream(device: torch.device):
+    """On an accelerator, run the vocoder on its own stream so it overlaps the engine's work.
+
+    A no-op on CPU (and wherever `torch.Stream` is missing). The new stream first waits for the
+    current one, so the noise and voice tensors made at construction are ready.
+    """
+    if device.type == "cpu" or not hasattr(torch, "Stream"):
+        return contextlib.nullcontext()
+    stream = torch.Stream(device=device)
+    stream.wait_stream(torch.accelerator.current_stream(device))
+    return stream
