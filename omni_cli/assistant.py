@@ -76,6 +76,11 @@ class Assistant:
             max_context=max_context,
             max_codes=max_codes or DEFAULT_LIMITS["codes"],
         )
+        if self.engine.device.type == "cuda" and self.has_audio:
+            from .prompt import build_ids
+
+            # CUDA graphs and compiled kernels are made on first use: pay for it while loading.
+            self.engine.warmup(self.voices[0], build_ids(loaded.tokenizer, Conversation().messages("Hello")))
 
     @classmethod
     def load(cls, model: str | None = None, device: str = "auto", dtype: str = "auto", **kwargs) -> "Assistant":

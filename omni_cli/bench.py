@@ -112,7 +112,15 @@ class _Loaded:
     name: str = "bench"
 
 
-def _ours(model, prompt_ids, text_tokens, codes, device, graphs: bool, runs: int) -> dict:
+VARIANTS = {  # how the decode steps run: (fast_decode, graphs, compile)
+    "eager": (False, False, False),  # the library's layers, one kernel launch at a time
+    "fused": (True, False, False),  # fused QKV / gate-up fixed-shape step, still launched op by op
+    "graphs": (True, True, False),  # ... replayed as CUDA graphs
+    "graphs+compile": (True, True, True),  # ... with inductor-fused layers (the default on CUDA)
+}
+
+
+def _ours(model, prompt_ids, text_tokens, codes, device, graphs: bool, runs: int, variant: str | None = None) -> dict:
     import torch
 
     from .config import TALKER_DEFAULTS, SamplingOptions
@@ -120,8 +128,10 @@ def _ours(model, prompt_ids, text_tokens, codes, device, graphs: bool, runs: int
 
     eos = [151645, 151643]
     t0 = time.perf_counter()
-    engine = Engine(model, _BenchTokenizer(), model.speaker_map, eos_ids=eos, max_context=max(1024, len(prompt_ids) + text_tokens + 8),
-                    max_codes=codes, graphs=graphs)
+    fast, graphs, compile = VARIANTS[variant] if variant else (None, graphs, None)
+    engine = Engine(model, _BenchTokenizer(), model.speaker_map, eos_ids=eos,
+                    max_context=max(1024, len(prompt_ids) + text_tokens + 8), max_codes=codes,
+                    fast_decode=fast, graphs=graphs, compile=compile)
     setup = time.perf_counter() - t0
     thinker = SamplingOptions(do_sample=True, temperature=0.7, top_k=20, top_p=0.8, repetition_penalty=1.05)
     results = []
@@ -283,6 +293,17 @@ def _table(ours: dict, ref: dict | None) -> str:
     return "\n".join(lines)
 
 
+def _variants_table(table: dict) -> str:
+    keys = [("thinker ms/token", "thinker_ms_per_token"), ("talker ms/step", "talker_ms_per_step"),
+            ("idle between talker steps (µs)", "talker_gap_us"), ("time to first audio (ms)", "time_to_first_audio_ms"),
+            ("real-time factor", "real_time_factor")]
+    head = f"{'variant':16}" + "".join(f"{label:>32}" for label, _ in keys)
+    lines = [head]
+    for name, row in table.items():
+        lines.append(f"{name:16}" + "".join(f"{'-' if row.get(k) is None else format(row[k], '.3f'):>32}" for _, k in keys))
+    return "\n".join(lines)
+
+
 app = typer.Typer(add_completion=False, help=__doc__.split("\n")[0])
 
 
@@ -297,6 +318,7 @@ def main(
     dtype: str = typer.Option("auto", "--dtype"),
     graphs: bool = typer.Option(True, "--graphs/--no-graphs", help="CUDA graphs for the decode steps"),
     compare_hf: bool = typer.Option(False, "--compare-hf", help="also run transformers' generate"),
+    variants: bool = typer.Option(False, "--variants", help="time each decode-step variant (eager, fused, graphs, graphs+compile)"),
     as_json: bool = typer.Option(False, "--json", help="print JSON instead of a table"),
 ) -> None:
     """Benchmark one reply at forced lengths on random weights."""
@@ -315,6 +337,10 @@ def main(
     g = torch.Generator().manual_seed(1)
     vocab = model.config.thinker_config.text_config.vocab_size
     prompt = torch.randint(0, min(vocab, 150000), (prompt_tokens,), generator=g).tolist()
+    if variants:
+        table = {name: _ours(model, prompt, text_tokens, codes, dev, graphs, runs, variant=name) for name in VARIANTS}
+        typer.echo(json.dumps(table, indent=2) if as_json else _variants_table(table))
+        return
     ours = _ours(model, prompt, text_tokens, codes, dev, graphs, runs)
     ref = _reference(model, prompt, text_tokens, codes, dev) if compare_hf else None
     meta = {

@@ -128,6 +128,10 @@ class Engine:
         if fast_decode is None:
             fast_decode = self.device.type != "cpu"
         self.fast_decode = fast_decode
+        if self.device.type == "cuda" and dtype != torch.float32:
+            # token2wav runs in float32; TF32 matmuls make its GEMMs several times faster. The LLMs in
+            # bf16 are unaffected (a float32 LLM, as in the GPU parity tests, keeps full precision).
+            torch.backends.cuda.matmul.allow_tf32 = True
         if fast_decode:
             from .graphs import compile_wanted
 
@@ -138,6 +142,14 @@ class Engine:
         self.text_vocab = model.thinker.lm_head.out_features
         self._lock = threading.Lock()  # one turn at a time: the caches are shared
         self.lingering: list[threading.Thread] = []
+
+    def warmup(self, voice: str, prompt_ids: list[int]) -> None:
+        """One short forced reply, so graph capture and compilation happen now, not in the first turn."""
+        codes = min(self.max_codes, 96)  # enough for the vocoder's first, second and steady windows
+        req = TurnRequest(prompt_ids, voice, SamplingOptions(do_sample=False), SamplingOptions(do_sample=False),
+                          max_text_tokens=8, max_codes=codes, seed=0, force_lengths=True)
+        for _ in self.stream(req):
+            pass
 
     # ------------------------------------------------------------------------------------------
     def stream(self, req: TurnRequest) -> Iterator[TextDelta | AudioBlock | Done]:
@@ -245,7 +257,7 @@ class _Turn:
         no_eos = None
         if req.force_lengths:  # like transformers' min_new_tokens: EOS cannot be picked before the end
             no_eos = torch.zeros_like(seen_text)
-            no_eos[0, e.eos_ids] = True
+            no_eos[0, [i for i in e.eos_ids if i < e.text_vocab]] = True
         self.text_suppress = no_eos
 
         first = e.thinker.prefill(ids)

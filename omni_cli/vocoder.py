@@ -31,7 +31,6 @@ from typing import Callable, Sequence
 
 import numpy as np
 import torch
-from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import RungeKutta4ODESolver
 
 from .channel import Cancelled, Channel
 
@@ -101,7 +100,13 @@ class StreamingVocoder:
             raise ValueError("past_frames must be a non-negative multiple of the DiT block size")
         self.bigvgan_context = bigvgan_context
 
-        self._voice = self._voice_conditioning(cond, ref_mel)
+        # CUDA graphs of the fixed-shape windows, kept on the model so later utterances reuse them;
+        # the voice's conditioning is baked into them, so it is cached there too, per voice.
+        self._graphs = _WindowGraphs.for_model(token2wav, self.device)
+        self._voice_key = id(cond)
+        self._voice = self._graphs.voices.get(self._voice_key)
+        if self._voice is None:
+            self._voice = self._graphs.voices[self._voice_key] = self._voice_conditioning(cond, ref_mel)
         if isinstance(generator, int):
             generator = torch.Generator().manual_seed(generator)
         self.generator = generator
@@ -191,7 +196,8 @@ class StreamingVocoder:
         """Run the DiT on [start - past, window_end) and keep frames [start, end) as final mel."""
         window_start = max(0, start - self.past_frames)
         code = self.codes[:, window_start // self.repeats : window_end // self.repeats].to(self.device)
-        mel = self._sample(code, self.noise[:, window_start:window_end])
+        mel = self._graphs.run(("dit", self._voice_key, window_end - window_start), self._sample,
+                               code, self.noise[:, window_start:window_end])
         self.mel[:, :, start:end] = mel[:, :, start - window_start : end - window_start]
         self.mel_done = end
         self.dit_frames += window_end - window_start
@@ -207,7 +213,7 @@ class StreamingVocoder:
             return []
         left = max(0, self.audio_done - self.bigvgan_context)
         right = self.mel_done
-        audio = self.bigvgan(self.mel[:, :, left:right]).reshape(-1)
+        audio = self._graphs.run(("bigvgan", right - left), self.bigvgan, self.mel[:, :, left:right]).reshape(-1)
         # BigVGAN gives exactly `hop` samples a frame (its transposed convs are padded that way),
         # so frame indices map onto sample indices without drift.
         hop = audio.shape[-1] // (right - left)
@@ -255,8 +261,7 @@ class StreamingVocoder:
         times = torch.linspace(0, 1, self.num_steps, device=self.device, dtype=self.dtype)
         if self.sway_coefficient is not None:
             times += self.sway_coefficient * (torch.cos(torch.pi / 2 * times) - 1 + times)
-        solver = RungeKutta4ODESolver(function=velocity, initial_value=noise)
-        return solver.integrate(times)[-1].permute(0, 2, 1)
+        return rk4_final(velocity, noise, times).permute(0, 2, 1)
 
     def _static_inputs(self, code: torch.Tensor) -> torch.Tensor:
         """The DiT input that stays fixed over the ODE: [ECAPA(ref_mel) | code embedding | cond], CFG batch."""
@@ -280,6 +285,77 @@ class StreamingVocoder:
             hidden = layer(hidden, time_embedding, position_embeddings=rope, block_diff=block_diff)
         hidden = self.dit.norm_out(hidden, time_embedding)
         return self.dit.proj_out(hidden)
+
+
+def rk4_final(velocity: Callable, x: torch.Tensor, times: torch.Tensor) -> torch.Tensor:
+    """transformers' RK4 solver (`RungeKutta4ODESolver`), same float operations, final value only.
+
+    The library's `integrate` also interpolates at each time point with Python comparisons of device
+    scalars (host syncs); on its own grid every point is an interval end, so the final value is the
+    last step's. Without those branches the whole ODE is capturable as one CUDA graph.
+    """
+    third, two_thirds = 1 / 3, 2 / 3
+    for i in range(times.shape[0] - 1):
+        t0, t1 = times[i], times[i + 1]
+        dt = t1 - t0
+        k1 = velocity(t0, x)
+        k2 = velocity(t0 + dt * third, x + dt * k1 * third)
+        k3 = velocity(t0 + dt * two_thirds, x + dt * (k2 - k1 * third))
+        k4 = velocity(t1, x + dt * (k1 - k2 + k3))
+        x = x + (k1 + 3 * (k2 + k3) + k4) * dt / 8
+    return x
+
+
+class _WindowGraphs:
+    """Replays the vocoder's fixed-shape work (a DiT window's whole ODE, a BigVGAN span) as CUDA graphs.
+
+    One graph per key (kind, voice, length), captured the first time a key is seen and replayed after:
+    thousands of small kernel launches per chunk become one. On CPU (or with `OMNI_NO_GRAPHS=1`)
+    `run` just calls the function.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        from .graphs import graphs_wanted
+
+        self.enabled = graphs_wanted(True, device)
+        self.device = device
+        self.graphs: dict = {}
+        self.voices: dict = {}  # id(cond tensor) -> the voice's DiT conditioning
+        self.pool = torch.cuda.graph_pool_handle() if self.enabled else None
+
+    @classmethod
+    def for_model(cls, token2wav, device: torch.device) -> "_WindowGraphs":
+        graphs = getattr(token2wav, "_omni_window_graphs", None)
+        if graphs is None:
+            graphs = cls(device)
+            token2wav._omni_window_graphs = graphs
+        return graphs
+
+    def run(self, key, fn: Callable, *inputs: torch.Tensor) -> torch.Tensor:
+        if not self.enabled:
+            return fn(*inputs)
+        entry = self.graphs.get(key)
+        if entry is None:
+            entry = self.graphs[key] = self._capture(fn, inputs)
+        graph, static_in, static_out = entry
+        for buf, value in zip(static_in, inputs):
+            buf.copy_(value)
+        graph.replay()
+        return static_out
+
+    def _capture(self, fn, inputs):
+        static_in = [x.clone() for x in inputs]
+        stream = torch.cuda.current_stream(self.device)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(stream)
+        with torch.cuda.stream(side):
+            fn(*static_in)  # warm-up: cuDNN/cuBLAS choose their kernels outside the capture
+        stream.wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: the engine thread keeps using the GPU while this (vocoder) thread captures.
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+            static_out = fn(*static_in)
+        return graph, static_in, static_out
 
 
 def vocoder_worker(
