@@ -76,11 +76,8 @@ class Assistant:
             max_context=max_context,
             max_codes=max_codes or DEFAULT_LIMITS["codes"],
         )
-        if self.engine.device.type == "cuda" and self.has_audio:
-            from .prompt import build_ids
-
-            # CUDA graphs and compiled kernels are made on first use: pay for it while loading.
-            self.engine.warmup(self.voices[0], build_ids(loaded.tokenizer, Conversation().messages("Hello")))
+        # CUDA graphs and compiled kernels: made while loading, so turns only replay them.
+        self.engine.warmup()
 
     @classmethod
     def load(cls, model: str | None = None, device: str = "auto", dtype: str = "auto", **kwargs) -> "Assistant":

@@ -132,6 +132,7 @@ def _ours(model, prompt_ids, text_tokens, codes, device, graphs: bool, runs: int
     engine = Engine(model, _BenchTokenizer(), model.speaker_map, eos_ids=eos,
                     max_context=max(1024, len(prompt_ids) + text_tokens + 8), max_codes=codes,
                     fast_decode=fast, graphs=graphs, compile=compile)
+    engine.warmup()
     setup = time.perf_counter() - t0
     thinker = SamplingOptions(do_sample=True, temperature=0.7, top_k=20, top_p=0.8, repetition_penalty=1.05)
     results = []

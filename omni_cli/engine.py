@@ -143,13 +143,28 @@ class Engine:
         self._lock = threading.Lock()  # one turn at a time: the caches are shared
         self.lingering: list[threading.Thread] = []
 
-    def warmup(self, voice: str, prompt_ids: list[int]) -> None:
-        """One short forced reply, so graph capture and compilation happen now, not in the first turn."""
-        codes = min(self.max_codes, 96)  # enough for the vocoder's first, second and steady windows
-        req = TurnRequest(prompt_ids, voice, SamplingOptions(do_sample=False), SamplingOptions(do_sample=False),
-                          max_text_tokens=8, max_codes=codes, seed=0, force_lengths=True)
-        for _ in self.stream(req):
-            pass
+    def warmup(self) -> None:
+        """Capture the CUDA graphs (decode steps for every span bucket; the vocoder's windows for every
+        voice) and compile, on this thread, with nothing else running: turns only replay them."""
+        if self.device.type != "cuda":
+            return
+        self.thinker.capture_graphs()
+        if not self.has_talker:
+            return
+        self.talker.capture_graphs()
+        from .vocoder import StreamingVocoder
+
+        codes = list(range(100, 196))  # 96 codes: the vocoder's first, second and steady windows, and a tail
+        for spk in self.speakers.values():
+            voc = StreamingVocoder(self.model.token2wav, spk["cond"], spk["ref_mel"], max_codes=len(codes), generator=0)
+            voc._graphs.capturing = True
+            try:
+                with torch.inference_mode():
+                    voc.push(codes)
+                    voc.finish()
+            finally:
+                voc._graphs.capturing = False
+        torch.cuda.synchronize(self.device)
 
     # ------------------------------------------------------------------------------------------
     def stream(self, req: TurnRequest) -> Iterator[TextDelta | AudioBlock | Done]:

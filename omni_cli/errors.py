@@ -26,3 +26,7 @@ class ModelError(OmniError):
 
 class OutputError(OmniError):
     """An output (WAV file, stdout, sound device) could not be written. Exit code 1."""
+
+
+class AudioDeviceError(OutputError):
+    """Sound cannot be played: no PortAudio, no output device, or the device failed. Exit code 1."""

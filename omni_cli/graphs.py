@@ -50,14 +50,23 @@ class StepGraphs:
 
     def __call__(self, span: int):
         size = bucket(span, self.limit)
-        if not self.enabled:
-            return self.fn(size)
-        entry = self.graphs.get(size)
+        entry = self.graphs.get(size) if self.enabled else None
         if entry is None:
-            entry = self.graphs[size] = self._capture(size)
+            return self.fn(size)  # no graph for this span (CPU, switched off, or not captured)
         graph, outputs = entry
         graph.replay()
         return outputs
+
+    def capture_all(self) -> None:
+        """Capture every span bucket now. Called by the engine's warm-up, with nothing else on the GPU:
+        a capture next to another thread's GPU work is not safe. The static inputs must hold valid
+        values (the step writes one cache row, which the next prefill overwrites)."""
+        if not self.enabled:
+            return
+        for size in range(SPAN_BUCKET, self.limit + SPAN_BUCKET, SPAN_BUCKET):
+            size = min(size, self.limit)
+            if size not in self.graphs:
+                self.graphs[size] = self._capture(size)
 
     def _capture(self, size: int):
         # Warm up on a side stream (lazy library init, autotuning), then capture. The step rewrites the
@@ -69,7 +78,6 @@ class StepGraphs:
                 self.fn(size)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        # thread_local: the vocoder thread may be using the GPU while this thread captures.
-        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+        with torch.cuda.graph(graph, pool=self.pool):
             outputs = self.fn(size)
         return graph, outputs

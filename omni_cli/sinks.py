@@ -1,4 +1,4 @@
-"""Where the reply's PCM goes: a small sink protocol and the sinks that need no sound card.
+"""Where the reply's PCM goes: a small sink protocol and the sinks.
 
 A sink is driven by one thread at a time, in this order: `start(sample_rate)` once, `write(block)`
 any number of times (float32 mono 1-D blocks, values nominally in [-1, 1]), then exactly one of
@@ -9,23 +9,35 @@ what was finished. Every sink is also a context manager: an exception inside the
 - `WavSink(path)`: a WAV file, written to a temp file in the same folder and renamed into place at
   `close()`, so a WAV that exists is always whole. Whether the folder is writable is checked in the
   constructor, before any model is loaded.
+- `WavStreamSink(file)`: streaming WAV (16-bit) on a binary file object, e.g. stdout for `-o -`: a
+  header with unknown sizes first, then the PCM as it is produced, flushed block by block. If the
+  file can seek (stdout redirected to a file), the sizes are patched at `close()`.
+- `SpeakerSink(device)`: plays through a sound device (sounddevice/PortAudio). A callback stream
+  copies from a FIFO, fills silence and counts underruns when the FIFO runs dry, ends with
+  `CallbackStop` and an event (`close()` waits on it, it never polls). `abort()` silences at once
+  and may be called from any thread (a Ctrl-C handler, say).
+- `TeeSink(sinks)`: the same audio to several sinks (`--play -o FILE`).
 - `NullSink`: counts samples (benchmarks).
 - `RecordingSink`: keeps every block with its arrival time (tests).
 
-It knows nothing about models, torch or threads; numpy and soundfile are imported when a sink is
-used, not when this module is imported.
+It knows nothing about models, torch or threads of the engine; numpy and soundfile are imported
+when a sink is used, and sounddevice only when something is played or devices are listed (so a
+machine without PortAudio or without a sound card can do everything else).
 """
 
 from __future__ import annotations
 
+import collections
 import os
+import struct
 import tempfile
+import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, BinaryIO, Callable, Protocol, Sequence, runtime_checkable
 
 from .config import SAMPLE_RATE
-from .errors import OutputError
+from .errors import AudioDeviceError, OutputError, UsageError
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     import numpy as np
@@ -278,6 +290,473 @@ class RecordingSink(_SinkBase):
     @property
     def first_block_time(self) -> float | None:
         return self.times[0] if self.times else None
+
+
+# ---------------------------------------------------------------------------------------------
+# Streaming WAV (stdout)
+# ---------------------------------------------------------------------------------------------
+
+UNKNOWN_SIZE = 0xFFFFFFFF  # what a streaming WAV header says for sizes not known yet
+
+
+def wav_header(sample_rate: int, data_bytes: int = UNKNOWN_SIZE) -> bytes:
+    """A 44-byte header of a mono 16-bit PCM WAV; `data_bytes` UNKNOWN_SIZE for a stream."""
+    riff = UNKNOWN_SIZE if data_bytes >= UNKNOWN_SIZE - 36 else 36 + data_bytes
+    data = UNKNOWN_SIZE if data_bytes >= UNKNOWN_SIZE - 36 else data_bytes
+    fmt = struct.pack("<IHHIIHH", 16, 1, 1, sample_rate, sample_rate * 2, 2, 16)
+    return b"RIFF" + struct.pack("<I", riff) + b"WAVE" + b"fmt " + fmt + b"data" + struct.pack("<I", data)
+
+
+def pcm16(block: Any) -> bytes:
+    """Little-endian 16-bit samples of a float block, converted as libsndfile 1.2 does (x * 32768, rounded
+    down, clipped), so `-o -` and `-o FILE` (WavSink) carry the same samples."""
+    import numpy as np
+
+    arr = np.floor(np.clip(as_block(block), -1.0, 1.0) * np.float32(32768))
+    return np.clip(arr, -32768, 32767).astype("<i2").tobytes()
+
+
+class WavStreamSink(_SinkBase):
+    """A 16-bit WAV streamed to a binary file object (stdout for `-o -`), flushed block by block.
+
+    The header goes out at `start()` with sizes 0xFFFFFFFF ("until the end of the stream"), which
+    soundfile/libsndfile, sox, ffmpeg and aplay read. If the file can seek and is not in append mode
+    (stdout redirected to a file), `close()` patches the real sizes in. Nothing can be taken back
+    from a pipe: `abort()` just stops writing.
+    """
+
+    def __init__(self, file: BinaryIO, name: str = "stdout") -> None:
+        super().__init__()
+        self.file = file
+        self.name = name
+        self._header_at: int | None = None  # file offset of the header, if sizes can be patched
+
+    def _fail(self, exc: BaseException) -> OutputError:
+        self.aborted = True
+        if isinstance(exc, BrokenPipeError):
+            return OutputError(f"{self.name} was closed while the WAV was being written")
+        return OutputError(f"cannot write the WAV to {self.name}: {_reason(exc)}")
+
+    def start(self, sample_rate: int) -> None:
+        self._check_start(sample_rate)
+        self._header_at = _patchable_offset(self.file)
+        try:
+            self.file.write(wav_header(self.sample_rate))
+            self.file.flush()
+        except OSError as exc:
+            raise self._fail(exc) from exc
+
+    def write(self, block: "np.ndarray") -> None:
+        self._check_write()
+        data = pcm16(block)
+        try:
+            self.file.write(data)
+            self.file.flush()
+        except OSError as exc:
+            raise self._fail(exc) from exc
+        self.samples += len(data) // 2
+
+    def close(self) -> None:
+        if self.closed or self.aborted:
+            return
+        if not self.started:
+            self.start(self.sample_rate)
+        try:
+            if self._header_at is not None and self.samples * 2 < UNKNOWN_SIZE - 36:
+                end = self.file.tell()
+                self.file.seek(self._header_at)
+                self.file.write(wav_header(self.sample_rate, self.samples * 2))
+                self.file.seek(end)
+            self.file.flush()
+        except OSError as exc:
+            raise self._fail(exc) from exc
+        self.closed = True
+
+    def abort(self) -> None:
+        if self.closed or self.aborted:
+            return
+        self.aborted = True
+        try:
+            self.file.flush()
+        except Exception:
+            pass
+
+
+def _patchable_offset(file: Any) -> int | None:
+    """Where the header will be, if the file can seek back to it (a regular file, not O_APPEND)."""
+    try:
+        if not file.seekable():
+            return None
+        fd = file.fileno()
+    except (AttributeError, OSError, ValueError):
+        return None
+    try:
+        import fcntl
+
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_APPEND:
+            return None
+    except (ImportError, OSError):
+        pass
+    try:
+        return file.tell()
+    except OSError:
+        return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Fan-out
+# ---------------------------------------------------------------------------------------------
+
+
+class TeeSink(_SinkBase):
+    """The same audio to several sinks. `close()` closes them in the order given (put files before
+    the speaker, so a file is whole even if its playback is cut short); any failure aborts the rest."""
+
+    def __init__(self, sinks: Sequence[Any]) -> None:
+        super().__init__()
+        self.sinks = list(sinks)
+
+    def start(self, sample_rate: int) -> None:
+        self._check_start(sample_rate)
+        try:
+            for sink in self.sinks:
+                sink.start(self.sample_rate)
+        except BaseException:
+            self.abort()
+            raise
+
+    def write(self, block: "np.ndarray") -> None:
+        self._check_write()
+        arr = as_block(block)
+        try:
+            for sink in self.sinks:
+                sink.write(arr)
+        except BaseException:
+            self.abort()
+            raise
+        self.samples += int(arr.shape[0])
+
+    def close(self) -> None:
+        if self.closed or self.aborted:
+            return
+        try:
+            for sink in self.sinks:
+                sink.close()
+        except BaseException:
+            self.abort()
+            raise
+        self.closed = True
+
+    def abort(self) -> None:
+        if self.closed or self.aborted:
+            return
+        self.aborted = True
+        for sink in self.sinks:
+            try:
+                sink.abort()
+            except Exception:
+                pass
+
+
+# ---------------------------------------------------------------------------------------------
+# The sound device
+# ---------------------------------------------------------------------------------------------
+
+# What to say after "cannot play audio: ..." (the CLI passes its own: omni-chat says --mute).
+PLAY_HINT = "to write the speech to a file instead, use -o FILE"
+
+
+def import_sounddevice(hint: str = PLAY_HINT):
+    """The `sounddevice` module, or an AudioDeviceError that says what to install.
+
+    PortAudio is loaded (and reads the ALSA configuration) at this import, so it happens only when
+    something is about to be played or listed.
+    """
+    try:
+        import sounddevice
+    except ImportError as exc:
+        raise AudioDeviceError(f"cannot play audio: the sounddevice package is missing: pip install sounddevice; {hint}") from exc
+    except OSError as exc:
+        raise AudioDeviceError(
+            "cannot play audio: the PortAudio library is missing: install it (apt-get install libportaudio2, "
+            f"or brew install portaudio on macOS); {hint}"
+        ) from exc
+    except Exception as exc:  # e.g. PortAudioError from a broken ALSA configuration
+        raise AudioDeviceError(
+            f"cannot play audio: PortAudio failed to start ({_reason(exc)}): check the sound setup; {hint}"
+        ) from exc
+    return sounddevice
+
+
+def output_devices(sd: Any = None, hint: str = PLAY_HINT) -> list[dict]:
+    """The output devices PortAudio sees: dicts with index, name, hostapi, channels, samplerate, default."""
+    sd = sd if sd is not None else import_sounddevice(hint)
+    try:
+        devices = list(sd.query_devices())
+    except Exception as exc:
+        raise AudioDeviceError(f"cannot list the audio devices ({_reason(exc)}); {hint}") from exc
+    try:
+        hostapis = [h["name"] for h in sd.query_hostapis()]
+    except Exception:
+        hostapis = []
+    try:
+        default = int(sd.query_devices(kind="output")["index"])
+    except Exception:  # no default output device (PortAudioError: Error querying device -1)
+        default = None
+    out = []
+    for i, dev in enumerate(devices):
+        if int(dev.get("max_output_channels", 0)) <= 0:
+            continue
+        index = int(dev.get("index", i))
+        api = dev.get("hostapi", 0)
+        out.append({
+            "index": index,
+            "name": str(dev.get("name", f"device {index}")),
+            "hostapi": hostapis[api] if isinstance(api, int) and 0 <= api < len(hostapis) else "",
+            "channels": int(dev["max_output_channels"]),
+            "samplerate": float(dev.get("default_samplerate", 0) or 0),
+            "default": index == default,
+        })
+    return out
+
+
+def find_output_device(spec: str | int | None, sd: Any = None, hint: str = PLAY_HINT) -> dict:
+    """The output device named by `spec`: None = the default; an index; or (part of) a name."""
+    devices = output_devices(sd, hint)
+    listing = "see --list-audio-devices"
+    if not devices:
+        raise AudioDeviceError(f"cannot play audio: no sound output device found (no sound card?); {hint}")
+    text = "" if spec is None else str(spec).strip()
+    if not text:
+        for dev in devices:
+            if dev["default"]:
+                return dev
+        raise AudioDeviceError(f"cannot play audio: there is no default sound output device: choose one with --audio-device ({listing}); {hint}")
+    if text.isdigit():
+        for dev in devices:
+            if dev["index"] == int(text):
+                return dev
+        raise UsageError(f"audio device {text} is not an output device here ({listing})")
+    exact = [d for d in devices if d["name"].lower() == text.lower()]
+    if exact:
+        return exact[0]
+    partial = [d for d in devices if text.lower() in d["name"].lower()]
+    if len(partial) == 1:
+        return partial[0]
+    if not partial:
+        raise UsageError(f"no audio output device is called '{text}' ({listing})")
+    names = ", ".join(f"{d['index']}: {d['name']}" for d in partial[:5])
+    raise UsageError(f"audio device '{text}' is ambiguous ({names}): give its index")
+
+
+class SpeakerSink(_SinkBase):
+    """Plays the reply through a sound device as it is produced.
+
+    A PortAudio callback stream pulls fixed-size buffers from a FIFO of the written blocks (a block
+    may be split across callbacks). The callback only copies: it plays silence until `prebuffer`
+    seconds are queued (or the reply has ended), and when the FIFO runs dry mid-reply it fills
+    silence and counts an underrun. `close()` marks the end of input; the callback then plays out
+    what is left and raises `CallbackStop`, PortAudio calls `finished_callback` once the last buffer
+    has been played, and that sets the event `close()` waits on. `abort()` stops the sound at once
+    (Pa_AbortStream) and may be called from any thread, e.g. a Ctrl-C handler; later `write()`s are
+    dropped.
+
+    The device is checked in the constructor (sounddevice imported here, lazily), so a missing
+    PortAudio or sound card is reported before a model is loaded. `backend` replaces the
+    sounddevice module (tests pass a fake with OutputStream, CallbackStop and query_devices).
+    """
+
+    def __init__(self, device: str | int | None = None, *, prebuffer: float = 0.2, latency: Any = "high",
+                 blocksize: int = 0, hint: str = PLAY_HINT, backend: Any = None) -> None:
+        super().__init__()
+        self._sd = backend if backend is not None else import_sounddevice(hint)
+        self.hint = hint
+        # The chosen device: index, name, hostapi, channels, samplerate, default.
+        self.device = find_output_device(device, self._sd, hint)
+        # Seconds of audio queued before playback starts (the start-up buffer).
+        self.prebuffer = float(prebuffer)
+        # PortAudio's suggested latency ("low", "high" or seconds) and frames per callback (0 = its choice).
+        self.latency = latency
+        self.blocksize = int(blocksize)
+        self._lock = threading.Lock()
+        self._fifo: collections.deque = collections.deque()
+        self._head = 0  # samples of _fifo[0] already played
+        self._queued = 0  # samples in the FIFO
+        self._primed = False  # the start-up buffer is full (or the input ended): play from the FIFO
+        self._eof = False  # close() was called: no more input
+        self._starving = False  # the FIFO ran dry and has not been refilled yet
+        self._stream: Any = None
+        self._stream_rate: int | None = None
+        # Set when the stream has stopped: played out, aborted, or died.
+        self.finished = threading.Event()
+        # Times the FIFO ran dry while more audio was still to come (one per dry spell).
+        self.underruns = 0
+        # Samples of silence played during those dry spells.
+        self.underrun_frames = 0
+        # Buffers PortAudio itself reported as late (output_underflow status flag).
+        self.device_underflows = 0
+        # Samples of the reply handed to the device so far, and the FIFO's high-water mark.
+        self.played = 0
+        self.max_queued = 0
+        # time.perf_counter() of start(), of the first audible buffer, of abort(); None until then.
+        self.start_time: float | None = None
+        self.first_sound_time: float | None = None
+        self.abort_time: float | None = None
+
+    # -- the stream ----------------------------------------------------------------------------
+    def open(self, sample_rate: int = SAMPLE_RATE) -> None:
+        """Open the device now (not started), so that a failure shows before any work is done."""
+        if self._stream is not None and self._stream_rate == int(sample_rate):
+            return
+        self._close_stream()
+        try:
+            self._stream = self._sd.OutputStream(
+                samplerate=int(sample_rate), channels=1, dtype="float32", device=self.device["index"],
+                blocksize=self.blocksize, latency=self.latency, callback=self._callback,
+                finished_callback=self._on_finished,
+            )
+        except Exception as exc:
+            self._stream = None
+            raise AudioDeviceError(f"cannot play on audio device '{self.device['name']}': {_reason(exc)}; {self.hint}") from exc
+        self._stream_rate = int(sample_rate)
+
+    def _close_stream(self) -> None:
+        stream, self._stream = self._stream, None
+        if stream is not None:
+            try:
+                stream.close()
+            except Exception:
+                pass
+
+    def start(self, sample_rate: int) -> None:
+        self._check_start(sample_rate)
+        self.start_time = time.perf_counter()
+        try:
+            self.open(self.sample_rate)
+            self._stream.start()
+        except AudioDeviceError:
+            self.abort()
+            raise
+        except Exception as exc:
+            self.abort()
+            raise AudioDeviceError(f"cannot play on audio device '{self.device['name']}': {_reason(exc)}; {self.hint}") from exc
+
+    def _callback(self, outdata, frames, time_info, status) -> None:
+        # The audio thread: copy, fill silence, count; never block, never allocate much.
+        if status and getattr(status, "output_underflow", False):
+            self.device_underflows += 1
+        out = outdata[:, 0] if outdata.ndim == 2 else outdata
+        if self.aborted:
+            outdata.fill(0)
+            raise self._sd.CallbackAbort
+        with self._lock:
+            if not self._primed:
+                outdata.fill(0)
+                return
+            n = 0
+            while n < frames and self._fifo:
+                head = self._fifo[0]
+                k = min(frames - n, head.shape[0] - self._head)
+                out[n:n + k] = head[self._head:self._head + k]
+                n += k
+                self._head += k
+                if self._head >= head.shape[0]:
+                    self._fifo.popleft()
+                    self._head = 0
+            self._queued -= n
+            self.played += n
+            if n and self.first_sound_time is None:
+                self.first_sound_time = time.perf_counter()
+            if n < frames:
+                out[n:] = 0
+                if self._eof:
+                    raise self._sd.CallbackStop  # this buffer still plays; then finished_callback
+                if not self._starving:
+                    self.underruns += 1
+                    self._starving = True
+                self.underrun_frames += frames - n
+            else:
+                self._starving = False
+
+    def _on_finished(self) -> None:
+        self.finished.set()
+
+    # -- the sink protocol (writer thread) ------------------------------------------------------
+    def write(self, block: "np.ndarray") -> None:
+        if self.aborted:
+            return  # abort() came from another thread (Ctrl-C): the rest of the reply is dropped
+        self._check_write()
+        if self.finished.is_set():
+            raise AudioDeviceError(f"the audio device '{self.device['name']}' stopped playing (was it unplugged?); {self.hint}")
+        arr = as_block(block).copy()
+        with self._lock:
+            if self.aborted:
+                return
+            self._fifo.append(arr)
+            self._queued += arr.shape[0]
+            self.max_queued = max(self.max_queued, self._queued)
+            if not self._primed and self._queued >= self.prebuffer * self.sample_rate:
+                self._primed = True
+        self.samples += int(arr.shape[0])
+
+    def close(self) -> None:
+        """Play out what is queued and wait (on the finished event) until the device has played it."""
+        if self.closed or self.aborted:
+            return
+        if not self.started:
+            self.closed = True
+            return
+        # No lock here: a Ctrl-C handler may call abort() on this thread at any moment.
+        self._eof = True
+        self._primed = True
+        latency = getattr(self._stream, "latency", 0.0) or 0.0
+        timeout = self._queued / self.sample_rate + float(latency) + 5.0
+        try:
+            done = self.finished.wait(timeout)
+        except BaseException:
+            self.abort()
+            raise
+        if self.aborted:
+            return
+        if not done or self._fifo:
+            self.abort()
+            raise AudioDeviceError(f"the audio device '{self.device['name']}' stopped playing before the end; {self.hint}")
+        self._close_stream()
+        self.closed = True
+
+    def abort(self) -> None:
+        """Silence now: drop the FIFO and what the device has queued. Safe from any thread."""
+        if self.closed or self.aborted:
+            return
+        self.aborted = True  # first: write() drops from now on, the callback plays silence
+        self.abort_time = time.perf_counter()
+        stream = self._stream
+        if stream is not None:
+            try:
+                stream.abort()  # Pa_AbortStream: stops at once, pending buffers are discarded
+            except Exception:
+                pass
+        with self._lock:
+            self._fifo.clear()
+            self._queued = 0
+        self._close_stream()
+        self.finished.set()
+
+    @property
+    def stats(self) -> dict:
+        """Playback figures: underruns, underrun_seconds, device_underflows, played_seconds, max_queued_seconds."""
+        rate = self.sample_rate or SAMPLE_RATE
+        return {
+            "underruns": self.underruns,
+            "underrun_seconds": self.underrun_frames / rate,
+            "device_underflows": self.device_underflows,
+            "played_seconds": self.played / rate,
+            "max_queued_seconds": self.max_queued / rate,
+            "start_delay": (self.first_sound_time - self.start_time)
+            if self.first_sound_time is not None and self.start_time is not None else None,
+        }
+
+
 
 
 def _reason(exc: BaseException) -> str:

@@ -47,6 +47,11 @@ class Talker:
         self.static_pos = torch.zeros(1, dtype=torch.long, device=dev)
         self.graphs = StepGraphs(self._fused_step, dev, self.cache.max_len, graphs)
 
+    def capture_graphs(self) -> None:
+        if self.fused is not None:
+            with torch.inference_mode():
+                self.graphs.capture_all()
+
     def _fused_step(self, span: int) -> torch.Tensor:
         x = self.codec_embed(self.static_code.view(1, 1)) + self.static_reply
         hidden = self.fused.step(self.proj(x), self.static_pos, span)

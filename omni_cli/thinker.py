@@ -43,6 +43,11 @@ class Thinker:
         self.static_pos = torch.zeros(1, dtype=torch.long, device=dev)
         self.graphs = StepGraphs(self._fused_step, dev, self.cache.max_len, graphs)
 
+    def capture_graphs(self) -> None:
+        if self.fused is not None:
+            with torch.inference_mode():
+                self.graphs.capture_all()
+
     def _fused_step(self, span: int):
         embeds = self.embed(self.static_token.view(1, 1))
         hidden = self.fused.step(embeds, self.static_pos, span)

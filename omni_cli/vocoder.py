@@ -213,7 +213,7 @@ class StreamingVocoder:
             return []
         left = max(0, self.audio_done - self.bigvgan_context)
         right = self.mel_done
-        audio = self._graphs.run(("bigvgan", right - left), self.bigvgan, self.mel[:, :, left:right]).reshape(-1)
+        audio = self._graphs.run(("bigvgan", right - left), self._bigvgan, self.mel[:, :, left:right]).reshape(-1)
         # BigVGAN gives exactly `hop` samples a frame (its transposed convs are padded that way),
         # so frame indices map onto sample indices without drift.
         hop = audio.shape[-1] // (right - left)
@@ -237,7 +237,7 @@ class StreamingVocoder:
             return np.zeros(0, dtype=np.float32)
         code = torch.from_numpy(new).reshape(1, -1).to(self.device)
         mel = self._sample(code, self.noise[:, : len(new) * self.repeats])
-        return self.bigvgan(mel).reshape(-1).float().cpu().numpy()
+        return self._bigvgan(mel).reshape(-1).float().cpu().numpy()
 
     # -- the DiT, called piece by piece --------------------------------------------------------
     def _sample(self, code: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
@@ -277,6 +277,22 @@ class StreamingVocoder:
             dim=-1,
         )
 
+    def _bigvgan(self, mel: torch.Tensor) -> torch.Tensor:
+        """BigVGAN's forward, same float operations, minus its two graph breakers: the mel floor is
+        built from a host scalar on every call, and the waveform is copied to the CPU at the end."""
+        v = self.bigvgan
+        if getattr(self, "_min_level", None) is None:
+            self._min_level = torch.exp(torch.tensor(-115 / 20.0 * np.log(10), device=mel.device, dtype=mel.dtype))
+        decibels = 20 * torch.log10(torch.clamp(torch.exp(mel), min=self._min_level)) - 20
+        hidden = torch.clamp(2 * ((decibels - -115) / 115) - 1, -1, 1)  # normalize_spectrogram(db, 1, -115)
+        hidden = v.conv_pre(hidden)
+        for i in range(v.num_upsample_layers):
+            hidden = v.ups[i][0](hidden)
+            blocks = v.resblocks[i * v.num_residual_blocks : (i + 1) * v.num_residual_blocks]
+            hidden = sum(block(hidden) for block in blocks) / v.num_residual_blocks
+        hidden = v.conv_post(v.activation_post(hidden))
+        return torch.clamp(hidden, min=-1.0, max=1.0).squeeze()
+
     def _dit_forward(self, x, t, static, rope, block_diff) -> torch.Tensor:
         """One CFG evaluation (batch of two), the same float operations as the DiT's own forward."""
         time_embedding = self.dit.time_embed(t.repeat(2))
@@ -309,9 +325,10 @@ def rk4_final(velocity: Callable, x: torch.Tensor, times: torch.Tensor) -> torch
 class _WindowGraphs:
     """Replays the vocoder's fixed-shape work (a DiT window's whole ODE, a BigVGAN span) as CUDA graphs.
 
-    One graph per key (kind, voice, length), captured the first time a key is seen and replayed after:
-    thousands of small kernel launches per chunk become one. On CPU (or with `OMNI_NO_GRAPHS=1`)
-    `run` just calls the function.
+    One graph per key (kind, voice, length), replayed after: thousands of small kernel launches per
+    chunk become one. Graphs are captured only while `capturing` is set — by the engine's warm-up, on
+    one thread with nothing else running on the GPU (capturing next to a busy engine thread is not
+    safe). A key without a graph runs eagerly, as on CPU or with `OMNI_NO_GRAPHS=1`.
     """
 
     def __init__(self, device: torch.device) -> None:
@@ -321,6 +338,7 @@ class _WindowGraphs:
         self.device = device
         self.graphs: dict = {}
         self.voices: dict = {}  # id(cond tensor) -> the voice's DiT conditioning
+        self.capturing = False
         self.pool = torch.cuda.graph_pool_handle() if self.enabled else None
 
     @classmethod
@@ -336,6 +354,8 @@ class _WindowGraphs:
             return fn(*inputs)
         entry = self.graphs.get(key)
         if entry is None:
+            if not self.capturing:
+                return fn(*inputs)
             entry = self.graphs[key] = self._capture(fn, inputs)
         graph, static_in, static_out = entry
         for buf, value in zip(static_in, inputs):
@@ -352,8 +372,7 @@ class _WindowGraphs:
             fn(*static_in)  # warm-up: cuDNN/cuBLAS choose their kernels outside the capture
         stream.wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        # thread_local: the engine thread keeps using the GPU while this (vocoder) thread captures.
-        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+        with torch.cuda.graph(graph, pool=self.pool):
             static_out = fn(*static_in)
         return graph, static_in, static_out
 

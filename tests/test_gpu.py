@@ -71,6 +71,7 @@ def engines(model, eos, max_codes):
                    fast_decode=False)
     graphed = Engine(model, _Tok(), model.speaker_map, eos_ids=eos, max_context=1024, max_codes=max_codes,
                      fast_decode=True, graphs=True)
+    graphed.warmup()
     return eager, graphed
 
 
@@ -128,7 +129,7 @@ def test_talker_loop_runs_under_sync_debug_error(big_model, monkeypatch):
 
     monkeypatch.setattr(engine_mod._Turn, "_vocoder_main", no_vocoder)
     eng = Engine(big_model, _Tok(), big_model.speaker_map, eos_ids=[151645], max_context=1024, max_codes=256)
+    eng.warmup()
     ids = list(range(1000, 1060))
-    run(eng, ids, 16, 200, force_lengths=True)  # warm-up: captures the graphs this length needs
     reply = run(eng, ids, 16, 200, force_lengths=True, sync_debug=True)
     assert len(reply.codes) == 200

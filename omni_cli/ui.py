@@ -1,0 +1,225 @@
+"""The terminal side: rich consoles, the loading spinner, the timing block, Ctrl-C during a reply,
+and the prompt_toolkit session of omni-chat (history file, key bindings).
+
+Two consoles: `out` for the answer (stdout) and `err` for everything else (stderr). A console made
+with `file=None` looks up `sys.stdout` / `sys.stderr` each time it writes, so it follows
+prompt_toolkit's `patch_stdout` while a prompt is on screen.
+
+`stop_on_interrupt(sink)` is how a Ctrl-C stops a reply within milliseconds: while a reply runs, a
+SIGINT handler aborts the speaker sink right away (the sound stops), then raises KeyboardInterrupt
+so the caller closes the reply's event stream (which stops the engine's threads).
+
+It knows nothing of models or of the engine; rich and prompt_toolkit are imported when used.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+# Turns the chat's history file off when set to anything but "" or "0" (like OLLAMA_NOHISTORY).
+NO_HISTORY_ENV = "OMNI_NOHISTORY"
+
+
+def make_console(stream: str = "stdout", file: Any = None, force_terminal: bool | None = None):
+    """A rich Console on `file`, or on sys.stdout / sys.stderr looked up at each write."""
+    from rich.console import Console
+
+    return Console(
+        file=file,
+        stderr=(stream == "stderr"),
+        highlight=False,
+        soft_wrap=True,
+        force_terminal=force_terminal,
+        emoji=False,
+    )
+
+
+def safe_text_streams() -> None:
+    """Random-weight models decode to odd characters: never let printing them fail."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.reconfigure(errors="replace")
+        except (AttributeError, ValueError):
+            pass
+
+
+@contextlib.contextmanager
+def loading(err, what: str, enabled: bool = True) -> Iterator[None]:
+    """A spinner on stderr naming what is being loaded (only on a terminal; silent otherwise)."""
+    if not enabled or not err.is_terminal:
+        yield
+        return
+    start = time.perf_counter()
+    with err.status(f"Loading {what}...", spinner="dots"):
+        yield
+    err.print(f"[dim]Loaded {what} in {time.perf_counter() - start:.1f} s[/dim]")
+
+
+def model_label(model: str | None) -> str:
+    """What the spinner names before the model is resolved."""
+    if model:
+        return f"model {model}"
+    env = os.environ.get("OMNI_MODEL", "").strip()
+    if env:
+        return f"model {env} (from OMNI_MODEL)"
+    return "the built-in tiny demo model"
+
+
+def _fmt_seconds(value: float | None) -> str:
+    if value is None:
+        return "-"
+    return f"{value * 1000:.0f} ms" if value < 1 else f"{value:.2f} s"
+
+
+def timing_lines(stats: dict, playback: dict | None = None, played: bool = False) -> list[tuple[str, str]]:
+    """(label, value) rows of the --verbose timing block for one reply's stats (+ the speaker's)."""
+    rows = [
+        ("time to first text", _fmt_seconds(stats.get("time_to_first_text"))),
+        ("time to first audio", _fmt_seconds(stats.get("time_to_first_audio"))),
+    ]
+    if playback and playback.get("start_delay") is not None:
+        rows.append(("time to first sound", _fmt_seconds(playback["start_delay"])))
+    audio = stats.get("audio_seconds") or 0.0
+    # "audio_done": when the last audio block was handed over (set by the CLI); the engine's total_time
+    # also counts the wait for the speaker to play out, which is not generation time.
+    made_in = stats.get("audio_done", stats.get("total_time"))
+    if audio and made_in is not None:
+        rows.append(("real-time factor", f"{made_in / audio:.2f} ({audio:.1f} s of audio made in {made_in:.2f} s)"))
+    else:
+        rows.append(("real-time factor", "- (no audio)"))
+    th = stats.get("thinker_ms_per_token")
+    tk = stats.get("talker_ms_per_step")
+    rows.append(("text tokens", f"{stats.get('text_tokens', 0)}" + (f" ({th:.1f} ms/token)" if th else "")))
+    rows.append(("speech codes", f"{stats.get('codes', 0)}" + (f" ({tk:.1f} ms/step)" if tk else "")))
+    if playback is not None:
+        rows.append(("underruns", f"{playback['underruns']} ({playback['underrun_seconds'] * 1000:.0f} ms of silence)"))
+        if playback.get("device_underflows"):
+            rows.append(("device underflows", str(playback["device_underflows"])))
+    else:
+        rows.append(("underruns", "- (not playing)"))
+    return rows
+
+
+class AudioClock:
+    """Notes when the last audio block of a reply arrived, to tell generation time from playback time."""
+
+    def __init__(self) -> None:
+        self.last: float | None = None
+
+    def tick(self) -> None:
+        self.last = time.perf_counter()
+
+    def stats(self, stats: dict) -> dict:
+        out = dict(stats)
+        if self.last is not None and stats.get("started_at") is not None:
+            out["audio_done"] = self.last - stats["started_at"]
+        return out
+
+
+def print_timing(err, stats: dict, playback: dict | None = None, title: str = "timing") -> None:
+    rows = timing_lines(stats, playback)
+    width = max(len(label) for label, _ in rows)
+    err.print(f"[dim]-- {title}[/dim]")
+    for label, value in rows:
+        err.print(f"[dim]{label.ljust(width)}  {value}[/dim]")
+
+
+# -- Ctrl-C during a reply ---------------------------------------------------------------------
+
+
+class InterruptTimes:
+    """When a Ctrl-C came and when the sound stopped (perf_counter), for --verbose and the tests."""
+
+    def __init__(self) -> None:
+        self.signal_at: float | None = None
+        self.silenced_at: float | None = None
+
+
+@contextlib.contextmanager
+def stop_on_interrupt(*sinks: Any, times: InterruptTimes | None = None) -> Iterator[InterruptTimes]:
+    """While inside: SIGINT aborts `sinks` at once (sound off), then raises KeyboardInterrupt.
+
+    Only in the main thread (signals are delivered there); elsewhere it does nothing.
+    """
+    times = times if times is not None else InterruptTimes()
+    if threading.current_thread() is not threading.main_thread():
+        yield times
+        return
+    previous = signal.getsignal(signal.SIGINT)
+    if previous is signal.SIG_IGN:  # started in the background with SIGINT ignored: keep it so
+        yield times
+        return
+
+    def handler(signum, frame):
+        again = times.signal_at is not None
+        if not again:
+            times.signal_at = time.perf_counter()
+        for sink in sinks:
+            if sink is not None:
+                try:
+                    sink.abort()
+                except Exception:
+                    pass
+        if again:
+            return  # the reply is already being stopped: a second Ctrl-C must not cut its clean-up short
+        times.silenced_at = time.perf_counter()
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, handler)
+    try:
+        yield times
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+# -- omni-chat's prompt ------------------------------------------------------------------------
+
+
+def data_dir() -> Path:
+    """The user's data folder for omni-cli (XDG on Linux, Application Support on macOS, APPDATA on Windows)."""
+    if sys.platform == "win32":
+        base = Path(os.environ.get("APPDATA") or Path.home() / "AppData" / "Roaming")
+    elif sys.platform == "darwin":
+        base = Path.home() / "Library" / "Application Support"
+    else:
+        base = Path(os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share")
+    return base / "omni-cli"
+
+
+def history_disabled_by_env() -> bool:
+    return os.environ.get(NO_HISTORY_ENV, "").strip() not in ("", "0")
+
+
+def default_history_file() -> Path:
+    return data_dir() / "chat_history"
+
+
+def make_history(path: Path | None, warn: Callable[[str], None]):
+    """A prompt_toolkit FileHistory at `path` (its folder made), or in-memory history if None or unusable."""
+    from prompt_toolkit.history import FileHistory, InMemoryHistory
+
+    if path is None:
+        return InMemoryHistory()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a", encoding="utf-8"):
+            pass
+    except OSError as exc:
+        warn(f"warning: cannot keep the input history in {path} ({exc.strerror or exc}); it lasts this session only")
+        return InMemoryHistory()
+    return FileHistory(str(path))
+
+
+def make_session(history, input=None, output=None):
+    """The prompt_toolkit session of omni-chat: `>>> ` prompts, history, Ctrl-C / Ctrl-D as usual."""
+    from prompt_toolkit import PromptSession
+
+    return PromptSession(history=history, input=input, output=output, enable_history_search=False,
+                         mouse_support=False, complete_while_typing=False)
