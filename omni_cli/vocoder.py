@@ -281,9 +281,13 @@ class StreamingVocoder:
         """BigVGAN's forward, same float operations, minus its two graph breakers: the mel floor is
         built from a host scalar on every call, and the waveform is copied to the CPU at the end."""
         v = self.bigvgan
-        if getattr(self, "_min_level", None) is None:
-            self._min_level = torch.exp(torch.tensor(-115 / 20.0 * np.log(10), device=mel.device, dtype=mel.dtype))
-        decibels = 20 * torch.log10(torch.clamp(torch.exp(mel), min=self._min_level)) - 20
+        # The floor lives with the per-model graphs, not on this (per-utterance) object: a graph keeps
+        # reading the memory it was captured with, so that tensor must outlive every utterance.
+        floor = self._graphs.constants.get("mel_floor")
+        if floor is None:
+            floor = torch.exp(torch.tensor(-115 / 20.0 * np.log(10), device=mel.device, dtype=mel.dtype))
+            self._graphs.constants["mel_floor"] = floor
+        decibels = 20 * torch.log10(torch.clamp(torch.exp(mel), min=floor)) - 20
         hidden = torch.clamp(2 * ((decibels - -115) / 115) - 1, -1, 1)  # normalize_spectrogram(db, 1, -115)
         hidden = v.conv_pre(hidden)
         for i in range(v.num_upsample_layers):
@@ -338,6 +342,7 @@ class _WindowGraphs:
         self.device = device
         self.graphs: dict = {}
         self.voices: dict = {}  # id(cond tensor) -> the voice's DiT conditioning
+        self.constants: dict = {}  # device tensors the graphs read (they must live as long as the graphs)
         self.capturing = False
         self.pool = torch.cuda.graph_pool_handle() if self.enabled else None
 
