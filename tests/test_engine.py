@@ -145,3 +145,18 @@ def test_kv_cache_is_reused_not_reallocated(assistant):
     assistant.say(PROMPT, greedy=True, max_text_tokens=4, max_codes=10)
     assert assistant.engine.thinker.cache.keys[0] is keys
     assert isinstance(keys, torch.Tensor) and keys.shape[2] == assistant.max_context
+
+
+def test_streamed_reply_audio_matches_whole_utterance_decoding(assistant):
+    """The reply's audio (decoded chunk by chunk while the talker ran) against token2wav on all of its
+    codes at once, with the same starting noise: same length, within the stated bound."""
+    from omni_cli.vocoder import StreamingVocoder
+
+    reply = assistant.say(PROMPT, seed=5, max_text_tokens=8, max_codes=150)
+    spk = assistant.loaded.speakers["Chelsie"]
+    whole = StreamingVocoder(assistant.loaded.model.token2wav, spk["cond"], spk["ref_mel"], max_codes=150,
+                             generator=5).decode_whole(reply.codes)
+    assert len(reply.audio) == len(whole) == len(reply.codes) * 480
+    err = reply.audio - whole
+    snr = 10 * np.log10(np.sum(whole.astype(np.float64) ** 2) / max(np.sum(err.astype(np.float64) ** 2), 1e-30))
+    assert np.abs(err).max() <= 1e-3 and snr >= 70, (np.abs(err).max(), snr)
