@@ -12,8 +12,12 @@ __version__ = "0.1.0"
 __all__ = ["load", "__version__"]
 
 
-def load(model: str | None = None, device: str = "auto", dtype: str = "auto", **kwargs):
-    """Load a Qwen2.5-Omni checkpoint (folder, hub id, or None for $OMNI_MODEL / the built-in tiny model)."""
+def load(model: str | None = None, device: str = "auto", dtype: str = "auto", runtime=None):
+    """Load a Qwen2.5-Omni checkpoint (folder, hub id, or None for $OMNI_MODEL / the built-in tiny model).
+
+    `runtime`: an `omni_cli.config.RuntimeOptions` (graphs on/off, cache sizes); its device and dtype
+    win over the two arguments.
+    """
     from .assistant import Assistant
 
-    return Assistant.load(model, device=device, dtype=dtype, **kwargs)
+    return Assistant.load(model, device=device, dtype=dtype, runtime=runtime)

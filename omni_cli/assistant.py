@@ -20,7 +20,7 @@ from __future__ import annotations
 import sys
 from typing import Iterator
 
-from .config import SAMPLE_RATE, TALKER_DEFAULTS, SamplingOptions
+from .config import SAMPLE_RATE, TALKER_DEFAULTS, RuntimeOptions, SamplingOptions
 from .engine import AudioBlock, Done, Engine, Reply, TextDelta, TurnRequest, fresh_seed
 from .errors import UsageError
 from .prompt import DEFAULT_SYSTEM, Conversation, check_prompt, fit
@@ -60,7 +60,7 @@ def eos_ids(generation_config, tokenizer) -> list[int]:
 
 
 class Assistant:
-    def __init__(self, loaded, *, max_context: int = 4096, max_codes: int | None = None) -> None:
+    def __init__(self, loaded, *, max_context: int = 4096, max_codes: int | None = None, graphs: bool = True) -> None:
         self.loaded = loaded
         self.is_demo = loaded.is_demo
         self.name = loaded.name
@@ -75,15 +75,20 @@ class Assistant:
             eos_ids=eos_ids(loaded.generation_config, loaded.tokenizer),
             max_context=max_context,
             max_codes=max_codes or DEFAULT_LIMITS["codes"],
+            graphs=graphs,
         )
         # CUDA graphs and compiled kernels: made while loading, so turns only replay them.
         self.engine.warmup()
 
     @classmethod
-    def load(cls, model: str | None = None, device: str = "auto", dtype: str = "auto", **kwargs) -> "Assistant":
+    def load(cls, model: str | None = None, device: str = "auto", dtype: str = "auto",
+             runtime: RuntimeOptions | None = None) -> "Assistant":
+        """Load a checkpoint; `runtime` overrides device/dtype and sets graphs and cache sizes."""
         from .loader import load_model
 
-        return cls(load_model(model, device=device, dtype=dtype), **kwargs)
+        rt = runtime or RuntimeOptions(device=device, dtype=dtype)
+        return cls(load_model(model, device=rt.device, dtype=rt.dtype), max_context=rt.max_context,
+                   max_codes=rt.max_codes, graphs=rt.graphs)
 
     @property
     def voices(self) -> list[str]:

@@ -7,7 +7,7 @@ stays instant. Defaults that depend on the checkpoint (the thinker's sampling se
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 SAMPLE_RATE = 24_000  # Qwen2.5-Omni's token2wav speaks at 24 kHz mono
 CODES_PER_SECOND = 50  # one talker code is 20 ms of audio
@@ -37,26 +37,6 @@ TALKER_DEFAULTS = SamplingOptions(do_sample=True, temperature=0.9, top_k=40, top
 
 
 @dataclass(frozen=True)
-class ReplyOptions:
-    """What one turn should produce."""
-
-    # Speaker name from the checkpoint's spk_dict.pt.
-    voice: str = "Chelsie"
-    # Greedy decoding for both LLMs (reproducible; what the parity tests use).
-    greedy: bool = False
-    # Seed for sampling and for the vocoder's starting noise; None = fresh randomness.
-    seed: int | None = None
-    # Hard caps on the reply length; None = the model's defaults (see loader).
-    max_text_tokens: int | None = None
-    max_codes: int | None = None
-    # Text only: skip the talker and the vocoder entirely.
-    text_only: bool = False
-    # Overrides of the thinker's / talker's sampling (None = checkpoint / reference defaults).
-    thinker_sampling: SamplingOptions | None = None
-    talker_sampling: SamplingOptions | None = None
-
-
-@dataclass(frozen=True)
 class RuntimeOptions:
     """How the engine runs on the device."""
 
@@ -64,11 +44,9 @@ class RuntimeOptions:
     device: str = "auto"
     # "auto" = bfloat16 on accelerators, float32 on CPU. token2wav always runs in float32.
     dtype: str = "auto"
-    # CUDA graphs / compile for the decode steps (a no-op on CPU).
+    # CUDA graphs and compiled decode layers (a no-op on CPU); OMNI_NO_GRAPHS=1 also turns them off.
     graphs: bool = True
-    # Codes per vocoder hand-off after the first chunk (the first is as small as the DiT window allows).
-    codes_per_chunk: int = 24
-    # Longest prompt + reply the static KV caches are sized for.
+    # Longest prompt + reply text the thinker's static KV cache is sized for (tokens).
     max_context: int = 4096
-    # Extra fields for experiments, never required.
-    extra: dict = field(default_factory=dict, hash=False, compare=False)
+    # Longest reply audio the talker's cache and the vocoder's noise are sized for (50 codes = 1 s).
+    max_codes: int = 4096
