@@ -10,6 +10,8 @@ import torch
 from omni_cli.config import TALKER_DEFAULTS, SamplingOptions
 from omni_cli.engine import Done, Engine, TurnRequest
 
+from hf_reference import reference_generate
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
@@ -31,39 +33,7 @@ def run(engine: Engine, ids, n_text, n_codes, **kw):
 
 
 def reference(model, ids, n_text, n_codes, eos, forced=False):
-    """transformers' greedy generate; `forced`: no text EOS before n_text, audio codes only (as force_lengths)."""
-    from transformers import LogitsProcessor, LogitsProcessorList
-
-    class AudioOnly(LogitsProcessor):
-        def __call__(self, input_ids, scores):
-            scores[:, 8192:] = float("-inf")
-            return scores
-
-    extra = {}
-    if forced:
-        extra = dict(thinker_min_new_tokens=n_text, talker_min_new_tokens=n_codes,
-                     talker_logits_processor=LogitsProcessorList([AudioOnly()]))
-    captured = {}
-    original = model.talker.generate
-
-    def capture(*a, **k):
-        captured["codes"] = out = original(*a, **k)
-        return out
-
-    model.talker.generate = capture
-    try:
-        with torch.no_grad():
-            seqs, _ = model.generate(torch.tensor([ids], device="cuda"), speaker="Chelsie",
-                                     thinker_max_new_tokens=n_text, thinker_do_sample=False, thinker_eos_token_id=eos,
-                                     talker_max_new_tokens=n_codes, talker_do_sample=False, **extra)
-    finally:
-        model.talker.generate = original
-    codes = []
-    for c in captured["codes"][0, len(ids) + 2:].tolist():
-        if c in (8292, 8294):
-            break
-        codes.append(c)
-    return seqs[0, len(ids):].tolist(), codes
+    return reference_generate(model, ids, n_text=n_text, n_codes=n_codes, eos=eos, forced=forced)
 
 
 def engines(model, eos, max_codes):

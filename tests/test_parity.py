@@ -18,8 +18,9 @@ from omni_cli import tiny
 from omni_cli.assistant import Assistant
 from omni_cli.prompt import Conversation, build_ids
 
+from hf_reference import reference_generate
+
 N_TEXT, N_CODES = 16, 96
-STOP_CODES = (8292, 8294)
 
 OTHER_CONFIGS = {
     "wide-shallow": dict(
@@ -57,32 +58,9 @@ def assistant(request):
 
 def reference(assistant: Assistant, ids: list[int], voice: str) -> tuple[list[int], list[int]]:
     """Text ids and codes (before the codec EOS) from transformers' own generate, greedy."""
-    model = assistant.loaded.model
-    captured = {}
-    original = model.talker.generate
-
-    def capture(*args, **kwargs):
-        captured["codes"] = out = original(*args, **kwargs)
-        return out
-
-    model.talker.generate = capture
-    try:
-        with torch.no_grad():
-            sequences, _ = model.generate(
-                torch.tensor([ids]), speaker=voice,
-                thinker_max_new_tokens=N_TEXT, thinker_do_sample=False,
-                thinker_eos_token_id=assistant.engine.eos_ids,
-                thinker_repetition_penalty=assistant.thinker_sampling.repetition_penalty,
-                talker_max_new_tokens=N_CODES, talker_do_sample=False,
-            )
-    finally:
-        model.talker.generate = original
-    codes = []
-    for code in captured["codes"][0, len(ids) + 2:].tolist():
-        if code in STOP_CODES:
-            break
-        codes.append(code)
-    return sequences[0, len(ids):].tolist(), codes
+    return reference_generate(assistant.loaded.model, ids, voice=voice, n_text=N_TEXT, n_codes=N_CODES,
+                              eos=assistant.engine.eos_ids,
+                              repetition_penalty=assistant.thinker_sampling.repetition_penalty)
 
 
 @pytest.mark.parametrize("voice", ["Chelsie", "Ethan"])

@@ -1,0 +1,50 @@
+"""transformers' own `Qwen2_5OmniForConditionalGeneration.generate`, greedy, as the parity reference:
+the reply's text ids and the talker's codes before its stop code."""
+
+from __future__ import annotations
+
+import torch
+
+STOP_CODES = (8292, 8294)  # the reference's talker stops on codec pad and codec EOS
+
+
+def reference_generate(model, ids: list[int], *, voice: str = "Chelsie", n_text: int, n_codes: int,
+                       eos: list[int], repetition_penalty: float | None = None, forced: bool = False):
+    """`forced`: no text EOS before `n_text` and audio codes only (what `TurnRequest.force_lengths` does)."""
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    class AudioOnly(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            scores[:, 8192:] = float("-inf")
+            return scores
+
+    extra = {}
+    if repetition_penalty is not None:
+        extra["thinker_repetition_penalty"] = repetition_penalty
+    if forced:
+        extra.update(thinker_min_new_tokens=n_text, talker_min_new_tokens=n_codes,
+                     talker_logits_processor=LogitsProcessorList([AudioOnly()]))
+    captured = {}
+    original = model.talker.generate
+
+    def capture(*args, **kwargs):
+        captured["codes"] = out = original(*args, **kwargs)
+        return out
+
+    model.talker.generate = capture
+    try:
+        with torch.no_grad():
+            device = next(model.parameters()).device
+            sequences, _ = model.generate(
+                torch.tensor([ids], device=device), speaker=voice,
+                thinker_max_new_tokens=n_text, thinker_do_sample=False, thinker_eos_token_id=eos,
+                talker_max_new_tokens=n_codes, talker_do_sample=False, **extra,
+            )
+    finally:
+        model.talker.generate = original
+    codes = []
+    for code in captured["codes"][0, len(ids) + 2:].tolist():
+        if code in STOP_CODES:
+            break
+        codes.append(code)
+    return sequences[0, len(ids):].tolist(), codes
