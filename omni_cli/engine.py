@@ -179,6 +179,24 @@ class Engine:
             self._lock.release()
 
 
+@dataclass
+class _DecodeState:
+    """Device tensors of one turn's decode loop (the engine thread's alone)."""
+
+    ids: torch.Tensor  # [1, L] prompt ids
+    gen: torch.Generator  # sampling randomness (seeded)
+    eos: torch.Tensor | None = None  # text EOS ids
+    seen_text: torch.Tensor | None = None  # repetition-penalty masks
+    seen_codes: torch.Tensor | None = None
+    no_eos: torch.Tensor | None = None  # forced lengths: text EOS banned
+    suppress_codes: torch.Tensor | None = None  # codec BOS (and, forced, every non-audio id) banned
+    voice_bos: torch.Tensor | None = None  # thinker embedding of the voice's text-side BOS
+    first: Any = None  # the thinker prefill's output (prompt vectors for the talker prefill)
+    toks: list = field(default_factory=list)  # reply token k, on the device
+    replies: list = field(default_factory=list)  # R[k] = hidden + embedding of reply token k
+    ended_before: list = field(default_factory=list)  # [k]: a text EOS was sampled before token k
+
+
 class _Turn:
     """The threads and channels of one turn."""
 
@@ -196,7 +214,7 @@ class _Turn:
         self._workers_lock = threading.Lock()
         self._pcm: list[np.ndarray] = []
         self._text_sent = ""
-        self.eos_ids = [] if req.force_lengths else engine.eos_ids
+        self.eos_ids = [] if req.force_lengths else engine.eos_ids  # EOS ids that end the text
         self.clock = _StepClock(engine.device, req.step_events)
 
     # -- orchestration (caller's thread) ------------------------------------------------------
@@ -261,50 +279,43 @@ class _Turn:
             self.boundary.finish()
 
     def _loop(self) -> None:
-        e, req, st, out = self.e, self.req, self.state, self.boundary
+        d = self._setup()
+        first = self.e.thinker.prefill(d.ids)
+        tok = select(first.logits, self.req.thinker, d.seen_text, d.no_eos, d.gen)
+        mark_seen(d.seen_text, tok)
+        self.boundary.push("text", 0, tok)
+        d.first, d.toks = first, [tok]
+        with _sync_debug(self.req.sync_debug and self.e.device.type == "cuda"):
+            self._steps(d)
+
+    def _setup(self) -> "_DecodeState":
+        """Per-turn device state, made before the first step (the only host→device copies of the turn)."""
+        e, req = self.e, self.req
         dev = e.device
-        ids = torch.tensor([req.input_ids], device=dev)
-        gen = torch.Generator(device=dev)
-        gen.manual_seed(req.seed)
-        eos_t = torch.tensor(self.eos_ids or [-1], device=dev)
-        seen_text = torch.zeros(1, e.text_vocab, dtype=torch.bool, device=dev)
-        seen_text[0, ids[0]] = True
-        no_eos = None
+        d = _DecodeState(ids=torch.tensor([req.input_ids], device=dev), gen=torch.Generator(device=dev))
+        d.gen.manual_seed(req.seed)
+        d.eos = torch.tensor(self.eos_ids or [-1], device=dev)
+        d.seen_text = torch.zeros(1, e.text_vocab, dtype=torch.bool, device=dev)
+        d.seen_text[0, d.ids[0]] = True  # the penalty counts the prompt, as transformers' does
         if req.force_lengths:  # like transformers' min_new_tokens: EOS cannot be picked before the end
-            no_eos = torch.zeros_like(seen_text)
-            no_eos[0, [i for i in e.eos_ids if i < e.text_vocab]] = True
-        self.text_suppress = no_eos
-
-        first = e.thinker.prefill(ids)
-        tok = select(first.logits, req.thinker, seen_text, self.text_suppress, gen)
-        mark_seen(seen_text, tok)
-        out.push("text", 0, tok)
-        st.times["thinker_first"] = time.perf_counter()
-        toks = [tok]  # device tensors; the host never reads them
-        ended_before = [torch.zeros(1, dtype=torch.bool, device=dev)]  # an EOS was sampled before token k
-        replies: list[torch.Tensor] = []  # R[k] = hidden + embedding of token k
+            d.no_eos = torch.zeros_like(d.seen_text)
+            d.no_eos[0, [i for i in e.eos_ids if i < e.text_vocab]] = True
+        d.ended_before = [torch.zeros(1, dtype=torch.bool, device=dev)]
         if self.audio:
-            seen_codes = torch.zeros(1, e.talker.codec_head.out_features, dtype=torch.bool, device=dev)
-            seen_codes[0, e.talker.prompt_ids(ids.shape[1])] = True
-            suppress = torch.zeros_like(seen_codes)
-            suppress[0, e.talker.codec_bos] = True
+            d.seen_codes = torch.zeros(1, e.talker.codec_head.out_features, dtype=torch.bool, device=dev)
+            d.seen_codes[0, e.talker.prompt_ids(d.ids.shape[1])] = True
+            d.suppress_codes = torch.zeros_like(d.seen_codes)
+            d.suppress_codes[0, e.talker.codec_bos] = True
             if req.force_lengths:
-                suppress[0, AUDIO_CODE_LIMIT:] = True
-            voice_bos = e.thinker.embed(torch.tensor([[e.speakers[req.voice]["bos_token"]]], device=dev))
-        with _sync_debug(req.sync_debug and dev.type == "cuda"):
-            thinker_steps, talker_steps, t_thinker, t_talker = self._steps(
-                first, toks, ended_before, replies, seen_text, gen, eos_t,
-                seen_codes if self.audio else None, suppress if self.audio else None,
-                voice_bos if self.audio else None)
-        st.times.update(thinker_steps=thinker_steps, talker_steps=talker_steps,
-                        thinker_time=t_thinker, talker_time=t_talker)
+                d.suppress_codes[0, AUDIO_CODE_LIMIT:] = True
+            d.voice_bos = e.thinker.embed(torch.tensor([[e.speakers[req.voice]["bos_token"]]], device=dev))
+        return d
 
-    def _steps(self, first, toks, ended_before, replies, seen_text, gen, eos_t, seen_codes, suppress, voice_bos):
+    def _steps(self, d: "_DecodeState") -> None:
         """The hot loop: thinker step j, then talker step k as soon as its reply vector exists."""
         e, req, st, out = self.e, self.req, self.state, self.boundary
         j, k = 1, 0
         code = None
-        thinker_steps = talker_steps = 0
         t_thinker = t_talker = 0.0
         while not self.stop.is_set():
             text_end = st.text_end
@@ -312,16 +323,15 @@ class _Turn:
                 out.wait_for("text", j, self.stop)
                 t = time.perf_counter()
                 mark = self.clock.start()
-                o = e.thinker.decode_one(toks[j - 1])
-                replies.append(o.hidden + o.embeds)
-                ended_before.append(ended_before[-1] | torch.isin(toks[j - 1], eos_t))
-                tok = select(o.logits, req.thinker, seen_text, self.text_suppress, gen)
-                mark_seen(seen_text, tok)
+                o = e.thinker.decode_one(d.toks[j - 1])
+                d.replies.append(o.hidden + o.embeds)
+                d.ended_before.append(d.ended_before[-1] | torch.isin(d.toks[j - 1], d.eos))
+                tok = select(o.logits, req.thinker, d.seen_text, d.no_eos, d.gen)
+                mark_seen(d.seen_text, tok)
                 out.push("text", j, tok)
                 self.clock.end("thinker", mark)
-                toks.append(tok)
+                d.toks.append(tok)
                 j += 1
-                thinker_steps += 1
                 t_thinker += time.perf_counter() - t
             thinker_finished = j >= self.n_max or (st.text_end is not None and j >= st.text_end)
             talker_finished = not self.audio or st.codes_end is not None or k >= req.max_codes
@@ -329,39 +339,38 @@ class _Turn:
                 break
             if talker_finished:
                 continue
-            vec = self._reply_vector(k, replies, toks, ended_before, eos_t)
+            vec = self._reply_vector(k, d)
             if vec is None:
                 continue  # R[k] does not exist yet: the thinker goes first
             out.wait_for("code", k, self.stop)
             t = time.perf_counter()
             mark = self.clock.start()
             if k == 0:
-                logits = e.talker.prefill(first.embeds, first.hidden, voice_bos, vec)
+                logits = e.talker.prefill(d.first.embeds, d.first.hidden, d.voice_bos, vec)
             else:
                 logits = e.talker.decode_one(code, vec)
-            code = select(logits, req.talker, seen_codes, suppress, gen)
-            mark_seen(seen_codes, code)
+            code = select(logits, req.talker, d.seen_codes, d.suppress_codes, d.gen)
+            mark_seen(d.seen_codes, code)
             out.push("code", k, code)
             self.clock.end("talker" if k else "talker_prefill", mark)
             k += 1
-            talker_steps += 1
             t_talker += time.perf_counter() - t
             st.times["talker_last_step"] = time.perf_counter()
-        return thinker_steps, talker_steps, t_thinker, t_talker
+        st.times.update(thinker_steps=j - 1, talker_steps=k, thinker_time=t_thinker, talker_time=t_talker)
 
-    def _reply_vector(self, k, replies, toks, ended_before, eos_t):
+    def _reply_vector(self, k: int, d: "_DecodeState"):
         """Talker input vector k: R[k], text-EOS for the last reply token, text-pad after it."""
         e, end = self.e, self.state.text_end
         if (end is not None and k >= end) or k >= self.n_max:
             return e.text_pad_vec
         if (end is not None and k == end - 1) or k == self.n_max - 1:
             return e.text_eos_vec
-        if k >= len(replies):
+        if k >= len(d.replies):
             return None
         # Host does not know yet whether the text ended: decide on the device.
-        is_last = torch.isin(toks[k], eos_t).view(1, 1, 1)
-        ended = ended_before[k].view(1, 1, 1)
-        return torch.where(ended, e.text_pad_vec, torch.where(is_last, e.text_eos_vec, replies[k]))
+        is_last = torch.isin(d.toks[k], d.eos).view(1, 1, 1)
+        ended = d.ended_before[k].view(1, 1, 1)
+        return torch.where(ended, e.text_pad_vec, torch.where(is_last, e.text_eos_vec, d.replies[k]))
 
     # -- producer thread: host values, EOS bookkeeping, text deltas, code hand-off -------------
     def _producer_main(self) -> None:
