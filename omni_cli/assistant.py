@@ -106,10 +106,14 @@ class Assistant:
             max_text_tokens: int | None = None, max_codes: int | None = None, sink=None,
             text_only: bool = False, conversation: Conversation | None = None) -> Reply:
         """One reply, start to end. Audio goes to `sink` as it is produced (if given) and into `reply.audio`."""
-        for event in self.stream(prompt, voice=voice, greedy=greedy, seed=seed, max_text_tokens=max_text_tokens,
-                                 max_codes=max_codes, sink=sink, text_only=text_only, conversation=conversation):
-            if isinstance(event, Done):
-                return event.reply
+        events = self.stream(prompt, voice=voice, greedy=greedy, seed=seed, max_text_tokens=max_text_tokens,
+                             max_codes=max_codes, sink=sink, text_only=text_only, conversation=conversation)
+        try:
+            for event in events:
+                if isinstance(event, Done):
+                    return event.reply
+        finally:
+            events.close()  # on Ctrl-C or an error: stop the turn's threads now, not at garbage collection
         raise RuntimeError("turn ended without a reply")  # unreachable: stream always ends with Done
 
     def stream(self, prompt: str, voice: str = "Chelsie", greedy: bool = False, seed: int | None = None,
