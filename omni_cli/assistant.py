@@ -126,11 +126,15 @@ class Assistant:
         the reply too (an interrupted turn leaves the history as it was).
         """
         req, conv = self._request(prompt, voice, greedy, seed, max_text_tokens, max_codes, sink, text_only, conversation)
-        for event in self.engine.stream(req):
-            if isinstance(event, Done) and conversation is not None:
-                conversation.turns[:] = conv.turns
-                conversation.add(prompt, event.reply.text)
-            yield event
+        events = self.engine.stream(req)
+        try:
+            for event in events:
+                if isinstance(event, Done) and conversation is not None:
+                    conversation.turns[:] = conv.turns
+                    conversation.add(prompt, event.reply.text)
+                yield event
+        finally:
+            events.close()  # closing this generator (an interrupt) stops the turn at once
 
     def _request(self, prompt, voice, greedy, seed, max_text_tokens, max_codes, sink, text_only, conversation):
         from .loader import check_voice
