@@ -549,6 +549,19 @@ def find_output_device(spec: str | int | None, sd: Any = None, hint: str = PLAY_
     raise UsageError(f"audio device '{text}' is ambiguous ({names}): give its index")
 
 
+# Streams that abort() stopped but did not close; closed on the caller's thread at the next open().
+_ABORTED_STREAMS: list = []
+
+
+def _close_aborted_streams() -> None:
+    while _ABORTED_STREAMS:
+        stream = _ABORTED_STREAMS.pop()
+        try:
+            stream.close()
+        except Exception:
+            pass
+
+
 class SpeakerSink(_SinkBase):
     """Plays the reply through a sound device as it is produced.
 
@@ -559,7 +572,7 @@ class SpeakerSink(_SinkBase):
     what is left and raises `CallbackStop`, PortAudio calls `finished_callback` once the last buffer
     has been played, and that sets the event `close()` waits on. `abort()` stops the sound at once
     (Pa_AbortStream) and may be called from any thread, e.g. a Ctrl-C handler; later `write()`s are
-    dropped.
+    dropped, and the stopped stream is closed at the next `open()` (closing can wait on the driver).
 
     The device is checked in the constructor (sounddevice imported here, lazily), so a missing
     PortAudio or sound card is reported before a model is loaded. `backend` replaces the
@@ -602,6 +615,8 @@ class SpeakerSink(_SinkBase):
         self.start_time: float | None = None
         self.first_sound_time: float | None = None
         self.abort_time: float | None = None
+        # time.perf_counter() when abort() had stopped the stream (the sound is off from then on).
+        self.silent_time: float | None = None
 
     # -- the stream ----------------------------------------------------------------------------
     def open(self, sample_rate: int = SAMPLE_RATE) -> None:
@@ -609,6 +624,7 @@ class SpeakerSink(_SinkBase):
         if self._stream is not None and self._stream_rate == int(sample_rate):
             return
         self._close_stream()
+        _close_aborted_streams()
         try:
             self._stream = self._sd.OutputStream(
                 samplerate=int(sample_rate), channels=1, dtype="float32", device=self.device["index"],
@@ -730,16 +746,18 @@ class SpeakerSink(_SinkBase):
             return
         self.aborted = True  # first: write() drops from now on, the callback plays silence
         self.abort_time = time.perf_counter()
-        stream = self._stream
+        stream, self._stream = self._stream, None
         if stream is not None:
             try:
                 stream.abort()  # Pa_AbortStream: stops at once, pending buffers are discarded
             except Exception:
                 pass
+            # Closing can wait on the driver; an interrupt should not: the next open() closes it.
+            _ABORTED_STREAMS.append(stream)
+        self.silent_time = time.perf_counter()
         with self._lock:
             self._fifo.clear()
             self._queued = 0
-        self._close_stream()
         self.finished.set()
 
     @property

@@ -1,17 +1,25 @@
-"""sinks: the WAV file appears whole or not at all; the null and recording sinks count and keep."""
+"""sinks: the WAV file appears whole or not at all; streamed WAV (stdout) is valid as it grows; the
+speaker sink plays every sample in order, waits for the device at close(), stops at once at abort()
+and counts underruns (against a fake sound device paced at real time); tee, null and recording sinks."""
 
 from __future__ import annotations
 
+import io
 import os
-import tempfile
+import threading
+import time
+import wave
 from pathlib import Path
+import tempfile
 
 import numpy as np
 import pytest
 import soundfile as sf
 
-from omni_cli.errors import OutputError
-from omni_cli.sinks import NullSink, RecordingSink, Sink, WavSink
+from audio_device import FakeSoundDevice
+from omni_cli.errors import AudioDeviceError, OutputError, UsageError
+from omni_cli.sinks import (NullSink, RecordingSink, Sink, SpeakerSink, TeeSink, WavSink, WavStreamSink,
+                            find_output_device, output_devices, wav_header)
 
 SR = 24_000
 
@@ -22,7 +30,9 @@ def blocks(n: int = 3, size: int = 2400, seed: int = 0) -> list[np.ndarray]:
 
 
 def test_all_sinks_follow_the_protocol(tmp_path):
-    for sink in (WavSink(tmp_path / "a.wav"), NullSink(), RecordingSink()):
+    sinks = (WavSink(tmp_path / "a.wav"), NullSink(), RecordingSink(), WavStreamSink(io.BytesIO()), TeeSink([]),
+             SpeakerSink(backend=FakeSoundDevice()))
+    for sink in sinks:
         assert isinstance(sink, Sink)
 
 
@@ -257,3 +267,304 @@ def test_recording_sink_empty_and_aborted():
     assert sink.aborted and not sink.closed
     sink.close()
     assert not sink.closed
+
+
+# -- WavStreamSink (-o -) -----------------------------------------------------------------------
+
+
+class Pipe(io.RawIOBase):
+    """A write-only, unseekable stream that records what reached it and when it was flushed."""
+
+    def __init__(self):
+        self.data = bytearray()
+        self.flushed_sizes = []
+
+    def writable(self):
+        return True
+
+    def seekable(self):
+        return False
+
+    def write(self, b):
+        self.data += bytes(b)
+        return len(b)
+
+    def flush(self):
+        self.flushed_sizes.append(len(self.data))
+
+
+def test_wav_stream_to_a_pipe_is_streamed_and_readable():
+    pipe = Pipe()
+    sink = WavStreamSink(pipe)
+    sink.start(SR)
+    assert bytes(pipe.data) == wav_header(SR)  # the header goes out before any audio
+    assert pipe.data[4:8] == b"\xff\xff\xff\xff" and pipe.data[40:44] == b"\xff\xff\xff\xff"
+    parts = blocks()
+    for i, b in enumerate(parts):
+        sink.write(b)
+        assert len(pipe.data) == 44 + 2 * 2400 * (i + 1)  # each block is out (flushed) as it is written
+        assert pipe.flushed_sizes[-1] == len(pipe.data)
+    sink.close()
+    assert pipe.data[4:8] == b"\xff\xff\xff\xff"  # a pipe cannot seek: the sizes stay "unknown"
+    data, rate = sf.read(io.BytesIO(bytes(pipe.data)), dtype="float32")
+    assert rate == SR
+    assert np.max(np.abs(data - np.concatenate(parts))) <= 1 / 32768 + 1e-7
+
+
+def test_wav_stream_to_a_file_gets_real_sizes(tmp_path):
+    path = tmp_path / "x.wav"
+    with open(path, "wb") as f:
+        f.write(b"")
+        sink = WavStreamSink(f)
+        sink.start(SR)
+        for b in blocks():
+            sink.write(b)
+        sink.close()
+    with wave.open(str(path)) as w:
+        assert (w.getnframes(), w.getframerate(), w.getnchannels(), w.getsampwidth()) == (7200, SR, 1, 2)
+    assert path.stat().st_size == 44 + 2 * 7200
+
+
+def test_wav_stream_in_append_mode_is_not_patched(tmp_path):
+    path = tmp_path / "x.wav"
+    path.write_bytes(b"")
+    with open(path, "ab") as f:
+        sink = WavStreamSink(f)
+        sink.start(SR)
+        sink.write(blocks(1)[0])
+        sink.close()
+    data = path.read_bytes()
+    assert len(data) == 44 + 4800 and data[40:44] == b"\xff\xff\xff\xff"
+
+
+def test_wav_stream_has_the_same_samples_as_the_wav_file(tmp_path):
+    rng = np.random.default_rng(5)
+    x = rng.uniform(-1.3, 1.3, 50_000).astype(np.float32)
+    x[:6] = [0.5 / 32768, 1.5 / 32768, -0.5 / 32768, 1.0, -1.0, 0.0]
+    with WavSink(tmp_path / "a.wav") as a:
+        a.start(SR)
+        a.write(x)
+    buf = io.BytesIO()
+    b = WavStreamSink(buf)
+    b.start(SR)
+    b.write(x)
+    b.close()
+    ints_a = sf.read(tmp_path / "a.wav", dtype="int16")[0].astype(int)
+    ints_b = sf.read(io.BytesIO(buf.getvalue()), dtype="int16")[0].astype(int)
+    assert np.abs(ints_a - ints_b).max() <= 1  # equal with libsndfile 1.2; at most 1 LSB apart elsewhere
+
+
+def test_wav_stream_broken_pipe_is_an_output_error():
+    class Closed(Pipe):
+        def write(self, b):
+            raise BrokenPipeError(32, "Broken pipe")
+
+    sink = WavStreamSink(Closed())
+    with pytest.raises(OutputError, match="stdout was closed while the WAV was being written"):
+        sink.start(SR)
+    sink.abort()
+
+
+# -- TeeSink ------------------------------------------------------------------------------------
+
+
+def test_tee_writes_to_all_and_aborts_all_on_failure(tmp_path):
+    rec, null = RecordingSink(), NullSink()
+    tee = TeeSink([WavSink(tmp_path / "a.wav"), rec, null])
+    tee.start(SR)
+    for b in blocks():
+        tee.write(b)
+    tee.close()
+    assert sf.info(tmp_path / "a.wav").frames == 7200 and rec.audio.shape == (7200,) and null.samples == 7200
+    assert rec.closed and null.closed and tee.samples == 7200
+
+    class Broken(NullSink):
+        def write(self, block):
+            raise OutputError("disk full")
+
+    wav, rec = WavSink(tmp_path / "b.wav"), RecordingSink()
+    tee = TeeSink([wav, Broken(), rec])
+    tee.start(SR)
+    with pytest.raises(OutputError):
+        tee.write(blocks(1)[0])
+    assert wav.aborted and rec.aborted and not (tmp_path / "b.wav").exists()
+
+
+# -- SpeakerSink against a fake device ----------------------------------------------------------
+
+
+def test_devices_are_listed_and_found():
+    sd = FakeSoundDevice()
+    devices = output_devices(sd)
+    assert [(d["index"], d["name"], d["default"]) for d in devices] == [(0, "Fake Speakers", True), (2, "USB Headset", False)]
+    assert find_output_device(None, sd)["index"] == 0
+    assert find_output_device("2", sd)["index"] == 2
+    assert find_output_device("headset", sd)["index"] == 2
+    assert find_output_device("FAKE SPEAKERS", sd)["index"] == 0
+    with pytest.raises(UsageError, match="not an output device"):
+        find_output_device("1", sd)  # the microphone
+    with pytest.raises(UsageError, match="ambiguous"):
+        find_output_device("e", sd)
+    with pytest.raises(UsageError, match="no audio output device is called"):
+        find_output_device("hdmi", sd)
+    with pytest.raises(AudioDeviceError, match="no sound output device found"):
+        find_output_device(None, FakeSoundDevice(devices=[]))
+    with pytest.raises(AudioDeviceError, match="no default sound output device"):
+        find_output_device(None, FakeSoundDevice(default=None))
+
+
+def _ramp(n, start=0):
+    return ((np.arange(start, start + n) % 1000) + 1).astype(np.float32) / 1000  # never 0
+
+
+def test_speaker_plays_every_sample_in_order_across_callbacks():
+    sd = FakeSoundDevice(speed=50.0, blocksize=480)
+    sink = SpeakerSink(backend=sd, prebuffer=0.05)
+    sink.start(SR)
+    sizes = [100, 7, 2000, 480, 1, 5000, 333]  # blocks that do not line up with the callbacks
+    at = 0
+    for n in sizes:
+        sink.write(_ramp(n, at))
+        at += n
+    sink.close()
+    (stream,) = sd.streams
+    played = stream.audio
+    first = np.flatnonzero(played)[0]
+    np.testing.assert_array_equal(played[first:first + at], _ramp(at))
+    assert not played[first + at:].any() and not played[:first].any()
+    assert stream.closed and sink.closed and sink.finished.is_set()
+    assert sink.stats["underruns"] == 0 and sink.played == at
+
+
+def test_speaker_close_waits_for_the_device_to_play_out():
+    sd = FakeSoundDevice(speed=1.0, blocksize=480)
+    sink = SpeakerSink(backend=sd, prebuffer=0.1)
+    sink.start(SR)
+    sink.write(np.full(SR // 2, 0.5, dtype=np.float32))  # 0.5 s
+    t = time.perf_counter()
+    sink.close()
+    waited = time.perf_counter() - t
+    stream = sd.streams[0]
+    assert 0.4 < waited < 1.0, waited
+    assert stream.callback_times[-1] - t > 0.45  # the last buffer was asked for just before close() returned
+    assert np.count_nonzero(stream.audio) == SR // 2
+
+
+def test_speaker_plays_silence_until_the_start_up_buffer_is_full():
+    sd = FakeSoundDevice(speed=1.0, blocksize=240)
+    sink = SpeakerSink(backend=sd, prebuffer=0.2)
+    sink.start(SR)
+    sink.write(np.full(2400, 0.5, dtype=np.float32))  # 0.1 s: below the start-up buffer
+    time.sleep(0.15)
+    assert not sd.streams[0].audio.any() and sink.underruns == 0
+    sink.write(np.full(2400, 0.5, dtype=np.float32))  # 0.2 s queued: playback starts
+    time.sleep(0.1)
+    assert sd.streams[0].audio.any()
+    sink.close()
+    assert sink.underruns == 0 and np.count_nonzero(sd.streams[0].audio) == 4800
+
+
+def test_speaker_short_reply_below_the_start_up_buffer_still_plays():
+    sd = FakeSoundDevice(speed=20.0)
+    sink = SpeakerSink(backend=sd, prebuffer=1.0)
+    sink.start(SR)
+    sink.write(np.full(1000, 0.5, dtype=np.float32))
+    sink.close()  # the end of input starts playback
+    assert np.count_nonzero(sd.streams[0].audio) == 1000
+
+
+def test_speaker_paced_at_real_time_with_a_fast_producer_has_no_underruns():
+    sd = FakeSoundDevice(speed=1.0, blocksize=480)
+    sink = SpeakerSink(backend=sd, prebuffer=0.1)
+    sink.start(SR)
+    for i in range(8):  # 0.15 s blocks, produced twice as fast as they play
+        sink.write(_ramp(3600, i * 3600))
+        time.sleep(0.075)
+    sink.close()
+    assert sink.stats["underruns"] == 0 and sink.stats["underrun_seconds"] == 0
+    played = sd.streams[0].audio
+    first = np.flatnonzero(played)[0]
+    np.testing.assert_array_equal(played[first:first + 8 * 3600], _ramp(8 * 3600))
+
+
+def test_speaker_counts_underruns_of_a_slow_producer():
+    sd = FakeSoundDevice(speed=1.0, blocksize=480)
+    sink = SpeakerSink(backend=sd, prebuffer=0.05)
+    sink.start(SR)
+    for i in range(5):  # 0.1 s blocks, one every 0.2 s: half the time there is nothing to play
+        sink.write(_ramp(2400, i * 2400))
+        time.sleep(0.2)
+    sink.close()
+    stats = sink.stats
+    assert 3 <= stats["underruns"] <= 5, stats
+    assert 0.25 <= stats["underrun_seconds"] <= 0.7, stats
+    # Silence was inserted between blocks, but every sample still played, in order.
+    played = sd.streams[0].audio
+    np.testing.assert_array_equal(played[played != 0], _ramp(5 * 2400))
+
+
+def test_speaker_abort_stops_at_once_from_another_thread():
+    sd = FakeSoundDevice(speed=1.0, blocksize=480)
+    sink = SpeakerSink(backend=sd, prebuffer=0.05)
+    sink.start(SR)
+    sink.write(np.full(5 * SR, 0.5, dtype=np.float32))  # 5 s queued
+    closer = threading.Thread(target=sink.close)  # the caller waits for the end of playback...
+    closer.start()
+    time.sleep(0.3)
+    t = time.perf_counter()
+    sink.abort()  # ...and a Ctrl-C handler aborts
+    stopped = time.perf_counter() - t
+    closer.join(1.0)
+    assert not closer.is_alive()
+    stream = sd.streams[0]
+    calls = stream.calls
+    time.sleep(0.1)
+    assert stream.calls == calls  # no callback after abort() returned
+    assert stopped < 0.05, stopped
+    assert sink.aborted and not sink.closed and not stream.active
+    assert len(stream.audio) < SR  # well under a second of the five was played
+    sink.write(np.ones(10, dtype=np.float32))  # the vocoder thread may still write: dropped
+    sink.close()
+    assert not stream.closed  # closing may wait on the driver: it is left to the next open()
+    SpeakerSink(backend=sd).open(SR)
+    assert stream.closed
+
+
+def test_speaker_abort_during_close_on_the_same_thread():
+    # What a Ctrl-C while omni-say waits for the end of playback does: the handler aborts, close() raises.
+    sd = FakeSoundDevice(speed=1.0)
+    sink = SpeakerSink(backend=sd, prebuffer=0.05)
+    sink.start(SR)
+    sink.write(np.full(3 * SR, 0.5, dtype=np.float32))
+
+    class Interrupted(BaseException):
+        pass
+
+    original_wait = sink.finished.wait
+
+    def wait(timeout=None):
+        original_wait(0.2)
+        sink.abort()
+        raise Interrupted
+
+    sink.finished.wait = wait
+    with pytest.raises(Interrupted):
+        sink.close()
+    assert sink.aborted and not sd.streams[0].active
+
+
+def test_speaker_device_failure_at_start_is_an_audio_device_error():
+    sink = SpeakerSink(backend=FakeSoundDevice(fail_start=True))
+    with pytest.raises(AudioDeviceError, match="cannot play on audio device 'Fake Speakers'"):
+        sink.start(SR)
+    assert sink.aborted
+
+
+def test_speaker_close_without_start_and_abort_without_start():
+    sd = FakeSoundDevice()
+    SpeakerSink(backend=sd).close()
+    sink = SpeakerSink(backend=sd)
+    sink.open(SR)
+    sink.abort()
+    SpeakerSink(backend=sd).open(SR)
+    assert sd.streams[0].closed

@@ -1,0 +1,249 @@
+"""Sound devices for tests on machines with no sound card.
+
+`alsa_file_device(folder, paced=True)`: an ALSA configuration whose default device writes every
+sample played into `folder/played.raw` (float32 mono, bit for bit). Paced, the samples go through a
+small reader process that takes them at the real-time rate (24 kHz), so the device behaves like a
+sound card: a stream is pulled at real speed, underruns can happen, a long reply takes its time.
+Unpaced, the null device swallows audio as fast as it is written (fast, but an idle stream spins).
+PortAudio reads the configuration when sounddevice is imported: use the returned environment for a
+subprocess. `no_alsa_device(folder)`: a configuration with no device at all.
+
+`FakeSoundDevice`: a stand-in for the sounddevice module (OutputStream, CallbackStop, CallbackAbort,
+query_devices), whose stream calls the callback from its own thread, paced at real time times
+`speed`, and keeps what was played. It lets the tests time and starve a SpeakerSink without PortAudio.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+RATE = 24_000
+
+READER = r'''
+import fcntl, os, signal, sys, time
+
+signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C in the terminal is for the program, not the "sound card"
+
+F_SETPIPE_SZ = 1031
+out = open(sys.argv[1], "ab", buffering=0)
+# Keep the pipe short (4 KiB, 43 ms), so that a stream that stops goes silent at once, as a sound
+# card does. A pipe cannot shrink below what it holds: drain it (unpaced, the stream's first
+# buffers) until the shrink succeeds.
+flags = fcntl.fcntl(0, fcntl.F_GETFL)
+fcntl.fcntl(0, fcntl.F_SETFL, flags | os.O_NONBLOCK)
+eof = False
+for _ in range(10000):
+    try:
+        while True:
+            data = os.read(0, 65536)
+            if not data:
+                eof = True
+                break
+            out.write(data)
+    except BlockingIOError:
+        pass
+    if eof:
+        break
+    try:
+        fcntl.fcntl(0, F_SETPIPE_SZ, 4096)
+        break
+    except OSError:
+        time.sleep(0.001)
+fcntl.fcntl(0, fcntl.F_SETFL, flags)
+rate = float(sys.argv[2]) * 4  # bytes per second of float32 mono
+start = None
+got = 0
+while not eof:
+    data = os.read(0, 4096)
+    if not data:
+        break
+    if start is None:
+        start = time.monotonic()
+    out.write(data)
+    got += len(data)
+    ahead = got / rate - (time.monotonic() - start)
+    if ahead > 0:
+        time.sleep(ahead)
+'''
+
+
+def alsa_file_device(folder: Path, paced: bool = True, rate: int = RATE) -> tuple[dict, Path]:
+    """(environment for a subprocess, path of the raw float32 file that receives what is played)."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    raw = folder / "played.raw"
+    raw.write_bytes(b"")
+    if paced:
+        reader = folder / "reader.py"
+        reader.write_text(READER)
+        target = f'"|{sys.executable} {reader} {raw} {rate}"'
+    else:
+        target = f'"{raw}"'
+    conf = folder / "asound.conf"
+    conf.write_text(
+        "pcm.!default {\n"
+        "    type file\n"
+        "    slave.pcm { type null }\n"
+        f"    file {target}\n"
+        "    format \"raw\"\n"
+        f"    truncate {'false' if paced else 'true'}\n"
+        "}\n"
+    )
+    return {"ALSA_CONFIG_PATH": str(conf)}, raw
+
+
+def no_alsa_device(folder: Path) -> dict:
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    conf = folder / "asound-none.conf"
+    conf.write_text("pcm.!default { type hw card 99 }\nctl.!default { type hw card 99 }\n")
+    return {"ALSA_CONFIG_PATH": str(conf)}
+
+
+def read_played(raw: Path) -> np.ndarray:
+    return np.fromfile(raw, dtype=np.float32)
+
+
+def trim_silence(x: np.ndarray) -> np.ndarray:
+    """Without the exact zeros at both ends (the silence a stream plays before and after the reply)."""
+    nz = np.flatnonzero(x)
+    return x[nz[0]:nz[-1] + 1] if nz.size else x[:0]
+
+
+def have_portaudio() -> bool:
+    import ctypes.util
+
+    return ctypes.util.find_library("portaudio") is not None
+
+
+def have_tmux() -> bool:
+    return shutil.which("tmux") is not None
+
+
+# -- a fake sounddevice ------------------------------------------------------------------------
+
+
+class CallbackStop(Exception):
+    pass
+
+
+class CallbackAbort(Exception):
+    pass
+
+
+class _Status:
+    output_underflow = False
+
+    def __bool__(self):
+        return False
+
+
+class FakeStream:
+    """Calls `callback` every `blocksize` frames from a thread, paced at real time x speed."""
+
+    def __init__(self, owner, samplerate, channels, dtype, device, blocksize, latency, callback, finished_callback):
+        self.owner = owner
+        self.samplerate = samplerate
+        self.channels = channels
+        self.blocksize = blocksize or owner.blocksize
+        self.latency = 0.01
+        self.callback = callback
+        self.finished_callback = finished_callback
+        self.played: list[np.ndarray] = []
+        self.calls = 0
+        self.active = False
+        self.closed = False
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.callback_times: list[float] = []
+        owner.streams.append(self)
+
+    def start(self):
+        if self.owner.fail_start:
+            raise RuntimeError("Error starting stream: Device unavailable [PaErrorCode -9985]")
+        self.active = True
+        self._thread = threading.Thread(target=self._run, name="fake-audio", daemon=True)
+        self._thread.start()
+
+    def _run(self):
+        period = self.blocksize / self.samplerate / self.owner.speed
+        next_at = time.perf_counter()
+        try:
+            while not self._stop.is_set():
+                buf = np.full((self.blocksize, self.channels), np.nan, dtype=np.float32)
+                self.calls += 1
+                self.callback_times.append(time.perf_counter())
+                try:
+                    self.callback(buf, self.blocksize, None, _Status())
+                except CallbackStop:
+                    self.played.append(buf[:, 0].copy())
+                    break
+                except CallbackAbort:
+                    break
+                self.played.append(buf[:, 0].copy())
+                next_at += period
+                delay = next_at - time.perf_counter()
+                if delay > 0:
+                    self._stop.wait(delay)
+        finally:
+            self.active = False
+            self.finished_callback()  # PortAudio calls it after a stop and after an abort alike
+
+    def abort(self):
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()
+
+    def stop(self):
+        self.abort()
+
+    def close(self):
+        self.abort()
+        self.closed = True
+
+    @property
+    def audio(self) -> np.ndarray:
+        return np.concatenate(self.played) if self.played else np.zeros(0, np.float32)
+
+
+class FakeSoundDevice:
+    """Enough of the sounddevice module for SpeakerSink."""
+
+    CallbackStop = CallbackStop
+    CallbackAbort = CallbackAbort
+
+    def __init__(self, speed: float = 1.0, blocksize: int = 480, devices=None, default: int | None = 0,
+                 fail_start: bool = False):
+        self.speed = speed
+        self.blocksize = blocksize
+        self.fail_start = fail_start
+        self.streams: list[FakeStream] = []
+        self.devices = devices if devices is not None else [
+            {"index": 0, "name": "Fake Speakers", "hostapi": 0, "max_input_channels": 0,
+             "max_output_channels": 2, "default_samplerate": 48000.0},
+            {"index": 1, "name": "Fake Microphone", "hostapi": 0, "max_input_channels": 1,
+             "max_output_channels": 0, "default_samplerate": 48000.0},
+            {"index": 2, "name": "USB Headset", "hostapi": 0, "max_input_channels": 1,
+             "max_output_channels": 2, "default_samplerate": 48000.0},
+        ]
+        self.default = default
+
+    def query_devices(self, device=None, kind=None):
+        if kind == "output":
+            if self.default is None:
+                raise RuntimeError("Error querying device -1")
+            return self.devices[self.default]
+        return list(self.devices)
+
+    def query_hostapis(self):
+        return [{"name": "Fake API"}]
+
+    def OutputStream(self, **kwargs):  # noqa: N802 - the sounddevice name
+        return FakeStream(self, **kwargs)
