@@ -388,6 +388,6 @@ def line_reader(stream=None) -> Callable[[str], str]:
 
 
 if __name__ == "__main__":
-    from omni_cli.cli import chat_app
+    from omni_cli.cli import chat_main
 
-    chat_app(prog_name="omni-chat")
+    chat_main()

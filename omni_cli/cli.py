@@ -98,13 +98,20 @@ def _translate(exc: BaseException) -> BaseException:
     return exc
 
 
-def _exit_on(exc: BaseException, debug: bool, sinks=()) -> None:
+def _exit_on(exc: BaseException, debug: bool, sinks=(), interrupt=None) -> None:
     for sink in sinks:
         if sink is not None:
             try:
                 sink.abort()
             except Exception:
                 pass
+    if isinstance(exc, KeyboardInterrupt) and interrupt is not None and interrupt.signal_at is not None:
+        import time
+
+        now = time.perf_counter()
+        _err(f"interrupted: silent after {((interrupt.silenced_at or now) - interrupt.signal_at) * 1000:.0f} ms, "
+             f"generation stopped after {(now - interrupt.signal_at) * 1000:.0f} ms")
+        raise typer.Exit(130) from None
     raise typer.Exit(_fail(exc, debug)) from None
 
 
@@ -159,11 +166,19 @@ def _consoles():
     return make_console("stdout"), make_console("stderr")
 
 
-def _load(model, device, dtype, err, quiet: bool = False, **kwargs):
-    """omni_cli.load() under a spinner that names the model; with quiet, only warnings get through."""
+def _load(model, device, dtype, err, quiet: bool = False, **runtime):
+    """omni_cli.load() under a spinner that names the model; with quiet, only warnings get through.
+
+    `runtime`: RuntimeOptions fields beside device and dtype (max_context, ...)."""
     import omni_cli
 
     from .ui import loading, model_label
+
+    kwargs = {}
+    if runtime:
+        from .config import RuntimeOptions
+
+        kwargs["runtime"] = RuntimeOptions(device=device, dtype=dtype, **runtime)
 
     if not quiet:
         with loading(err, model_label(model)):
@@ -279,11 +294,12 @@ def say(
     debug: DebugOpt = False,
 ) -> None:
     """Answer PROMPT: the text on stdout, the speech through the speakers, a WAV file (-o FILE) or stdout (-o -)."""
-    from .ui import safe_text_streams
+    from .ui import InterruptTimes, safe_text_streams
 
     safe_text_streams()
     sinks: list[Any] = []
     speaker = None
+    interrupt = InterruptTimes()
     try:
         if list_audio_devices:
             _list_devices()
@@ -313,10 +329,10 @@ def say(
         if to_stdout:
             with _stdout_for_wav() as wav_file:
                 reply = _say_once(assistant, text, voice, seed, greedy, max_text_tokens, max_codes, text_only,
-                                  wav, speaker, wav_file, _TextOut(None if quiet else sys.stderr), sinks)
+                                  wav, speaker, wav_file, _TextOut(None if quiet else sys.stderr), sinks, interrupt)
         else:
             reply = _say_once(assistant, text, voice, seed, greedy, max_text_tokens, max_codes, text_only,
-                              wav, speaker, None, _TextOut(sys.stdout), sinks)
+                              wav, speaker, None, _TextOut(sys.stdout), sinks, interrupt)
         if not quiet:
             seconds = len(reply.audio) / reply.sample_rate if reply.audio is not None else 0.0
             if wav is not None:
@@ -330,11 +346,11 @@ def say(
     except BaseException as exc:  # noqa: BLE001 - every way out is reported, none with a traceback
         if isinstance(exc, (SystemExit, typer.Exit)):
             raise
-        _exit_on(exc, debug, [*sinks, speaker])
+        _exit_on(exc, debug, [*sinks, speaker], interrupt if verbose else None)
 
 
 def _say_once(assistant, text, voice, seed, greedy, max_text_tokens, max_codes, text_only, wav, speaker,
-              wav_file, text_out: _TextOut, sinks: list):
+              wav_file, text_out: _TextOut, sinks: list, interrupt):
     from .assistant import AudioBlock, Done, TextDelta
     from .sinks import TeeSink, WavStreamSink
     from .ui import AudioClock, stop_on_interrupt
@@ -346,20 +362,23 @@ def _say_once(assistant, text, voice, seed, greedy, max_text_tokens, max_codes, 
     sink = parts[0] if len(parts) == 1 else TeeSink(parts) if parts else None
     reply = None
     clock = AudioClock()
-    with stop_on_interrupt(speaker):
-        events = assistant.stream(text, voice=voice, greedy=greedy, seed=seed, max_text_tokens=max_text_tokens,
-                                  max_codes=max_codes, sink=sink, text_only=text_only)
-        try:
-            for event in events:
-                if isinstance(event, TextDelta):
-                    text_out.write(event.text)
-                elif isinstance(event, AudioBlock):
-                    clock.tick()
-                elif isinstance(event, Done):
-                    reply = event.reply
-        finally:
-            events.close()
-    text_out.end()
+    try:
+        with stop_on_interrupt(speaker, times=interrupt):
+            events = assistant.stream(text, voice=voice, greedy=greedy, seed=seed, max_text_tokens=max_text_tokens,
+                                      max_codes=max_codes, sink=sink, text_only=text_only)
+            try:
+                for event in events:
+                    if isinstance(event, TextDelta):
+                        text_out.write(event.text)
+                    elif isinstance(event, AudioBlock):
+                        clock.tick()
+                    elif isinstance(event, Done):
+                        reply = event.reply
+            finally:
+                events.close()  # on Ctrl-C or an error: stops the engine's threads
+    finally:
+        with contextlib.suppress(OutputError):
+            text_out.end()  # the text's line is ended, also before an error message
     if sink is not None:
         sink.close()  # a no-op if the engine closed it already
     reply.stats = clock.stats(reply.stats)
@@ -437,9 +456,46 @@ def _chat_in_terminal(repl, err, assistant, history_file, no_history) -> int:
     where = getattr(getattr(assistant, "loaded", None), "device", None)
     sound = "muted" if repl.muted else f"voice {repl.voice}"
     err.print(f"[dim]{assistant.name}{f' on {where}' if where else ''} · {sound} · /? for help · Ctrl-D to leave[/dim]")
-    with patch_stdout(raw=True):
-        return repl.run(lambda prompt: session.prompt(prompt))
+
+    def read(prompt: str) -> str:
+        # While the prompt is on screen, output from other threads goes above it (patch_stdout). A
+        # reply is written straight to the terminal once the prompt is gone: no proxy delay.
+        with patch_stdout(raw=True):
+            return session.prompt(prompt)
+
+    return repl.run(read)
+
+
+# -- entry points ------------------------------------------------------------------------------
+
+
+def _run(app, name: str) -> None:
+    """Run a typer app as a program. After an interrupt the engine may leave its vocoder thread
+    finishing a chunk inside torch; letting the interpreter tear down under it aborts the process
+    ("terminate called without an active exception"), so then the process ends at once instead."""
+    import threading
+
+    try:
+        app(prog_name=name)
+    except SystemExit as exc:
+        if any(t.name.startswith("omni-") and t.is_alive() for t in threading.enumerate()):
+            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+            for stream in (sys.stdout, sys.stderr):
+                with contextlib.suppress(Exception):
+                    stream.flush()
+            os._exit(code)
+        raise
+
+
+def say_main() -> None:
+    """The `omni-say` program."""
+    _run(say_app, "omni-say")
+
+
+def chat_main() -> None:
+    """The `omni-chat` program."""
+    _run(chat_app, "omni-chat")
 
 
 if __name__ == "__main__":
-    say_app(prog_name="omni-say")
+    say_main()

@@ -161,15 +161,17 @@ def stop_on_interrupt(*sinks: Any, times: InterruptTimes | None = None) -> Itera
         again = times.signal_at is not None
         if not again:
             times.signal_at = time.perf_counter()
+        silent = []
         for sink in sinks:
             if sink is not None:
                 try:
                     sink.abort()
                 except Exception:
                     pass
+                silent.append(getattr(sink, "silent_time", None))
         if again:
             return  # the reply is already being stopped: a second Ctrl-C must not cut its clean-up short
-        times.silenced_at = time.perf_counter()
+        times.silenced_at = max((t for t in silent if t is not None), default=time.perf_counter())
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGINT, handler)

@@ -68,22 +68,51 @@ def cli_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def run_omni_say(*args: str, env: dict[str, str] | None = None, timeout: float = 600, cwd=None):
-    """Run `python -m omni_cli.cli ARGS` in a subprocess; a CompletedProcess with text stdout/stderr."""
-    return subprocess.run(
-        [sys.executable, "-m", "omni_cli.cli", *map(str, args)],
+def run_omni_say(*args: str, env: dict[str, str] | None = None, timeout: float = 600, cwd=None,
+                 input: bytes | str | None = None, module: str = "omni_cli.cli", text: bool = True):
+    """Run `python -m omni_cli.cli ARGS` in a subprocess; a CompletedProcess with text stdout/stderr.
+
+    `input` is piped to stdin (else stdin is /dev/null); `text=False` keeps stdout/stderr as bytes.
+    """
+    if isinstance(input, str):
+        input = input.encode("utf-8")
+    result = subprocess.run(
+        [sys.executable, "-m", module, *map(str, args)],
         env=cli_env() if env is None else env,
         cwd=cwd or REPO_ROOT,
-        stdin=subprocess.DEVNULL,
+        stdin=subprocess.DEVNULL if input is None else None,
+        input=input,
         capture_output=True,
-        text=True,
-        encoding="utf-8",
-        errors="replace",
         timeout=timeout,
     )
+    if text:
+        result.stdout = result.stdout.decode("utf-8", errors="replace")
+        result.stderr = result.stderr.decode("utf-8", errors="replace")
+    return result
+
+
+def run_omni_chat(*args: str, **kwargs):
+    """omni-chat in a subprocess (stdin a pipe, so it reads one message or command a line)."""
+    return run_omni_say(*args, module="omni_cli.chat", **kwargs)
 
 
 @pytest.fixture
 def run_cli():
-    """`run_cli(*args, env=None, timeout=600)`: omni-say in a subprocess (see `run_omni_say`)."""
+    """`run_cli(*args, env=None, timeout=600, input=None)`: omni-say in a subprocess (see `run_omni_say`)."""
     return run_omni_say
+
+
+@pytest.fixture
+def run_chat():
+    """`run_chat(*args, env=None, timeout=600, input=None)`: omni-chat in a subprocess."""
+    return run_omni_chat
+
+
+@pytest.fixture
+def no_portaudio(tmp_path_factory) -> dict[str, str]:
+    """An environment where `import sounddevice` fails as it does without PortAudio."""
+    fake = tmp_path_factory.mktemp("no-portaudio")
+    (fake / "sounddevice.py").write_text("raise OSError('PortAudio library not found')\n")
+    env = cli_env()
+    env["PYTHONPATH"] = os.pathsep.join([str(fake), env["PYTHONPATH"]])
+    return env

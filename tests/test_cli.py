@@ -1,10 +1,16 @@
-"""omni-say: --help is instant, every bad input is one `error:` line with the right exit code and no
-file left behind, and a real run with the tiny model writes a whole WAV and prints the text."""
+"""omni-say: --help is instant; every bad input is one `error:` line with the right exit code and no
+file left behind; stdin and stdout piping (`echo hi | omni-say -o -`); the flags reach the assistant
+(a fake one, fast); --verbose reports underruns; real runs with the tiny model write whole WAVs.
+
+Playback through a real PortAudio device is in test_playback.py."""
 
 from __future__ import annotations
 
+import io
 import os
+import shutil
 import subprocess
+import wave
 import sys
 import time
 from types import SimpleNamespace
@@ -14,6 +20,8 @@ import pytest
 import soundfile as sf
 from typer.testing import CliRunner
 
+from audio_device import FakeSoundDevice, no_alsa_device
+from fakes import FakeAssistant
 from conftest import cli_env
 
 HEAVY = ("torch", "transformers", "numpy", "soundfile", "huggingface_hub", "sounddevice")
@@ -27,14 +35,17 @@ def test_help_is_instant_and_exits_0(run_cli):
     result = run_cli("--help", timeout=60)
     elapsed = time.perf_counter() - start
     assert result.returncode == 0, result.stderr
-    assert "omni-say" in result.stdout and "--output" in result.stdout and "--voice" in result.stdout
+    for word in ("omni-say", "--output", "--voice", "--play", "--text-only", "--list-voices", "--list-audio-devices",
+                 "--audio-device", "--verbose", "--quiet", "--debug"):
+        assert word in result.stdout
     assert result.stderr == ""
     assert elapsed < 5, f"--help took {elapsed:.1f} s"
 
 
 def test_importing_the_cli_imports_no_torch():
     code = (
-        "import sys, omni_cli, omni_cli.cli, omni_cli.config, omni_cli.errors, omni_cli.sinks, omni_cli.loader\n"
+        "import sys, omni_cli, omni_cli.cli, omni_cli.config, omni_cli.errors, omni_cli.sinks, omni_cli.loader, "
+        "omni_cli.ui, omni_cli.chat\n"
         f"print(','.join(sorted(m for m in {HEAVY!r} if m in sys.modules)))"
     )
     result = subprocess.run([sys.executable, "-c", code], env=cli_env(), capture_output=True, text=True, timeout=60)
@@ -57,38 +68,26 @@ def test_help_imports_no_torch():
     assert result.stdout.strip().splitlines()[-1] == "HEAVY:"
 
 
-def test_missing_output_is_a_usage_error(run_cli, tmp_path):
-    result = run_cli("hello", cwd=tmp_path, timeout=60)
-    assert result.returncode == 2
-    assert "--output" in result.stderr
-    assert result.stdout == ""
-    assert os.listdir(tmp_path) == []
+def test_chat_help_is_instant(run_chat):
+    start = time.perf_counter()
+    result = run_chat("--help", timeout=60)
+    assert result.returncode == 0, result.stderr
+    for word in ("omni-chat", "--model", "--voice", "--mute", "--system", "--history-file", "--no-history"):
+        assert word in result.stdout
+    assert time.perf_counter() - start < 5
 
 
 # -- bad inputs: one error line, exit code, nothing left behind ---------------------------------
 
 
-def assert_one_error_line(result, code: int) -> str:
+def assert_one_error_line(result, code: int, stdout: str = "") -> str:
     assert result.returncode == code, (result.returncode, result.stderr)
     assert "Traceback" not in result.stderr
     lines = result.stderr.splitlines()
     assert len(lines) == 1, result.stderr
     assert lines[0].startswith("error: "), result.stderr
-    assert result.stdout == ""
+    assert result.stdout == stdout
     return lines[0]
-
-
-def bad_input_cases():
-    # (id, extra args builder, expected exit code, words in the message)
-    return [
-        ("missing-model-folder", lambda d, tiny: ["-m", d / "nope"], 1, ["does not exist", "nope"]),
-        ("folder-without-config", lambda d, tiny: ["-m", _folder(d / "empty")], 1, ["no config.json"]),
-        ("not-omni", lambda d, tiny: ["-m", _llama(d / "llama")], 1, ["llama", "not Qwen2.5-Omni"]),
-        ("hub-id-offline", lambda d, tiny: ["-m", "nobody/no-such-omni"], 1, ["nobody/no-such-omni", "hf download"]),
-        ("unknown-voice", lambda d, tiny: ["-m", tiny, "-v", "Bob"], 2, ["Bob", "Chelsie", "Ethan"]),
-        ("bad-device", lambda d, tiny: ["-m", tiny, "--device", "tpu"], 2, ["tpu"]),
-        ("bad-dtype", lambda d, tiny: ["-m", tiny, "--dtype", "int4"], 2, ["int4"]),
-    ]
 
 
 def _folder(path):
@@ -100,6 +99,34 @@ def _llama(path):
     path.mkdir()
     (path / "config.json").write_text('{"model_type": "llama"}')
     return path
+
+
+def _copy_of_tiny(tiny, path, **replace: bytes):
+    """The tiny checkpoint with some files replaced (symlinks for the rest)."""
+    path.mkdir()
+    for f in tiny.iterdir():
+        if f.name in replace:
+            (path / f.name).write_bytes(replace[f.name])
+        else:
+            (path / f.name).symlink_to(f)
+    return path
+
+
+def bad_input_cases():
+    # (id, extra args builder, expected exit code, words in the message)
+    return [
+        ("missing-model-folder", lambda d, tiny: ["-m", d / "nope"], 1, ["does not exist", "nope"]),
+        ("folder-without-config", lambda d, tiny: ["-m", _folder(d / "empty")], 1, ["no config.json"]),
+        ("not-omni", lambda d, tiny: ["-m", _llama(d / "llama")], 1, ["llama", "not Qwen2.5-Omni"]),
+        ("corrupt-config", lambda d, tiny: ["-m", _copy_of_tiny(tiny, d / "c", **{"config.json": b"{not json"})], 1,
+         ["config.json cannot be read"]),
+        ("corrupt-weights", lambda d, tiny: ["-m", _copy_of_tiny(tiny, d / "w", **{"model.safetensors": b"\0garbage" * 64})], 1,
+         ["cannot load the weights"]),
+        ("hub-id-offline", lambda d, tiny: ["-m", "nobody/no-such-omni"], 1, ["nobody/no-such-omni", "hf download"]),
+        ("unknown-voice", lambda d, tiny: ["-m", tiny, "-v", "Bob"], 2, ["Bob", "Chelsie", "Ethan"]),
+        ("bad-device", lambda d, tiny: ["-m", tiny, "--device", "tpu"], 2, ["tpu"]),
+        ("bad-dtype", lambda d, tiny: ["-m", tiny, "--dtype", "int4"], 2, ["int4"]),
+    ]
 
 
 @pytest.mark.parametrize("case", bad_input_cases(), ids=lambda c: c[0])
@@ -118,7 +145,49 @@ def test_bad_input(run_cli, tmp_path, tiny_model_dir, case):
 def test_empty_prompt(run_cli, tmp_path):
     out = tmp_path / "reply.wav"
     result = run_cli("   ", "-o", out, cwd=tmp_path)
-    assert assert_one_error_line(result, 2) == "error: empty prompt"
+    assert assert_one_error_line(result, 2) == 'error: empty prompt: say something, e.g. omni-say "Hello"'
+    assert os.listdir(tmp_path) == []
+
+
+def test_no_prompt_at_all(run_cli, tmp_path):
+    result = run_cli("-o", tmp_path / "x.wav", cwd=tmp_path)
+    line = assert_one_error_line(result, 2)
+    assert line.startswith("error: no prompt") and "echo Hello | omni-say" in line
+    assert os.listdir(tmp_path) == []
+
+
+def test_empty_stdin_and_no_argument(run_cli, tmp_path):
+    result = run_cli("-o", tmp_path / "x.wav", input=b"  \n\n", cwd=tmp_path)
+    assert assert_one_error_line(result, 2).startswith("error: empty prompt")
+    assert os.listdir(tmp_path) == []
+
+
+def test_stdin_that_is_not_utf8(run_cli, tmp_path):
+    result = run_cli("-o", tmp_path / "x.wav", input="caf\u00e9 au lait".encode("latin-1"), cwd=tmp_path)
+    line = assert_one_error_line(result, 2)
+    assert "not UTF-8" in line and "0xe9" in line and "offset 3" in line and "iconv" in line
+    assert os.listdir(tmp_path) == []
+
+
+def test_closed_stdin_is_no_stdin(tmp_path):
+    # `<&-`: file descriptor 0 closed (sys.stdin is None): the argument alone is the prompt.
+    cmd = f'exec "{sys.executable}" -m omni_cli.cli -o "{tmp_path / "x.wav"}" "   " <&-'
+    result = subprocess.run(["sh", "-c", cmd], env=cli_env(), capture_output=True, text=True, timeout=60,
+                            cwd=str(tmp_path.parent))
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.startswith("error: empty prompt")
+    cmd = f'exec "{sys.executable}" -m omni_cli.cli -o "{tmp_path / "x.wav"}" <&-'
+    result = subprocess.run(["sh", "-c", cmd], env=cli_env(), capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and result.stderr.startswith("error: no prompt"), result.stderr
+
+
+def test_prompt_longer_than_the_context(run_cli, tmp_path):
+    result = run_cli("-o", tmp_path / "x.wav", "--seed", "0", input="hello " * 5000, cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.splitlines()
+    assert lines[0].startswith("note: ")  # the demo model notice
+    assert lines[-1].startswith("error: prompt is ") and "the context holds" in lines[-1] and "shorten it" in lines[-1]
+    assert "Traceback" not in result.stderr and result.stdout == ""
     assert os.listdir(tmp_path) == []
 
 
@@ -136,9 +205,11 @@ def test_output_is_a_folder(run_cli, tmp_path):
     assert "Traceback" not in result.stderr
 
 
-def test_stdout_output_not_yet(run_cli, tmp_path):
-    result = run_cli("hello", "-o", "-", cwd=tmp_path)
-    assert "not available yet" in assert_one_error_line(result, 2)
+def test_text_only_with_an_output_is_a_usage_error(run_cli, tmp_path):
+    for extra in (["-o", tmp_path / "x.wav"], ["--play"]):
+        result = run_cli("hello", "--text-only", *extra, cwd=tmp_path)
+        assert "--text-only makes no speech" in assert_one_error_line(result, 2)
+    assert os.listdir(tmp_path) == []
 
 
 def test_omni_model_env_is_the_default(run_cli, tmp_path):
@@ -155,53 +226,64 @@ def test_default_model_says_it_is_a_demo(run_cli, tmp_path, tiny_model_dir):
     assert os.listdir(tmp_path) == []
 
 
-# -- the CLI's own logic, against a fake assistant (fast, no model) -----------------------------
+# -- no sound: errors that say what to do -------------------------------------------------------
 
 
-class FakeAssistant:
-    voices = ["Chelsie", "Ethan"]
-    is_demo = False
-    sample_rate = 24_000
+def test_no_portaudio(run_cli, tmp_path, no_portaudio):
+    # An invalid model too: the sound device is checked before the model loads.
+    result = run_cli("hello", "-m", tmp_path / "nope", env=no_portaudio, cwd=tmp_path)
+    line = assert_one_error_line(result, 1)
+    assert "PortAudio library is missing" in line and "apt-get install libportaudio2" in line and "-o FILE" in line
+    assert os.listdir(tmp_path) == []
 
-    def __init__(self, fail: BaseException | None = None, seconds: float = 0.5):
-        self.fail = fail
-        self.seconds = seconds
-        self.calls = []
 
-    def say(self, prompt, voice="Chelsie", greedy=False, seed=None, max_text_tokens=None, max_codes=None,
-            sink=None, text_only=False):
-        self.calls.append(dict(prompt=prompt, voice=voice, greedy=greedy, seed=seed,
-                               max_text_tokens=max_text_tokens, max_codes=max_codes))
-        audio = np.full(int(self.seconds * self.sample_rate), 0.25, dtype=np.float32)
-        sink.start(self.sample_rate)
-        sink.write(audio[: audio.size // 2])
-        if self.fail is not None:
-            sink.abort()
-            raise self.fail
-        sink.write(audio[audio.size // 2:])
-        sink.close()
-        return SimpleNamespace(text="Hi there.", text_ids=[], codes=[], audio=audio,
-                               sample_rate=self.sample_rate, stats={})
+def test_no_portaudio_is_fine_for_files(run_cli, tmp_path, no_portaudio):
+    out = tmp_path / "x.wav"
+    result = run_cli("hello", "-o", out, "--max-codes", "24", "--max-text-tokens", "3", env=no_portaudio, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert sf.info(out).frames > 0
+
+
+def test_no_audio_device(run_cli, tmp_path):
+    result = run_cli("hello", "-m", tmp_path / "nope", env=cli_env(**no_alsa_device(tmp_path / "alsa")), cwd=tmp_path)
+    line = assert_one_error_line(result, 1)
+    assert "no sound output device" in line and "-o FILE" in line
+    assert os.listdir(tmp_path) == ["alsa"]
+
+
+def test_list_audio_devices_without_any(run_cli, tmp_path):
+    result = run_cli("--list-audio-devices", env=cli_env(**no_alsa_device(tmp_path)))
+    assert (result.returncode, result.stdout, result.stderr) == (0, "", "no audio output devices\n")
+
+
+def test_list_audio_devices_without_portaudio(run_cli, no_portaudio):
+    result = run_cli("--list-audio-devices", env=no_portaudio)
+    assert "apt-get install libportaudio2" in assert_one_error_line(result, 1)
+
+
+# -- the CLI's own logic, against a fake assistant and a fake sound device (fast, no model) -----
 
 
 @pytest.fixture
 def fake(monkeypatch):
     import omni_cli
+    import omni_cli.sinks
 
-    state = SimpleNamespace(assistant=FakeAssistant(), load_args=None)
+    state = SimpleNamespace(assistant=FakeAssistant(), load_args=None, sd=FakeSoundDevice(speed=20.0))
 
     def load(model=None, device="auto", dtype="auto", **kwargs):
         state.load_args = (model, device, dtype)
         return state.assistant
 
     monkeypatch.setattr(omni_cli, "load", load)
+    monkeypatch.setattr(omni_cli.sinks, "import_sounddevice", lambda hint=None: state.sd)
     return state
 
 
-def invoke(*args):
+def invoke(*args, input=None):
     from omni_cli.cli import say_app
 
-    return CliRunner().invoke(say_app, [str(a) for a in args], prog_name="omni-say")
+    return CliRunner().invoke(say_app, [str(a) for a in args], prog_name="omni-say", input=input)
 
 
 def test_flags_reach_the_assistant(fake, tmp_path):
@@ -213,17 +295,155 @@ def test_flags_reach_the_assistant(fake, tmp_path):
     assert result.stderr == f"wrote {out} (0.5 s audio)\n"
     assert fake.load_args == ("some/model", "cpu", "float32")
     assert fake.assistant.calls == [dict(prompt="Hello", voice="Ethan", greedy=True, seed=7,
-                                         max_text_tokens=9, max_codes=11)]
+                                         max_text_tokens=9, max_codes=11, text_only=False)]
     data, rate = sf.read(out, dtype="float32")
     assert rate == 24_000 and data.shape == (12_000,)
+    assert fake.sd.streams == []  # -o alone does not play
 
 
-def test_defaults(fake, tmp_path):
-    result = invoke("Hello", "-o", tmp_path / "r.wav")
+def test_defaults_play_through_the_speakers(fake, tmp_path):
+    result = invoke("Hello")
     assert result.exit_code == 0, result.output
+    assert (result.stdout, result.stderr) == ("Hi there.\n", "")
     assert fake.load_args == (None, "auto", "auto")
     assert fake.assistant.calls[0] == dict(prompt="Hello", voice="Chelsie", greedy=False, seed=None,
-                                           max_text_tokens=None, max_codes=None)
+                                           max_text_tokens=None, max_codes=None, text_only=False)
+    (stream,) = fake.sd.streams
+    assert stream.closed
+    played = stream.audio
+    expected = np.full(12_000, 0.25, dtype=np.float32)
+    expected[::7] = -0.5
+    start = np.flatnonzero(played)[0]
+    np.testing.assert_array_equal(played[start:start + 12_000], expected)
+    assert not played[start + 12_000:].any()
+
+
+def test_play_and_write_a_file(fake, tmp_path):
+    out = tmp_path / "r.wav"
+    result = invoke("Hello", "-o", out, "--play")
+    assert result.exit_code == 0, result.output
+    assert sf.info(out).frames == 12_000
+    assert len(fake.sd.streams) == 1 and np.count_nonzero(fake.sd.streams[0].audio) == 12_000
+
+
+def test_stdin_then_the_argument(fake, tmp_path):
+    result = invoke("What does it say?", "-o", tmp_path / "r.wav", input="Some text\nover two lines\n")
+    assert result.exit_code == 0, result.output
+    assert fake.assistant.calls[0]["prompt"] == "Some text\nover two lines\nWhat does it say?"
+    result = invoke("-o", tmp_path / "r.wav", input="Only stdin\n")
+    assert fake.assistant.calls[1]["prompt"] == "Only stdin"
+
+
+def test_text_only(fake, tmp_path):
+    fake.sd = None  # no sound device is touched
+    result = invoke("Hello", "--text-only")
+    assert result.exit_code == 0, result.output
+    assert (result.stdout, result.stderr) == ("Hi there.\n", "")
+    assert fake.assistant.calls[0]["text_only"] is True
+
+
+def test_list_voices(fake):
+    result = invoke("--list-voices")
+    assert (result.exit_code, result.stdout) == (0, "Chelsie\nEthan\n")
+
+
+def test_list_audio_devices(fake):
+    result = invoke("--list-audio-devices")
+    assert result.exit_code == 0, result.output
+    assert result.stdout.splitlines() == [
+        "  0  Fake Speakers  [Fake API, 2 ch, 48000 Hz]  (default)",
+        "  2  USB Headset  [Fake API, 2 ch, 48000 Hz]",
+    ]
+    assert fake.load_args is None  # no model needed
+
+
+@pytest.mark.parametrize("spec, index", [("2", 2), ("usb", 2), ("Fake Speakers", 0), ("speak", 0)])
+def test_audio_device_by_index_or_name(fake, spec, index):
+    from omni_cli.sinks import SpeakerSink
+
+    seen = []
+    real_open = SpeakerSink.open
+
+    def spy(self, rate=24_000):
+        seen.append(self.device["index"])
+        return real_open(self, rate)
+
+    SpeakerSink.open = spy
+    try:
+        result = invoke("Hello", "--audio-device", spec)
+    finally:
+        SpeakerSink.open = real_open
+    assert result.exit_code == 0, result.output
+    assert set(seen) == {index}
+
+
+@pytest.mark.parametrize("spec, words", [("7", ["audio device 7 is not an output device", "--list-audio-devices"]),
+                                         ("1", ["audio device 1 is not an output device"]),
+                                         ("Bluetooth", ["no audio output device is called 'Bluetooth'"]),
+                                         ("e", ["audio device 'e' is ambiguous", "0: Fake Speakers", "2: USB Headset"])])
+def test_bad_audio_device(fake, spec, words):
+    result = invoke("Hello", "--audio-device", spec)
+    assert result.exit_code == 2
+    assert result.stdout == ""
+    assert result.stderr.startswith("error: ") and result.stderr.count("\n") == 1
+    for word in words:
+        assert word in result.stderr
+    assert fake.load_args is None  # checked before the model loads
+
+
+def test_no_default_device(fake):
+    fake.sd.default = None
+    result = invoke("Hello")
+    assert result.exit_code == 1
+    assert "no default sound output device" in result.stderr and "--audio-device" in result.stderr
+
+
+def test_device_that_fails_to_start(fake, tmp_path):
+    fake.sd.fail_start = True
+    out = tmp_path / "r.wav"
+    result = invoke("Hello", "--play", "-o", out)
+    assert result.exit_code == 1
+    assert result.stderr.startswith("error: cannot play on audio device 'Fake Speakers': Error starting stream")
+    assert os.listdir(tmp_path) == []
+
+
+def test_verbose_timing_block(fake):
+    result = invoke("Hello", "--verbose")
+    assert result.exit_code == 0, result.output
+    err = result.stderr
+    for label in ("time to first text", "time to first audio", "time to first sound", "real-time factor", "underruns"):
+        assert label in err
+    assert "underruns            0 (0 ms of silence)" in err
+
+
+def test_verbose_counts_underruns_of_a_slow_producer(fake):
+    # 1 s of audio in 10 blocks of 0.1 s, one every 0.25 s, into a device paced at real time.
+    fake.sd = FakeSoundDevice(speed=1.0)
+    fake.assistant = FakeAssistant(seconds=1.0, blocks=10, block_delay=0.25)
+    result = invoke("Hello", "--verbose")
+    assert result.exit_code == 0, result.output
+    line = next(l for l in result.stderr.splitlines() if l.startswith("underruns"))
+    count = int(line.split()[1])
+    assert count >= 3, result.stderr
+    silence_ms = int(line.split("(")[1].split()[0])
+    assert 500 <= silence_ms <= 2500, line
+
+
+def test_quiet(fake, tmp_path):
+    result = invoke("Hello", "-q", "-o", tmp_path / "r.wav")
+    assert result.exit_code == 0
+    assert (result.stdout, result.stderr) == ("Hi there.\n", "")
+
+
+def test_wav_to_stdout_in_process(fake):
+    result = invoke("Hello", "-o", "-")
+    assert result.exit_code == 0, result.output
+    data = result.stdout_bytes
+    assert data[:4] == b"RIFF" and len(data) == 44 + 2 * 12_000
+    audio, rate = sf.read(io.BytesIO(data), dtype="float32")
+    assert rate == 24_000 and audio.shape == (12_000,)
+    assert result.stderr == "Hi there.\nwrote 0.5 s of WAV audio to stdout\n"
+    assert fake.sd.streams == []
 
 
 @pytest.mark.parametrize("flag", ["--max-codes", "--max-text-tokens"])
@@ -235,10 +455,12 @@ def test_caps_must_be_positive(fake, tmp_path, flag):
 
 def test_keyboard_interrupt_exits_130_and_leaves_no_file(fake, tmp_path):
     fake.assistant = FakeAssistant(fail=KeyboardInterrupt())
-    result = invoke("Hello", "-o", tmp_path / "r.wav")
+    result = invoke("Hello", "-o", tmp_path / "r.wav", "--play")
     assert result.exit_code == 130
+    assert result.stderr.endswith("interrupted\n")
     assert "Traceback" not in result.stderr
     assert os.listdir(tmp_path) == []
+    assert not fake.sd.streams[0].active
 
 
 def test_internal_error_is_one_line(fake, tmp_path):
@@ -246,7 +468,7 @@ def test_internal_error_is_one_line(fake, tmp_path):
     result = invoke("Hello", "-o", tmp_path / "r.wav")
     assert result.exit_code == 1
     assert result.stderr == "error: internal error: RuntimeError: boom second line (run with --debug for the traceback)\n"
-    assert result.stdout == ""
+    assert result.stdout == "Hi \n"  # the text so far, ended
     assert os.listdir(tmp_path) == []
 
 
@@ -256,6 +478,17 @@ def test_debug_shows_the_traceback(fake, tmp_path):
     assert result.exit_code == 1
     assert "Traceback" in result.stderr
     assert result.stderr.splitlines()[-1] == "error: internal error: RuntimeError: boom"
+
+
+def test_out_of_memory(fake, tmp_path):
+    import torch
+
+    fake.assistant = FakeAssistant(fail=torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    result = invoke("Hello", "-o", tmp_path / "r.wav")
+    assert result.exit_code == 1
+    assert result.stderr.startswith("error: out of device memory while answering: try")
+    assert result.stderr.count("\n") == 1
+    assert os.listdir(tmp_path) == []
 
 
 def test_omni_error_from_the_engine(fake, tmp_path):
@@ -313,10 +546,69 @@ def test_real_run_same_seed_same_reply(run_cli, tmp_path, tiny_model_dir):
     np.testing.assert_array_equal(audio_a, audio_b)
 
 
-def test_real_run_default_model_and_greedy(run_cli, tmp_path, tiny_model_dir):
+def test_real_run_default_model_greedy_and_piped_prompt(run_cli, tmp_path, tiny_model_dir):
+    # echo hi | omni-say -o x.wav
     out = tmp_path / "g.wav"
-    result = run_cli("Hi", "-o", out, "--greedy", "--max-text-tokens", "4", "--max-codes", "24", cwd=tmp_path)
+    result = run_cli("-o", out, "--greedy", "--max-text-tokens", "4", "--max-codes", "24", input="hi\n", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     lines = result.stderr.splitlines()
     assert lines[0].startswith("note: ") and lines[-1].startswith(f"wrote {out}")
     assert sf.info(out).frames > 0
+
+
+def test_real_run_list_voices_and_text_only(run_cli, tmp_path, no_portaudio):
+    result = run_cli("--list-voices", "-q")
+    assert (result.returncode, result.stdout, result.stderr) == (0, "Chelsie\nEthan\n", "")
+    result = run_cli("Hello", "--text-only", "--max-text-tokens", "5", "--seed", "0", env=no_portaudio, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() and result.stdout.endswith("\n")
+    assert os.listdir(tmp_path) == []
+
+
+def _run_shell(cmd: str, tmp_path, timeout=300):
+    return subprocess.run(["bash", "-c", "set -o pipefail; " + cmd], env=cli_env(), cwd=tmp_path, capture_output=True,
+                          timeout=timeout)
+
+
+OMNI_SAY = f'"{sys.executable}" -m omni_cli.cli'
+
+
+def test_wav_on_stdout_redirected_to_a_file(tmp_path, run_cli):
+    # omni-say -o - "hi" > x.wav: stdout can seek, so the header gets the real sizes.
+    result = _run_shell(f'{OMNI_SAY} -o - "hi" --seed 0 --max-text-tokens 6 --max-codes 40 > x.wav', tmp_path)
+    assert result.returncode == 0, result.stderr
+    data = (tmp_path / "x.wav").read_bytes()
+    with wave.open(str(tmp_path / "x.wav")) as w:
+        assert (w.getframerate(), w.getnchannels(), w.getsampwidth()) == (24_000, 1, 2)
+        frames = w.getnframes()
+    assert 0 < frames <= 40 * 480 and len(data) == 44 + 2 * frames  # nothing but the WAV
+    err = result.stderr.decode()
+    assert err.splitlines()[-1] == f"wrote {frames / 24000:.1f} s of WAV audio to stdout"
+    # The same samples as -o FILE with the same seed.
+    again = run_cli("hi", "-o", tmp_path / "y.wav", "--seed", "0", "--max-text-tokens", "6", "--max-codes", "40")
+    assert again.returncode == 0, again.stderr
+    np.testing.assert_array_equal(sf.read(tmp_path / "x.wav", dtype="int16")[0], sf.read(tmp_path / "y.wav", dtype="int16")[0])
+    # The reply's text went to stderr, not into the WAV.
+    assert again.stdout.strip() and again.stdout.strip() in err
+
+
+def test_wav_on_stdout_through_a_pipe(tmp_path):
+    # echo hi | omni-say -o - | python -c "read WAV from stdin": a streaming header, then the samples.
+    reader = ("import sys, io, soundfile as sf; data = sys.stdin.buffer.read(); "
+              "a, r = sf.read(io.BytesIO(data), dtype='float32'); "
+              "print(data[:4].decode(), data[4:8].hex(), data[40:44].hex(), len(data), r, a.shape[0], float(abs(a).max()))")
+    result = _run_shell(f'echo hi | {OMNI_SAY} -o - --seed 0 --max-text-tokens 6 --max-codes 40 | "{sys.executable}" -c "{reader}"',
+                        tmp_path)
+    assert result.returncode == 0, result.stderr
+    riff, riff_size, data_size, length, rate, frames, peak = result.stdout.decode().split()
+    assert (riff, riff_size, data_size, rate) == ("RIFF", "ffffffff", "ffffffff", "24000")
+    assert int(length) == 44 + 2 * int(frames) and int(frames) > 0 and float(peak) > 0
+    assert os.listdir(tmp_path) == []
+
+
+def test_wav_on_stdout_to_a_closed_pipe(tmp_path):
+    result = _run_shell(f'{OMNI_SAY} -o - "hi" --seed 0 --max-codes 100 | head -c 10 > /dev/null', tmp_path)
+    assert result.returncode == 1
+    err = result.stderr.decode()
+    assert err.splitlines()[-1] == "error: stdout was closed while the WAV was being written"
+    assert "Traceback" not in err

@@ -1,0 +1,79 @@
+"""A fake Assistant for the CLI and REPL tests: streams text deltas and audio into the sink like the
+real one, in milliseconds, with no model."""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import numpy as np
+
+from omni_cli.errors import UsageError
+
+
+class FakeAssistant:
+    """Streams like the real one: text deltas, then audio blocks into the sink, then Done.
+
+    `fail` is raised halfway through the audio; `block_delay` seconds pass between blocks."""
+
+    voices = ["Chelsie", "Ethan"]
+    is_demo = False
+    has_audio = True
+    name = "fake"
+    sample_rate = 24_000
+
+    def __init__(self, fail: BaseException | None = None, seconds: float = 0.5, blocks: int = 2,
+                 block_delay: float = 0.0, stats: dict | None = None):
+        self.fail = fail
+        self.seconds = seconds
+        self.blocks = blocks
+        self.block_delay = block_delay
+        self.stats = stats or {}
+        self.calls = []
+
+    def stream(self, prompt, voice="Chelsie", greedy=False, seed=None, max_text_tokens=None, max_codes=None,
+               sink=None, text_only=False, conversation=None):
+        from omni_cli.assistant import AudioBlock, Done, TextDelta
+
+        self.calls.append(dict(prompt=prompt, voice=voice, greedy=greedy, seed=seed,
+                               max_text_tokens=max_text_tokens, max_codes=max_codes, text_only=text_only))
+        if not prompt.strip():
+            raise UsageError("empty prompt")
+        started = time.perf_counter()
+        audio = np.full(int(self.seconds * self.sample_rate), 0.25, dtype=np.float32)
+        audio[::7] = -0.5
+        if text_only:
+            audio = audio[:0]
+        yield TextDelta("Hi ")
+        if sink is not None and not text_only:
+            sink.start(self.sample_rate)
+        ok = False
+        try:
+            for i, part in enumerate(np.array_split(audio, self.blocks)):
+                if self.fail is not None and i == self.blocks // 2:
+                    raise self.fail
+                if i:
+                    time.sleep(self.block_delay)
+                if sink is not None and len(part):
+                    sink.write(part)
+                if len(part):
+                    yield AudioBlock(part, self.sample_rate)
+            yield TextDelta("there.")
+            ok = True
+        finally:
+            if sink is not None and not text_only:
+                sink.close() if ok else sink.abort()
+        stats = {"started_at": started, "time_to_first_text": 0.01, "time_to_first_audio": 0.02,
+                 "total_time": time.perf_counter() - started, "audio_seconds": len(audio) / self.sample_rate,
+                 "text_tokens": 2, "codes": 3, **self.stats}
+        reply = SimpleNamespace(text="Hi there.", text_ids=[], codes=[], audio=audio, sample_rate=self.sample_rate,
+                                stats=stats)
+        if conversation is not None:
+            conversation.add(prompt, reply.text)
+        yield Done(reply)
+
+    def conversation(self, system=None):
+        from omni_cli.assistant import Chat
+        from omni_cli.prompt import DEFAULT_SYSTEM, Conversation
+
+        return Chat(self, Conversation(system=DEFAULT_SYSTEM if system is None else system))
