@@ -305,7 +305,8 @@ class ChatRepl:
         else:
             print_timing(self.err, self.last_stats, self.last_playback, title="last reply")
         seconds = sum(len(a) for _, a in self.speech) / self.assistant.sample_rate
-        self.say(f"session: {self.replies} replies, {seconds:.1f} s of speech, {self.underruns} underruns")
+        self.say(f"session: {_count(self.replies, 'reply', 'replies')}, {seconds:.1f} s of speech, "
+                 f"{_count(self.underruns, 'underrun')}")
 
     def cmd_save(self, arg: str) -> None:
         if not arg:
@@ -326,9 +327,9 @@ class ChatRepl:
         }
         _write_text_atomic(json_path, json.dumps(data, ensure_ascii=False, indent=2) + "\n")
         if seconds is None:
-            self.say(f"saved {json_path} ({len(self.transcript) // 2} exchanges; no speech to save)")
+            self.say(f"saved {json_path} ({_count(len(self.transcript) // 2, 'exchange')}; no speech to save)")
         else:
-            self.say(f"saved {json_path} ({len(self.transcript) // 2} exchanges) and {wav_path} ({seconds:.1f} s)")
+            self.say(f"saved {json_path} ({_count(len(self.transcript) // 2, 'exchange')}) and {wav_path} ({seconds:.1f} s)")
 
     def _segments(self) -> list[dict]:
         """Where each reply's speech is in the saved WAV."""
@@ -353,6 +354,10 @@ class ChatRepl:
                     sink.write(np.zeros(int(SAVE_GAP * rate), dtype=np.float32))
                 sink.write(audio)
         return sink.seconds
+
+
+def _count(n: int, word: str, plural: str | None = None) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {plural or word + 's'}"
 
 
 def _write_text_atomic(path: Path, text: str) -> None:

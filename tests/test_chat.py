@@ -189,7 +189,7 @@ def test_stats():
     s.run("/stats\rHello\r/stats\r\x04")
     assert "no reply yet" in s.err
     assert "-- last reply" in s.err and "time to first audio" in s.err and "underruns" in s.err
-    assert "session: 1 replies, 0.5 s of speech, 0 underruns" in s.err
+    assert "session: 1 reply, 0.5 s of speech, 0 underruns" in s.err
 
 
 def test_verbose_prints_timing_after_each_reply():

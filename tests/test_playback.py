@@ -170,5 +170,5 @@ def test_ctrl_c_in_omni_chat_then_the_next_turn(tmp_path):
     back_ms = int(line.split("back at the prompt after ")[1].split()[0])
     assert silent_ms < 200 and back_ms < 200, line
     # The session goes on: the next turn is answered; the interrupted one is not part of the conversation.
-    assert "session: 1 replies" in err
+    assert "session: 1 reply," in err
     assert stdout.decode().count("\n") == 2  # the partial reply's text (its line ended), then the next reply
