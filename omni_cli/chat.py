@@ -25,7 +25,7 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable
 
-from .errors import OmniError, OutputError, UsageError
+from .errors import OmniError, OutputError, UsageError, known_failure
 from .ui import InterruptTimes, print_timing, stop_on_interrupt
 
 PROMPT = ">>> "
@@ -214,6 +214,7 @@ class ChatRepl:
             print_timing(self.err, self.last_stats, self.last_playback)
 
     def error(self, exc: BaseException) -> None:
+        exc = known_failure(exc)
         if self.debug:
             self.err.print("".join(traceback.format_exception(exc)), end="", markup=False, highlight=False)
         detail = " ".join(str(exc).split())

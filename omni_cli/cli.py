@@ -25,7 +25,7 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from .errors import OmniError, OutputError, UsageError
+from .errors import OmniError, OutputError, UsageError, known_failure
 
 say_app = typer.Typer(
     name="omni-say",
@@ -74,7 +74,7 @@ def _fail(exc: BaseException, debug: bool) -> int:
     if isinstance(exc, KeyboardInterrupt):
         _err("interrupted")
         return 130
-    exc = _translate(exc)
+    exc = known_failure(exc)
     if debug:
         traceback.print_exception(exc, file=sys.stderr)
     if isinstance(exc, OmniError):
@@ -84,18 +84,6 @@ def _fail(exc: BaseException, debug: bool) -> int:
     hint = "" if debug else " (run with --debug for the traceback)"
     _err(f"error: internal error: {type(exc).__name__}: {detail}{hint}")
     return 1
-
-
-def _translate(exc: BaseException) -> BaseException:
-    """Failures with a known cure, raised below us as plain exceptions, become OmniErrors."""
-    name = type(exc).__name__
-    text = str(exc).lower()
-    if name == "OutOfMemoryError" or (isinstance(exc, RuntimeError) and "out of memory" in text):
-        new = OmniError("out of device memory while answering: try a shorter prompt, a lower --max-codes or "
-                        "--max-text-tokens, --text-only, or --dtype bfloat16")
-        new.__cause__ = exc
-        return new
-    return exc
 
 
 def _exit_on(exc: BaseException, debug: bool, sinks=(), interrupt=None) -> None:

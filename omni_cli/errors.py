@@ -30,3 +30,16 @@ class OutputError(OmniError):
 
 class AudioDeviceError(OutputError):
     """Sound cannot be played: no PortAudio, no output device, or the device failed. Exit code 1."""
+
+
+def known_failure(exc: BaseException) -> BaseException:
+    """`exc`, or an OmniError that says what to do when `exc` is a failure with a known cure raised
+    below us as a plain exception (running out of device memory)."""
+    if isinstance(exc, OmniError):
+        return exc
+    if type(exc).__name__ == "OutOfMemoryError" or (isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()):
+        new = OmniError("out of device memory while answering: try a shorter prompt, a lower --max-codes or "
+                        "--max-text-tokens, --text-only, or --dtype bfloat16")
+        new.__cause__ = exc
+        return new
+    return exc

@@ -208,6 +208,11 @@ def test_an_error_in_a_turn_keeps_the_session():
     s.assistant.fail = RuntimeError("boom")
     s.run("Hello\rAgain\r\x04")
     assert "error: internal error: RuntimeError: boom" in s.err
+    import torch
+
+    s.assistant.fail = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    s.run("Hello\r\x04")
+    assert "error: out of device memory while answering: try a shorter prompt" in s.err
     s.assistant.fail = None
     s.run("Fine now\r\x04")
     assert s.out.endswith("Hi there.\n")
