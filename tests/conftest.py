@@ -8,11 +8,19 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+# A shell that starts a job in the background (`cmd &` without job control, nohup, some CI runners)
+# starts it with SIGINT ignored, and an ignored signal is inherited: the program would then rightly
+# leave Ctrl-C alone, and the tests that press it would see nothing. Take SIGINT back, for this
+# process and (a handler resets to the default at exec) for every program the tests start.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 # Before anything imports huggingface_hub (it reads this once, at import).
 os.environ["HF_HUB_OFFLINE"] = "1"
