@@ -28,15 +28,15 @@ pytestmark = [
 
 
 class Tmux:
-    """One detached tmux session on a private server socket."""
+    """One detached tmux session on a private server, whose socket lives in the test's folder."""
 
     def __init__(self, tmp_path: Path, command: str, env: dict[str, str], width: int = 100, height: int = 40):
-        self.socket = f"omni-test-{os.getpid()}-{tmp_path.name}"
+        self.socket = str(tmp_path / "tmux.sock")
         self.env = env
         self.tmux("new-session", "-d", "-s", "chat", "-x", str(width), "-y", str(height), command)
 
     def tmux(self, *args: str) -> str:
-        result = subprocess.run(["tmux", "-L", self.socket, *args], env=self.env, capture_output=True, text=True,
+        result = subprocess.run(["tmux", "-S", self.socket, *args], env=self.env, capture_output=True, text=True,
                                 timeout=30)
         assert result.returncode == 0, (args, result.stderr)
         return result.stdout
@@ -62,7 +62,7 @@ class Tmux:
             time.sleep(0.05)
 
     def kill(self) -> None:
-        subprocess.run(["tmux", "-L", self.socket, "kill-server"], capture_output=True, timeout=30)
+        subprocess.run(["tmux", "-S", self.socket, "kill-server"], capture_output=True, timeout=30)
 
 
 def prompts(screen: str) -> int:
