@@ -34,7 +34,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO, Callable, Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Any, BinaryIO, Protocol, Sequence, runtime_checkable
 
 from .config import SAMPLE_RATE
 from .errors import AudioDeviceError, OutputError, UsageError

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import io
 import os
-import shutil
 import subprocess
 import wave
 import sys

@@ -8,7 +8,6 @@ to play as it would on a sound card.
 
 from __future__ import annotations
 
-import os
 import re
 import shlex
 import subprocess
