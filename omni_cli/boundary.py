@@ -63,6 +63,15 @@ class AsyncOutput:
     def finish(self) -> None:
         self.pending.close()
 
+    def cancel(self) -> None:
+        """Stop: drop what is pending and wake an engine thread blocked in `wait_for`."""
+        self.pending.cancel()
+        self._wake()
+
+    def _wake(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
     # -- producer side --------------------------------------------------------------------------
     def drain(self, handle: Callable[[str, int, int], None]) -> None:
         """Producer thread body: for each pushed step, wait for its copy and call handle(kind, index, id)."""
@@ -77,6 +86,7 @@ class AsyncOutput:
         except BaseException as exc:  # noqa: BLE001 - travels to the caller through `failed`
             with self._cond:
                 self.failed = exc
-                self._cond.notify_all()
             self.pending.cancel()
             raise
+        finally:
+            self._wake()  # an engine thread waiting on progress must re-check its stop flag

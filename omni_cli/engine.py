@@ -240,7 +240,7 @@ class _Turn:
                 self._shutdown()
                 if sink is not None and self.audio:
                     sink.abort()  # silence first: an interrupted reply stops sounding at once
-            for t in threads:
+            for t in (t for t in threads if t.ident is not None):  # only those that started
                 # After an interrupt the vocoder may be inside a chunk; don't hold the caller for it.
                 # The engine joins it before the next turn starts (`Engine.stream`).
                 t.join(timeout=None if ok or t.name != "omni-vocoder" else 0.02)
@@ -252,13 +252,13 @@ class _Turn:
 
     def _shutdown(self) -> None:
         self.stop.set()
-        self.boundary.pending.cancel()
+        self.boundary.cancel()
         self.codes_ch.cancel()
         self.events.cancel()
 
     def _fail(self, exc: BaseException) -> None:
         self.stop.set()
-        self.boundary.pending.cancel()
+        self.boundary.cancel()
         self.codes_ch.cancel()
         self.events.fail(exc)
 
@@ -438,7 +438,9 @@ class _Turn:
             self._worker_done()
 
     def _on_block(self, block: np.ndarray) -> None:
-        self.state.times.setdefault("first_audio", time.perf_counter())
+        now = time.perf_counter()
+        self.state.times.setdefault("first_audio", now)
+        self.state.times["last_audio"] = now
         self._pcm.append(block)
         if self.req.sink is not None:
             self.req.sink.write(block)
@@ -467,7 +469,8 @@ class _Turn:
             "talker_ms_per_step": 1000 * times.get("talker_time", 0.0) / tk_steps if tk_steps else None,
             "talker_last_step": since("talker_last_step"),
             "audio_seconds": seconds,
-            "real_time_factor": (end - t0) / seconds if seconds else None,
+            # Made-audio time over its length: up to the last block, not the sink's play-out.
+            "real_time_factor": (times.get("last_audio", end) - t0) / seconds if seconds else None,
             "text_tokens": len(st.text_ids),
             "codes": len(st.codes),
             "non_audio_codes": st.skipped_codes,
