@@ -3,12 +3,13 @@
 `StepGraphs(fn, ...)` turns `fn(span)` — a step that reads and writes only preallocated ("static")
 tensors — into graph replays, one graph per attention-span bucket (the span grows with the cache; the
 host knows it without reading the device, so choosing a graph costs no sync). Graphs share one memory
-pool. On CPU, or with graphs switched off, calling it just runs `fn` eagerly with the same bucketed span,
+pool and are captured only by `capture_all()` at warm-up, never during a turn. On CPU, with graphs
+switched off, or for a bucket without a graph, calling it runs `fn` eagerly with the same bucketed span,
 so both paths do identical math.
 
-The switch: `RuntimeOptions.graphs`, the CLI's `--no-graphs`, or the environment variable
-`OMNI_NO_GRAPHS=1`; it also turns off `torch.compile` of the decode layers (`compile_wanted`). It knows
-nothing about models.
+The switch: `RuntimeOptions.graphs` (`omni_cli.load(runtime=...)`), `omni-bench --no-graphs`, or the
+environment variable `OMNI_NO_GRAPHS=1`; it also turns off `torch.compile` of the decode layers
+(`compile_wanted`). It knows nothing about models.
 """
 
 from __future__ import annotations
