@@ -28,10 +28,11 @@ import torch
 
 from .boundary import AsyncOutput
 from .channel import Channel
-from .config import SAMPLE_RATE, SamplingOptions
+from .config import CODES_PER_SECOND, SAMPLE_RATE, SamplingOptions
 from .kv_cache import StaticKVCache
 from .sampling import mark_seen, select
 from .talker import Talker
+from .workers import Task, Worker
 from .thinker import Thinker
 
 AUDIO_CODE_LIMIT = 8192  # only codes below this are audio (token2wav's embedding has 8193 rows)
@@ -93,6 +94,7 @@ class _TurnState:
     codes_end: int | None = None  # number of codes once the talker is known to have ended
     skipped_codes: int = 0  # non-audio codes the talker produced (kept in `codes`, not vocoded)
     times: dict[str, float] = field(default_factory=dict)
+    vocoder_chunks: list[tuple[int, float]] = field(default_factory=list)  # (mel frames, seconds) per chunk
 
 
 class Engine:
@@ -128,10 +130,8 @@ class Engine:
         if fast_decode is None:
             fast_decode = self.device.type != "cpu"
         self.fast_decode = fast_decode
-        if self.device.type == "cuda" and dtype != torch.float32:
-            # token2wav runs in float32; TF32 matmuls make its GEMMs several times faster. The LLMs in
-            # bf16 are unaffected (a float32 LLM, as in the GPU parity tests, keeps full precision).
-            torch.backends.cuda.matmul.allow_tf32 = True
+        if self.device.type == "cuda":
+            configure_cuda(float32_llm=dtype == torch.float32)
         if fast_decode:
             from .graphs import compile_wanted
 
@@ -139,9 +139,15 @@ class Engine:
             self.thinker.enable_fast_decode(graphs, compile)
             if self.has_talker:
                 self.talker.enable_fast_decode(graphs, compile)
+        # The engine thread issues its work on a high-priority stream: when the vocoder's windows and the
+        # decode steps are both waiting for the GPU, the steps' blocks are scheduled first, so the talker
+        # (the critical path) is slowed less by the vocoder running beside it.
+        self.step_stream = torch.cuda.Stream(self.device, priority=-1) if self.device.type == "cuda" else None
         self.text_vocab = model.thinker.lm_head.out_features
         self._lock = threading.Lock()  # one turn at a time: the caches are shared
-        self.lingering: list[threading.Thread] = []
+        self.lingering: list[Task] = []
+        # One long-lived thread per role, reused by every turn (see workers.py for why).
+        self.workers = {role: Worker(f"omni-{role}") for role in ("engine", "producer", "vocoder")}
 
     def warmup(self) -> None:
         """Capture the CUDA graphs (decode steps for every span bucket; the vocoder's windows for every
@@ -221,17 +227,17 @@ class _Turn:
     def run(self) -> Iterator[TextDelta | AudioBlock | Done]:
         t0 = time.perf_counter()
         self.state.times["start"] = t0
-        threads = [threading.Thread(target=self._engine_main, name="omni-engine", daemon=True),
-                   threading.Thread(target=self._producer_main, name="omni-producer", daemon=True)]
+        bodies = [("engine", self._engine_main), ("producer", self._producer_main)]
         if self.audio:
-            threads.append(threading.Thread(target=self._vocoder_main, name="omni-vocoder", daemon=True))
+            bodies.append(("vocoder", self._vocoder_main))
+        tasks = []
         sink = self.req.sink
         ok = False
         try:
             if sink is not None and self.audio:
                 sink.start(SAMPLE_RATE)
-            for t in threads:
-                t.start()
+            for role, body in bodies:
+                tasks.append(self.e.workers[role].submit(body))
             for event in self.events:
                 yield event
             ok = True
@@ -240,7 +246,7 @@ class _Turn:
                 self._shutdown()
                 if sink is not None and self.audio:
                     sink.abort()  # silence first: an interrupted reply stops sounding at once
-            for t in (t for t in threads if t.ident is not None):  # only those that started
+            for t in tasks:  # only those that were handed to a worker
                 # After an interrupt the vocoder may be inside a chunk; don't hold the caller for it.
                 # The engine joins it before the next turn starts (`Engine.stream`).
                 t.join(timeout=None if ok or t.name != "omni-vocoder" else 0.02)
@@ -271,19 +277,29 @@ class _Turn:
     # -- engine thread: issue steps, never read device values ----------------------------------
     def _engine_main(self) -> None:
         try:
-            with torch.inference_mode():
+            with torch.inference_mode(), self._engine_stream():
                 self._loop()
         except BaseException as exc:  # noqa: BLE001 - travels to the caller
             self._fail(exc)
         finally:
             self.boundary.finish()
 
+    def _engine_stream(self):
+        stream = self.e.step_stream
+        if stream is None:
+            return contextlib.nullcontext()
+        stream.wait_stream(torch.cuda.current_stream(self.e.device))  # whatever the caller queued before
+        return torch.cuda.stream(stream)
+
     def _loop(self) -> None:
         d = self._setup()
+        mark = self.clock.start()
         first = self.e.thinker.prefill(d.ids)
         tok = select(first.logits, self.req.thinker, d.seen_text, d.no_eos, d.gen)
         mark_seen(d.seen_text, tok)
         self.boundary.push("text", 0, tok)
+        self.clock.end("thinker_prefill", mark)
+        self.state.times["prefill_issued"] = time.perf_counter()
         d.first, d.toks = first, [tok]
         with _sync_debug(self.req.sync_debug and self.e.device.type == "cuda"):
             self._steps(d)
@@ -386,6 +402,7 @@ class _Turn:
     def _handle(self, kind: str, index: int, value: int) -> None:
         st = self.state
         if kind == "text":
+            st.times.setdefault("first_token", time.perf_counter())
             if st.text_end is not None:
                 return  # overshoot past the text's end: discarded
             st.text_ids.append(value)
@@ -433,6 +450,7 @@ class _Turn:
             self._fail(exc)
             return
         out = _BlocksToTurn(self)
+        self.state.vocoder_chunks = voc.chunk_log  # read after the turn, for the stats
         vocoder_worker(voc, self.codes_ch, out)  # returns after close() or fail(); never raises
         if not out.failed:
             self._worker_done()
@@ -460,6 +478,10 @@ class _Turn:
         th_steps, tk_steps = times.get("thinker_steps", 0), times.get("talker_steps", 0)
         stats = {
             "started_at": t0,  # time.perf_counter() at the turn's start; the times below are relative to it
+            # The first text's path: prefill issued by the engine thread, its token read on the host by
+            # the producer thread, its text handed on.
+            "time_to_prefill_issued": since("prefill_issued"),
+            "time_to_first_token": since("first_token"),
             "time_to_first_text": since("first_text"),
             "time_to_first_audio": since("first_audio"),
             "total_time": end - t0,
@@ -476,8 +498,33 @@ class _Turn:
             "non_audio_codes": st.skipped_codes,
         }
         stats.update(self.clock.summary())
+        chunks = list(st.vocoder_chunks)
+        if chunks:
+            # Wall time of each chunk on the vocoder thread (its DiT window and BigVGAN span, beside
+            # the decode steps), per second of audio it made final: below 1 keeps up with playback.
+            frames = sum(f for f, _ in chunks)
+            steady = sorted(1000 * s for f, s in chunks[1:-1] if f == max(f for f, _ in chunks))
+            stats["vocoder_chunks"] = len(chunks)
+            stats["vocoder_first_chunk_ms"] = 1000 * chunks[0][1]
+            stats["vocoder_steady_chunk_ms"] = steady[len(steady) // 2] if steady else None
+            stats["vocoder_steady_chunk_codes"] = max(f for f, _ in chunks) // 2  # two mel frames a code
+            stats["vocoder_s_per_audio_s"] = sum(s for _, s in chunks) / (frames / (2 * CODES_PER_SECOND))
         text = self.e.tokenizer.decode(st.text_ids, skip_special_tokens=True)
         return Reply(text, list(st.text_ids), list(st.codes), audio, SAMPLE_RATE, stats)
+
+
+def configure_cuda(float32_llm: bool = False) -> None:
+    """Process-wide CUDA settings the engine relies on (call before a reference run to compare alike).
+
+    - cuDNN's attention is left out of SDPA's choices. It builds an execution plan per input shape and
+      keeps it per host thread, so every prefill of a new prompt length paid a plan build: ~90 ms for
+      the thinker's and again for the talker's on an H200. Flash / memory-efficient attention need none.
+    - TF32 matmuls for the float32 token2wav (its GEMMs several times faster), unless the LLMs
+      themselves run in float32 (as in the GPU parity tests), which keeps them at full precision.
+    """
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    if not float32_llm:
+        torch.backends.cuda.matmul.allow_tf32 = True
 
 
 @contextlib.contextmanager

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .graphs import compile_fn
 from .kv_cache import StaticKVCache
 
 
@@ -105,7 +106,7 @@ class FusedDecoder:
             probe = torch.zeros(1, 1, 1, device=param.device, dtype=param.dtype)
             cos, sin = model.rotary_emb(probe, positions)  # [1, max_len, head_dim], the library's math
         self.cos, self.sin = cos[0], sin[0]
-        self.layer_fn = torch.compile(layer_step, fullgraph=True) if compile else layer_step
+        self.layer_fn = compile_fn(layer_step, fullgraph=True) if compile else layer_step
 
     def step(self, embeds: torch.Tensor, pos: torch.Tensor, span: int) -> torch.Tensor:
         """One token: `embeds` [1, 1, W], `pos` [1] long (device) its position, `span` ≥ pos+1 rows to attend."""

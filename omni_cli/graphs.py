@@ -36,6 +36,16 @@ def compile_wanted(enabled: bool, device: torch.device) -> bool:
     return graphs_wanted(enabled, device)
 
 
+def compile_fn(fn: Callable, **kwargs) -> Callable:
+    """`torch.compile(fn)` with room for many specialisations of one function: each model, dtype and
+    span bucket that runs it is one, and a process may hold several engines (tests, `omni-bench
+    --variants`); dynamo's default limit of 8 per function would make the ninth a hard error."""
+    import torch._dynamo
+
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    return torch.compile(fn, **kwargs)
+
+
 def bucket(span: int, limit: int) -> int:
     return min(limit, -(-span // SPAN_BUCKET) * SPAN_BUCKET)
 

@@ -49,7 +49,7 @@ class StreamingVocoder:
         max_codes: int,
         generator: torch.Generator | int | None = None,
         *,
-        codes_per_chunk: int = 24,
+        codes_per_chunk: int = 48,
         first_chunk_codes: int | None = None,
         past_frames: int | None = None,
         future_frames: int | None = None,
@@ -63,8 +63,10 @@ class StreamingVocoder:
         cond, ref_mel: the voice, 1x192 and 1xTx80, as in `spk_dict.pt`.
         max_codes: the longest utterance; the starting noise is drawn for all of it at once.
         generator: a `torch.Generator`, a seed, or None for torch's global RNG (what transformers uses).
-        codes_per_chunk / first_chunk_codes: chunk sizes in codes, multiples of a DiT block (12 codes);
-            the first chunk defaults to one block so the first audio comes as early as the window allows.
+        codes_per_chunk / first_chunk_codes: chunk sizes in codes, multiples of a DiT block (12 codes).
+            The first chunk defaults to one block so the first audio comes as early as the window allows;
+            each next chunk is twice the last, up to `codes_per_chunk` (12, 24, 48, 48, ...): larger
+            chunks spend less of each window on context, small early ones keep the first audio early.
         past_frames / future_frames: DiT context in mel frames; default one block per look-back /
             look-ahead layer, which is how far one DiT evaluation reaches (48 / 24 on the real model).
         bigvgan_context: mel frames BigVGAN sees beyond each seam (Qwen's streaming decoder uses 20).
@@ -99,6 +101,9 @@ class StreamingVocoder:
         if self.past_frames % self.block or self.past_frames < 0 or self.future_frames < 0:
             raise ValueError("past_frames must be a non-negative multiple of the DiT block size")
         self.bigvgan_context = bigvgan_context
+        # Room past the longest utterance so a window padded to its full length (see _decode_mel) can
+        # always be sliced from the noise and code buffers.
+        self.pad_room = self.past_frames + max(self.chunk_frames, self.first_chunk_frames) + self.future_frames
 
         # CUDA graphs of the fixed-shape windows, kept on the model so later utterances reuse them;
         # the voice's conditioning is baked into them, so it is cached there too, per voice.
@@ -139,17 +144,18 @@ class StreamingVocoder:
         # values and 80 mel bins are 5 groups, so the first T rows equal `torch.randn([1, T, 80])`
         # under the same seed, which is what transformers' `sample()` draws.
         self.noise = torch.randn(
-            [1, self.max_codes * self.repeats, self.mel_dim], generator=self.generator, dtype=self.dtype
+            [1, self.max_codes * self.repeats + self.pad_room, self.mel_dim], generator=self.generator, dtype=self.dtype
         ).to(self.device)
-        self.codes = torch.zeros(1, self.max_codes, dtype=torch.long)
+        self.codes = torch.zeros(1, self.max_codes + self.pad_room // self.repeats, dtype=torch.long)
         self.mel = torch.zeros(1, self.mel_dim, self.max_codes * self.repeats, dtype=self.dtype, device=self.device)
         self.n_codes = 0
         self.mel_done = 0  # mel frames that are final
         self.audio_done = 0  # mel frames whose audio has been handed out
         self.finished = False
-        self.dit_frames = 0  # mel frames run through the DiT window (for cost accounting)
+        self.dit_frames = 0  # mel frames run through the DiT windows, padding included (cost accounting)
         self.dit_calls = 0
         self.bigvgan_frames = 0
+        self.chunk_log: list[tuple[int, float]] = []  # (mel frames made final, seconds the chunk took)
 
     # -- streaming -------------------------------------------------------------------------------
     def push(self, codes: Sequence[int]) -> list[np.ndarray]:
@@ -164,9 +170,10 @@ class StreamingVocoder:
         blocks = []
         # A chunk is final once its look-ahead context exists; several may be due after a big push.
         while self._next_chunk_end() + self.future_frames <= self.n_codes * self.repeats:
-            end = self._next_chunk_end()
-            self._decode_mel(self.mel_done, end, end + self.future_frames)
-            blocks += self._vocode(last=False)
+            t, start, end = time.perf_counter(), self.mel_done, self._next_chunk_end()
+            self._decode_mel(start, end, end + self.future_frames)
+            blocks += self._vocode(last=False)  # copies the audio to the host: the chunk is done
+            self.chunk_log.append((end - start, time.perf_counter() - t))
         return blocks
 
     def finish(self) -> list[np.ndarray]:
@@ -174,13 +181,23 @@ class StreamingVocoder:
         if self.finished:
             return []
         self.finished = True
-        total = self.n_codes * self.repeats
+        t, start, total = time.perf_counter(), self.mel_done, self.n_codes * self.repeats
         if self.mel_done < total:
             self._decode_mel(self.mel_done, total, total)
-        return self._vocode(last=True)
+        blocks = self._vocode(last=True)
+        self.chunk_log.append((total - start, time.perf_counter() - t))
+        return blocks
 
     def _next_chunk_end(self) -> int:
-        return self.mel_done + (self.first_chunk_frames if self.mel_done == 0 else self.chunk_frames)
+        return self.mel_done + self._chunk_frames(self.mel_done)
+
+    def _chunk_frames(self, start: int) -> int:
+        """Length of the chunk that starts at mel frame `start`: the first, then doubling up to the steady size."""
+        size, pos = self.first_chunk_frames, 0
+        while pos < start:
+            pos += size
+            size = min(2 * size, self.chunk_frames)
+        return size
 
     def _check_codes(self, codes: Sequence[int]) -> np.ndarray:
         new = np.asarray(codes, dtype=np.int64).reshape(-1)
@@ -193,15 +210,35 @@ class StreamingVocoder:
 
     @torch.inference_mode()
     def _decode_mel(self, start: int, end: int, window_end: int) -> None:
-        """Run the DiT on [start - past, window_end) and keep frames [start, end) as final mel."""
+        """Run the DiT on [start - past, window_end) and keep frames [start, end) as final mel.
+
+        The window is always run at the full length a chunk starting at `start` gets (context, chunk,
+        look-ahead). At the end of an utterance it is shorter: the rows past `window_end` are padding
+        that sits in a block of its own, so no real row attends to it (see `_block_index`). That way the
+        last chunk replays the same CUDA graph as a full one instead of running eagerly at an odd length.
+        """
         window_start = max(0, start - self.past_frames)
-        code = self.codes[:, window_start // self.repeats : window_end // self.repeats].to(self.device)
-        mel = self._graphs.run(("dit", self._voice_key, window_end - window_start), self._sample,
-                               code, self.noise[:, window_start:window_end])
+        full = (start - window_start) + self._chunk_frames(start) + self.future_frames
+        r = self.repeats
+        code = self.codes[:, window_start // r : (window_start + full) // r].to(self.device)
+        blocks = self._block_index(full, window_end - window_start).to(self.device)
+        mel = self._graphs.run(("dit", self._voice_key, full), self._sample,
+                               code, self.noise[:, window_start : window_start + full], blocks)
         self.mel[:, :, start:end] = mel[:, :, start - window_start : end - window_start]
         self.mel_done = end
-        self.dit_frames += window_end - window_start
+        self.dit_frames += full
         self.dit_calls += 1
+
+    def _block_index(self, length: int, valid: int) -> torch.Tensor:
+        """DiT block of each window row; padding rows (from `valid` on) go to one far-away block.
+
+        A layer lets row i attend to row j when their blocks differ by at most its look-back / look-ahead
+        (one block), so real rows and padding never see each other, and padding rows still see each
+        other (a row with nothing to attend to would give NaN, which the value matmul would spread).
+        """
+        blocks = torch.arange(length) // self.block
+        blocks[valid:] = 1 << 20
+        return blocks
 
     @torch.inference_mode()
     def _vocode(self, last: bool) -> list[np.ndarray]:
@@ -236,25 +273,29 @@ class StreamingVocoder:
         if len(new) == 0:
             return np.zeros(0, dtype=np.float32)
         code = torch.from_numpy(new).reshape(1, -1).to(self.device)
-        mel = self._sample(code, self.noise[:, : len(new) * self.repeats])
+        frames = len(new) * self.repeats
+        mel = self._sample(code, self.noise[:, :frames], self._block_index(frames, frames).to(self.device))
         return self._bigvgan(mel).reshape(-1).float().cpu().numpy()
 
     # -- the DiT, called piece by piece --------------------------------------------------------
-    def _sample(self, code: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
-        """Flow-matching ODE from `noise` [1, T, 80] given `code` [1, T/2]; returns mel [1, 80, T]."""
+    def _sample(self, code: torch.Tensor, noise: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+        """Flow-matching ODE from `noise` [1, T, 80] given `code` [1, T/2] and each row's DiT block
+        `blocks` [T]; returns mel [1, 80, T]."""
         static = self._static_inputs(code)
         length = noise.shape[1]
         positions = torch.arange(length, device=self.device)[None, :].repeat(2, 1)
         # Positions restart at 0 in every window: the DiT's RoPE is relative, so only the block
         # partition matters, and windows start on block boundaries.
         rope = self.dit.rotary_embed(static, positions)
-        block_diff = self.dit._create_block_diff(static)
+        # As the DiT's `_create_block_diff` (block of key minus block of query), from given blocks.
+        block_diff = (blocks[None, :] - blocks[:, None]).expand(2, self.dit.num_attention_heads, length, length)
         guidance = self.guidance_scale
+        forward = self._graphs.compiled_dit() if self._graphs.capturing else dit_forward
 
         # Always the CFG batch of two: transformers switches to a batch of one below guidance 1e-5,
         # which gives the same velocity up to rounding.
         def velocity(t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-            out = self._dit_forward(x, t, static, rope, block_diff)
+            out = forward(self.dit, x, t, static, rope, block_diff)
             guided, null = torch.chunk(out, 2, dim=0)
             return guided + (guided - null) * guidance
 
@@ -297,14 +338,16 @@ class StreamingVocoder:
         hidden = v.conv_post(v.activation_post(hidden))
         return torch.clamp(hidden, min=-1.0, max=1.0).squeeze()
 
-    def _dit_forward(self, x, t, static, rope, block_diff) -> torch.Tensor:
-        """One CFG evaluation (batch of two), the same float operations as the DiT's own forward."""
-        time_embedding = self.dit.time_embed(t.repeat(2))
-        hidden = self.dit.input_embed.proj(torch.cat((torch.cat([x, x], dim=0), static), dim=-1))
-        for layer in self.dit.transformer_blocks:
-            hidden = layer(hidden, time_embedding, position_embeddings=rope, block_diff=block_diff)
-        hidden = self.dit.norm_out(hidden, time_embedding)
-        return self.dit.proj_out(hidden)
+
+
+def dit_forward(dit, x, t, static, rope, block_diff) -> torch.Tensor:
+    """One CFG evaluation (batch of two), the same float operations as the DiT's own forward."""
+    time_embedding = dit.time_embed(t.repeat(2))
+    hidden = dit.input_embed.proj(torch.cat((torch.cat([x, x], dim=0), static), dim=-1))
+    for layer in dit.transformer_blocks:
+        hidden = layer(hidden, time_embedding, position_embeddings=rope, block_diff=block_diff)
+    hidden = dit.norm_out(hidden, time_embedding)
+    return dit.proj_out(hidden)
 
 
 def rk4_final(velocity: Callable, x: torch.Tensor, times: torch.Tensor) -> torch.Tensor:
@@ -345,6 +388,19 @@ class _WindowGraphs:
         self.constants: dict = {}  # device tensors the graphs read (they must live as long as the graphs)
         self.capturing = False
         self.pool = torch.cuda.graph_pool_handle() if self.enabled else None
+        self._compiled = None
+
+    def compiled_dit(self) -> Callable:
+        """`dit_forward` through inductor, for the windows being captured (elementwise work fused: ~1.6x
+        on an H200). One compile serves every window length (dynamic shapes); outside captures, and with
+        `OMNI_NO_COMPILE=1`, the plain function runs."""
+        from .graphs import compile_fn, compile_wanted
+
+        if self._compiled is None:
+            self._compiled = dit_forward
+            if compile_wanted(True, self.device):
+                self._compiled = _or_plain(compile_fn(dit_forward, dynamic=True), dit_forward)
+        return self._compiled
 
     @classmethod
     def for_model(cls, token2wav, device: torch.device) -> "_WindowGraphs":
@@ -380,6 +436,26 @@ class _WindowGraphs:
         with torch.cuda.graph(graph, pool=self.pool):
             static_out = fn(*static_in)
         return graph, static_in, static_out
+
+
+def _or_plain(compiled: Callable, plain: Callable) -> Callable:
+    """`compiled`, unless compiling fails (first call): then a warning, and `plain` from then on.
+    The vocoder is only slower without it, so a compiler problem must not stop the assistant."""
+    state = {"fn": compiled}
+
+    def call(*args):
+        try:
+            return state["fn"](*args)
+        except Exception as exc:  # noqa: BLE001 - any compiler failure
+            if state["fn"] is plain:
+                raise
+            import warnings
+
+            warnings.warn(f"torch.compile of the vocoder's DiT failed, running it uncompiled: {exc!r:.300}")
+            state["fn"] = plain
+            return plain(*args)
+
+    return call
 
 
 def vocoder_worker(
