@@ -55,6 +55,7 @@ ModelOpt = Annotated[Optional[str], typer.Option(
 VoiceOpt = Annotated[str, typer.Option("--voice", "-v", metavar="NAME", help="Voice from the model's spk_dict.pt (Qwen2.5-Omni: Chelsie, Ethan).")]
 DeviceOpt = Annotated[str, typer.Option("--device", metavar="DEVICE", help="auto, cpu, cuda, cuda:N, npu, mps.")]
 DtypeOpt = Annotated[str, typer.Option("--dtype", metavar="DTYPE", help="auto (bfloat16 on accelerators, float32 on CPU), float32, bfloat16, float16.")]
+GraphsOpt = Annotated[bool, typer.Option("--graphs/--no-graphs", help="CUDA graphs and compiled decode steps on a GPU (a no-op on CPU); --no-graphs runs them eagerly, as does OMNI_NO_GRAPHS=1.")]
 SeedOpt = Annotated[Optional[int], typer.Option("--seed", metavar="N", show_default=False, help="Seed for sampling and the vocoder noise (reproducible replies).")]
 GreedyOpt = Annotated[bool, typer.Option("--greedy", help="Greedy decoding instead of sampling.")]
 MaxTextOpt = Annotated[Optional[int], typer.Option("--max-text-tokens", min=1, metavar="N", show_default=False, help="Cap on the reply's text tokens (default: the model's).")]
@@ -269,6 +270,7 @@ def say(
     model: ModelOpt = None,
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "auto",
+    graphs: GraphsOpt = True,
     seed: SeedOpt = None,
     greedy: GreedyOpt = False,
     max_text_tokens: MaxTextOpt = None,
@@ -305,7 +307,7 @@ def say(
         if play:
             speaker = SpeakerSink(audio_device)
         _, err = _consoles()
-        assistant = _load(model, device, dtype, err, quiet=quiet)
+        assistant = _load(model, device, dtype, err, quiet=quiet, **({} if graphs else {"graphs": False}))
         if list_voices:
             for name in assistant.voices:
                 print(name, flush=True)
@@ -382,6 +384,7 @@ def chat(
     voice: VoiceOpt = "Chelsie",
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "auto",
+    graphs: GraphsOpt = True,
     seed: SeedOpt = None,
     greedy: GreedyOpt = False,
     max_text_tokens: MaxTextOpt = None,
@@ -410,7 +413,7 @@ def chat(
         if not mute:
             SpeakerSink(audio_device, hint=CHAT_PLAY_HINT)  # PortAudio and a device, before loading
         out, err = _consoles()
-        assistant = _load(model, device, dtype, err, max_context=max_context)
+        assistant = _load(model, device, dtype, err, max_context=max_context, **({} if graphs else {"graphs": False}))
         from .loader import check_voice
 
         voice = check_voice(assistant.voices, voice) if assistant.has_audio else voice

@@ -125,6 +125,7 @@ class Engine:
             self.text_eos_vec, self.text_pad_vec = vecs[0].view(1, 1, -1), vecs[1].view(1, 1, -1)
         self.max_context = max_context
         self.max_codes = max_codes
+        self.graphs = graphs
         # The fused fixed-shape decode step pays off on accelerators (fewer, larger kernels, CUDA graphs);
         # on CPU the library's own layers are used unless asked (tests compare the two).
         if fast_decode is None:
@@ -158,6 +159,8 @@ class Engine:
         if not self.has_talker:
             return
         self.talker.capture_graphs()
+        if not self.graphs:
+            return  # the vocoder's windows then run eagerly too (a window without a graph does)
         from .vocoder import StreamingVocoder
 
         codes = list(range(100, 196))  # 96 codes: the vocoder's first, second and steady windows, and a tail
@@ -514,15 +517,9 @@ class _Turn:
 
 
 def configure_cuda(float32_llm: bool = False) -> None:
-    """Process-wide CUDA settings the engine relies on (call before a reference run to compare alike).
-
-    - cuDNN's attention is left out of SDPA's choices. It builds an execution plan per input shape and
-      keeps it per host thread, so every prefill of a new prompt length paid a plan build: ~90 ms for
-      the thinker's and again for the talker's on an H200. Flash / memory-efficient attention need none.
-    - TF32 matmuls for the float32 token2wav (its GEMMs several times faster), unless the LLMs
-      themselves run in float32 (as in the GPU parity tests), which keeps them at full precision.
-    """
-    torch.backends.cuda.enable_cudnn_sdp(False)
+    """Process-wide CUDA settings the engine relies on (call before a reference run to compare alike):
+    TF32 matmuls for the float32 token2wav (its GEMMs several times faster), unless the LLMs themselves
+    run in float32 (as in the GPU parity tests), which keeps them at full precision."""
     if not float32_llm:
         torch.backends.cuda.matmul.allow_tf32 = True
 

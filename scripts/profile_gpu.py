@@ -253,7 +253,14 @@ def prefill_threads(engine: Engine, report: dict) -> None:
         torch.cuda.synchronize()
         return round(1000 * (time.perf_counter() - t), 2)
 
+    import contextlib
+
+    from omni_cli import decoder
+
+    scoped = decoder._prefill_attention
     for cudnn in (True, False):
+        # The engine's own choice (no cuDNN in prefills) is switched off here to compare the two.
+        decoder._prefill_attention = lambda enabled: contextlib.nullcontext()
         torch.backends.cuda.enable_cudnn_sdp(cudnn)
         times = []
         for i in range(3):
@@ -264,7 +271,8 @@ def prefill_threads(engine: Engine, report: dict) -> None:
                 thread.join()
             times.append(box[0])
         out["cudnn_sdp" if cudnn else "no_cudnn_sdp"] = times  # per thread: [new length, same again, new]
-    torch.backends.cuda.enable_cudnn_sdp(False)
+    torch.backends.cuda.enable_cudnn_sdp(True)
+    decoder._prefill_attention = scoped
     report["prefill_threads"] = out
 
 

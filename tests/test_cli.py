@@ -272,6 +272,7 @@ def fake(monkeypatch):
 
     def load(model=None, device="auto", dtype="auto", **kwargs):
         state.load_args = (model, device, dtype)
+        state.runtime = kwargs.get("runtime")
         return state.assistant
 
     monkeypatch.setattr(omni_cli, "load", load)
@@ -298,6 +299,14 @@ def test_flags_reach_the_assistant(fake, tmp_path):
     data, rate = sf.read(out, dtype="float32")
     assert rate == 24_000 and data.shape == (12_000,)
     assert fake.sd.streams == []  # -o alone does not play
+
+
+def test_no_graphs_reaches_the_runtime_options(fake, tmp_path):
+    result = invoke("Hello", "-o", tmp_path / "r.wav", "--device", "cuda", "--no-graphs")
+    assert result.exit_code == 0, result.output
+    assert fake.runtime is not None and fake.runtime.graphs is False and fake.runtime.device == "cuda"
+    assert invoke("Hello", "-o", tmp_path / "s.wav").exit_code == 0
+    assert fake.runtime is None  # the default: graphs on, no runtime options passed
 
 
 def test_defaults_play_through_the_speakers(fake, tmp_path):

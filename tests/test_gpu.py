@@ -47,7 +47,7 @@ def engines(model, eos, max_codes):
 
 @pytest.fixture(autouse=True)
 def cuda_settings():
-    configure_cuda(float32_llm=True)  # the reference runs under the engine's attention choices too
+    configure_cuda(float32_llm=True)  # no TF32 anywhere, for the reference too
 
 
 def test_tiny_graphed_equals_eager_equals_transformers():
