@@ -32,7 +32,6 @@ from .config import CODES_PER_SECOND, SAMPLE_RATE, SamplingOptions
 from .kv_cache import StaticKVCache
 from .sampling import mark_seen, select
 from .talker import Talker
-from .workers import Task, Worker
 from .thinker import Thinker
 
 AUDIO_CODE_LIMIT = 8192  # only codes below this are audio (token2wav's embedding has 8193 rows)
@@ -146,9 +145,7 @@ class Engine:
         self.step_stream = torch.cuda.Stream(self.device, priority=-1) if self.device.type == "cuda" else None
         self.text_vocab = model.thinker.lm_head.out_features
         self._lock = threading.Lock()  # one turn at a time: the caches are shared
-        self.lingering: list[Task] = []
-        # One long-lived thread per role, reused by every turn (see workers.py for why).
-        self.workers = {role: Worker(f"omni-{role}") for role in ("engine", "producer", "vocoder")}
+        self.lingering: list[threading.Thread] = []
 
     def warmup(self) -> None:
         """Capture the CUDA graphs (decode steps for every span bucket; the vocoder's windows for every
@@ -230,17 +227,17 @@ class _Turn:
     def run(self) -> Iterator[TextDelta | AudioBlock | Done]:
         t0 = time.perf_counter()
         self.state.times["start"] = t0
-        bodies = [("engine", self._engine_main), ("producer", self._producer_main)]
+        threads = [threading.Thread(target=self._engine_main, name="omni-engine", daemon=True),
+                   threading.Thread(target=self._producer_main, name="omni-producer", daemon=True)]
         if self.audio:
-            bodies.append(("vocoder", self._vocoder_main))
-        tasks = []
+            threads.append(threading.Thread(target=self._vocoder_main, name="omni-vocoder", daemon=True))
         sink = self.req.sink
         ok = False
         try:
             if sink is not None and self.audio:
                 sink.start(SAMPLE_RATE)
-            for role, body in bodies:
-                tasks.append(self.e.workers[role].submit(body))
+            for t in threads:
+                t.start()
             for event in self.events:
                 yield event
             ok = True
@@ -249,7 +246,7 @@ class _Turn:
                 self._shutdown()
                 if sink is not None and self.audio:
                     sink.abort()  # silence first: an interrupted reply stops sounding at once
-            for t in tasks:  # only those that were handed to a worker
+            for t in (t for t in threads if t.ident is not None):  # only those that started
                 # After an interrupt the vocoder may be inside a chunk; don't hold the caller for it.
                 # The engine joins it before the next turn starts (`Engine.stream`).
                 t.join(timeout=None if ok or t.name != "omni-vocoder" else 0.02)

@@ -7,7 +7,11 @@
 [past context | chunk | future context] and only the chunk is kept, the way Qwen's own streaming
 decoder does it (72-frame chunks, 48 frames of past, 24 of future). BigVGAN then turns final mel into
 audio; at each seam it gets `bigvgan_context` mel frames on both sides and the overlap is trimmed.
-History is never decoded again: each chunk costs its own frames plus a constant context.
+History is never decoded again: each chunk costs its own frames plus a constant context. Chunks grow
+(12, 24, then 48 codes) so the first audio is early and later ones spend less on context; the last
+window of an utterance is padded to a full window's length with rows no real row attends to, so every
+window has one of a few fixed lengths and can be replayed as a CUDA graph (`_WindowGraphs`), with the
+DiT evaluation compiled by inductor inside it.
 
 The starting noise of the whole utterance is drawn once, so a chunk's window uses the same noise
 rows as the whole-utterance decode (`decode_whole`), which makes the two comparable; with the same
@@ -339,7 +343,6 @@ class StreamingVocoder:
         return torch.clamp(hidden, min=-1.0, max=1.0).squeeze()
 
 
-
 def dit_forward(dit, x, t, static, rope, block_diff) -> torch.Tensor:
     """One CFG evaluation (batch of two), the same float operations as the DiT's own forward."""
     time_embedding = dit.time_embed(t.repeat(2))
@@ -391,9 +394,10 @@ class _WindowGraphs:
         self._compiled = None
 
     def compiled_dit(self) -> Callable:
-        """`dit_forward` through inductor, for the windows being captured (elementwise work fused: ~1.6x
-        on an H200). One compile serves every window length (dynamic shapes); outside captures, and with
-        `OMNI_NO_COMPILE=1`, the plain function runs."""
+        """`dit_forward` through inductor, for the windows being captured: the element-wise work is fused
+        (a 120-frame window's graph: 130 → 83 ms on an H200, measured with static shapes). One compile
+        serves every window length (dynamic shapes); outside captures, and with `OMNI_NO_COMPILE=1`, the
+        plain function runs."""
         from .graphs import compile_fn, compile_wanted
 
         if self._compiled is None:

@@ -4,6 +4,7 @@ with no thread left running."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import numpy as np
@@ -15,7 +16,6 @@ from omni_cli.assistant import Assistant
 from omni_cli.errors import UsageError
 from omni_cli.sinks import RecordingSink
 from omni_cli.talker import Talker
-from omni_cli.workers import busy_workers
 
 PROMPT = "Say something nice."
 
@@ -25,13 +25,8 @@ def assistant():
     return Assistant.load(None, device="cpu")
 
 
-def wait_until_idle(timeout: float = 5.0) -> list[str]:
-    """The engine's worker threads live on between turns; what must not remain is a task still running
-    on one of them. Returns the busy workers' names after waiting up to `timeout`."""
-    deadline = time.monotonic() + timeout
-    while busy_workers() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    return busy_workers()
+def omni_threads():
+    return [t for t in threading.enumerate() if t.name.startswith("omni-")]
 
 
 def test_first_audio_reaches_the_sink_before_the_talkers_last_step(assistant):
@@ -113,7 +108,9 @@ def test_a_worker_failure_is_raised_by_say_and_no_thread_survives(assistant, mon
     with pytest.raises(Boom, match=where):
         assistant.say(PROMPT, greedy=True, max_text_tokens=8, max_codes=100, sink=sink)
     assert sink.aborted
-    assert wait_until_idle() == []
+    for t in omni_threads():
+        t.join(timeout=5)
+    assert omni_threads() == []
     # the model is usable again afterwards
     monkeypatch.undo()
     assert assistant.say(PROMPT, greedy=True, max_text_tokens=4, max_codes=10).codes
@@ -127,7 +124,9 @@ def test_closing_the_stream_early_stops_every_thread(assistant):
     t = time.perf_counter()
     events.close()
     assert time.perf_counter() - t < 0.2  # an interrupt returns control at once
-    assert wait_until_idle() == []
+    for t in omni_threads():
+        t.join(timeout=5)
+    assert omni_threads() == []
 
 
 @pytest.mark.parametrize("kwargs, message", [
