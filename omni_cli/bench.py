@@ -134,6 +134,7 @@ def _ours(model, prompt_ids, text_tokens, codes, device, graphs: bool, runs: int
                     fast_decode=fast, graphs=graphs, compile=compile)
     engine.warmup()
     setup = time.perf_counter() - t0
+    progress(f"engine ready in {setup:.1f} s (graphs captured, layers compiled)")
     thinker = SamplingOptions(do_sample=True, temperature=0.7, top_k=20, top_p=0.8, repetition_penalty=1.05)
     results = []
     for i in range(runs + 1):  # the first run warms up (graph capture, kernel selection)
@@ -149,6 +150,8 @@ def _ours(model, prompt_ids, text_tokens, codes, device, graphs: bool, runs: int
         wall = time.perf_counter() - t
         reply = event.reply
         s = reply.stats
+        progress(f"{'warm-up run' if i == 0 else f'run {i}'}: {wall:.2f} s, first audio "
+                 f"{1000 * (s['time_to_first_audio'] or 0):.0f} ms, {s['audio_seconds']:.1f} s of audio")
         results.append({
             "time_to_first_text_ms": 1000 * s["time_to_first_text"],
             "time_to_first_audio_ms": 1000 * s["time_to_first_audio"],
@@ -205,6 +208,11 @@ class _TimedSink:
         return 1000 * _median(steps)
 
 
+def progress(message: str) -> None:
+    """A line on stderr as each phase ends: a run cut short by a time limit still shows how far it got."""
+    print(f"[omni-bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
 def _median(values):
     values = [v for v in values if v is not None]
     if not values:
@@ -237,6 +245,7 @@ def _reference(model, prompt_ids, text_tokens, codes, device) -> dict:
             return out
         return wrapper
 
+    progress("transformers generate ...")
     originals = (model.thinker.generate, model.talker.generate, model.token2wav.forward)
     model.thinker.generate = timed("thinker", model.thinker.generate)
     model.talker.generate = timed("talker", model.talker.generate)
@@ -259,6 +268,7 @@ def _reference(model, prompt_ids, text_tokens, codes, device) -> dict:
     finally:
         model.thinker.generate, model.talker.generate, model.token2wav.forward = originals
     audio_s = wav.shape[-1] / 24000
+    progress(f"transformers generate: {wall:.1f} s")
     return {
         "time_to_first_text_ms": None,  # nothing is streamed: text and audio appear at the end
         "time_to_first_audio_ms": 1000 * wall,
@@ -345,6 +355,7 @@ def main(
     t = time.perf_counter()
     model = build_model(preset, dev, dt)
     build_s = time.perf_counter() - t
+    progress(f"built {preset} on {dev} in {build_s:.1f} s")
     g = torch.Generator().manual_seed(1)
     vocab = model.config.thinker_config.text_config.vocab_size
     prompt = torch.randint(0, min(vocab, 150000), (prompt_tokens,), generator=g).tolist()
