@@ -498,7 +498,7 @@ class _Turn:
             "non_audio_codes": st.skipped_codes,
         }
         stats.update(self.clock.summary())
-        chunks = list(st.vocoder_chunks)
+        chunks = [c for c in st.vocoder_chunks if c[0] > 0]
         if chunks:
             # Wall time of each chunk on the vocoder thread (its DiT window and BigVGAN span, beside
             # the decode steps), per second of audio it made final: below 1 keeps up with playback.

@@ -189,7 +189,8 @@ class StreamingVocoder:
         if self.mel_done < total:
             self._decode_mel(self.mel_done, total, total)
         blocks = self._vocode(last=True)
-        self.chunk_log.append((total - start, time.perf_counter() - t))
+        if total > start:
+            self.chunk_log.append((total - start, time.perf_counter() - t))
         return blocks
 
     def _next_chunk_end(self) -> int:

@@ -74,6 +74,32 @@ def test_codec_eos_stops_the_turn_and_overshoot_is_discarded(assistant, monkeypa
     assert reply.stats["talker_steps"] <= eos_at + 1 + assistant.engine.max_lag
 
 
+def test_an_empty_reply_ends_cleanly_with_no_audio(assistant, monkeypatch):
+    # The thinker's first token is EOS: nothing to say, no code reaches the vocoder.
+    from omni_cli.thinker import Thinker
+
+    eos = assistant.engine.eos_ids[0]
+    original = Thinker.prefill
+
+    def prefill(self, input_ids):
+        out = original(self, input_ids)
+        out.logits[:, eos] = 1e4
+        return out
+
+    monkeypatch.setattr(Thinker, "prefill", prefill)
+    reply = assistant.say(PROMPT, greedy=True, max_text_tokens=8, max_codes=60)
+    assert reply.text_ids == [eos] and reply.codes == [] and len(reply.audio) == 0
+    assert reply.stats["audio_seconds"] == 0 and "vocoder_chunks" not in reply.stats
+
+
+def test_vocoder_stats_account_for_every_second_of_audio(assistant):
+    reply = assistant.say(PROMPT, greedy=True, max_text_tokens=8, max_codes=150)
+    s = reply.stats
+    assert len(reply.codes) == 150 and s["vocoder_chunks"] == 5  # 12, 24, 48, 48 codes and an 18-code tail
+    assert s["vocoder_steady_chunk_codes"] == 48 and s["vocoder_s_per_audio_s"] > 0
+    assert s["time_to_first_token"] <= s["time_to_first_text"] and "thinker_prefill_step_ms" not in s  # no step clock asked for
+
+
 def test_text_only_skips_the_talker(assistant):
     sink = RecordingSink()
     reply = assistant.say(PROMPT, greedy=True, max_text_tokens=8, text_only=True, sink=sink)

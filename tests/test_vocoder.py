@@ -227,6 +227,9 @@ def test_chunks_grow_from_the_first_to_the_steady_size(token2wav, voice):
     assert got == [(24, 4), (48, 48), (96, 96), (144, 96)]
     # Windows: [0, 48), [0, 96), then 48 past + 96 + 24 ahead = 168 frames each.
     assert (vocoder.dit_calls, vocoder.dit_frames) == (4, 48 + 96 + 168 + 168)
+    vocoder.finish()
+    # Every mel frame is made final by exactly one logged chunk (the engine's stats are built on it).
+    assert [frames for frames, _ in vocoder.chunk_log] == [24, 48, 96, 96, 2 * MAX_CODES - 264]
 
 
 def test_history_is_never_decoded_again(token2wav, voice):
@@ -261,6 +264,7 @@ def test_rejects_what_it_cannot_decode(token2wav, voice):
     with pytest.raises(ValueError, match="multiple"):
         _vocoder(token2wav, voice, codes_per_chunk=10)
     assert vocoder.finish() == []  # nothing pushed: nothing to say
+    assert vocoder.chunk_log == []  # and no chunk to account for (the stats divide by its frames)
     with pytest.raises(RuntimeError):
         vocoder.push([1])
 
