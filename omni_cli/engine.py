@@ -445,7 +445,8 @@ class _Turn:
             spk = self.e.speakers[self.req.voice]
             # The seed makes a CPU generator: the noise is drawn on the CPU, as transformers' is.
             voc = StreamingVocoder(self.e.model.token2wav, spk["cond"], spk["ref_mel"],
-                                   max_codes=self.req.max_codes, generator=self.req.seed)
+                                   max_codes=self.req.max_codes, generator=self.req.seed,
+                                   pad_windows=None if self.e.graphs else False)  # no graphs: no padding
         except BaseException as exc:  # noqa: BLE001
             self._fail(exc)
             return

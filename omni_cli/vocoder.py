@@ -61,6 +61,7 @@ class StreamingVocoder:
         num_steps: int = 10,
         guidance_scale: float = 0.5,
         sway_coefficient: float | None = -1.0,
+        pad_windows: bool | None = None,
     ) -> None:
         """
         token2wav: a float32 `Qwen2_5OmniToken2WavModel` (put in eval mode here: the DiT has dropout).
@@ -75,6 +76,8 @@ class StreamingVocoder:
             look-ahead layer, which is how far one DiT evaluation reaches (48 / 24 on the real model).
         bigvgan_context: mel frames BigVGAN sees beyond each seam (Qwen's streaming decoder uses 20).
         num_steps, guidance_scale, sway_coefficient: the ODE settings; defaults are transformers'.
+        pad_windows: run an utterance's last window at a full window's length (see `_decode_mel`), so
+            it can replay a CUDA graph; default: when the windows are replayed as graphs.
         """
         self.model = token2wav.eval()
         self.dit = token2wav.code2wav_dit_model
@@ -112,6 +115,7 @@ class StreamingVocoder:
         # CUDA graphs of the fixed-shape windows, kept on the model so later utterances reuse them;
         # the voice's conditioning is baked into them, so it is cached there too, per voice.
         self._graphs = _WindowGraphs.for_model(token2wav, self.device)
+        self.pad_windows = self._graphs.enabled if pad_windows is None else pad_windows
         self._voice_key = id(cond)
         self._voice = self._graphs.voices.get(self._voice_key)
         if self._voice is None:
@@ -217,13 +221,16 @@ class StreamingVocoder:
     def _decode_mel(self, start: int, end: int, window_end: int) -> None:
         """Run the DiT on [start - past, window_end) and keep frames [start, end) as final mel.
 
-        The window is always run at the full length a chunk starting at `start` gets (context, chunk,
-        look-ahead). At the end of an utterance it is shorter: the rows past `window_end` are padding
-        that sits in a block of its own, so no real row attends to it (see `_block_index`). That way the
-        last chunk replays the same CUDA graph as a full one instead of running eagerly at an odd length.
+        With `pad_windows` the window is always run at the full length a chunk starting at `start` gets
+        (context, chunk, look-ahead). At the end of an utterance it is shorter: the rows past
+        `window_end` are padding that sits in a block of its own, so no real row attends to it (see
+        `_block_index`). That way the last chunk replays the same CUDA graph as a full one instead of
+        running eagerly at an odd length; without graphs the padding would only cost time.
         """
         window_start = max(0, start - self.past_frames)
-        full = (start - window_start) + self._chunk_frames(start) + self.future_frames
+        full = window_end - window_start
+        if self.pad_windows:
+            full = (start - window_start) + self._chunk_frames(start) + self.future_frames
         r = self.repeats
         code = self.codes[:, window_start // r : (window_start + full) // r].to(self.device)
         blocks = self._block_index(full, window_end - window_start).to(self.device)
