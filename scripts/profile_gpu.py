@@ -1,10 +1,11 @@
 """Where the GPU time of one reply goes: each stage timed alone, its kernels listed, then the vocoder
-beside the talker. A developer's tool for the lent H200 (random weights at true size, like omni-bench);
-prints one JSON object. Sections can be picked: `python scripts/profile_gpu.py steps vocoder beside`.
+beside the talker, and the prefill in fresh threads. A developer's tool for the lent H200 (random
+weights at true size, like omni-bench); prints the JSON report after each section (the last one is
+whole). Sections can be picked: `python scripts/profile_gpu.py steps vocoder beside prefill`.
 
 It measures device time with CUDA events (graph replays and eager calls alike) and lists the top kernels
-of one call with torch.profiler. It changes nothing in the engine; experiments (a compiled or bf16 DiT)
-work on copies.
+of one call with torch.profiler. Experiments swap functions in for a while (a compiled DiT, a bf16 copy
+of the DiT, the prefill's attention choice) and put the engine's own back afterwards.
 """
 
 from __future__ import annotations
