@@ -58,6 +58,7 @@ class StepGraphs:
         self.enabled = graphs_wanted(enabled, device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, object]] = {}
         self.pool = torch.cuda.graph_pool_handle() if self.enabled else None
+        self.capture_stream = capture_stream(device) if self.enabled else None
 
     def __call__(self, span: int):
         size = bucket(span, self.limit)
@@ -82,13 +83,26 @@ class StepGraphs:
     def _capture(self, size: int):
         # Warm up on a side stream (lazy library init, autotuning), then capture. The step rewrites the
         # same cache row with the same values each time, so warm-up runs leave no trace.
-        side = torch.cuda.Stream(self.device)
+        side = self.capture_stream
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
             for _ in range(2):
                 self.fn(size)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        with torch.cuda.graph(graph, pool=self.pool, stream=self.capture_stream):
             outputs = self.fn(size)
         return graph, outputs
+
+
+def capture_stream(device: torch.device) -> torch.cuda.Stream:
+    """A stream of its own for one family of graphs to be captured on.
+
+    cuBLAS keeps one workspace per (handle, stream), and a GEMM captured in a graph keeps using the
+    workspace of the stream it was captured on at every replay. `torch.cuda.graph` captures every graph
+    on one shared stream unless told otherwise, so the decode steps' graphs and the vocoder's windows,
+    which replay at the same time on two streams, raced on one workspace: the talker's logits were
+    perturbed whenever a vocoder window ran (measured on an H200, float32: up to 1.4 in a logit, codes
+    different from step 96 on). Graphs that may replay concurrently must be captured on different streams.
+    """
+    return torch.cuda.Stream(device)

@@ -390,7 +390,7 @@ class _WindowGraphs:
     """
 
     def __init__(self, device: torch.device) -> None:
-        from .graphs import graphs_wanted
+        from .graphs import capture_stream, graphs_wanted
 
         self.enabled = graphs_wanted(True, device)
         self.device = device
@@ -399,6 +399,7 @@ class _WindowGraphs:
         self.constants: dict = {}  # device tensors the graphs read (they must live as long as the graphs)
         self.capturing = False
         self.pool = torch.cuda.graph_pool_handle() if self.enabled else None
+        self.capture_stream = capture_stream(device) if self.enabled else None  # see graphs.capture_stream
         self._compiled = None
 
     def compiled_dit(self) -> Callable:
@@ -439,13 +440,13 @@ class _WindowGraphs:
     def _capture(self, fn, inputs):
         static_in = [x.clone() for x in inputs]
         stream = torch.cuda.current_stream(self.device)
-        side = torch.cuda.Stream(self.device)
+        side = self.capture_stream
         side.wait_stream(stream)
         with torch.cuda.stream(side):
             fn(*static_in)  # warm-up: cuDNN/cuBLAS choose their kernels outside the capture
         stream.wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        with torch.cuda.graph(graph, pool=self.pool, stream=self.capture_stream):
             static_out = fn(*static_in)
         return graph, static_in, static_out
 
