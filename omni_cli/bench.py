@@ -135,6 +135,37 @@ def _ours(model, prompt_ids, text_tokens, codes, device, graphs: bool, runs: int
     engine.warmup()
     setup = time.perf_counter() - t0
     progress(f"engine ready in {setup:.1f} s (graphs captured, layers compiled)")
+    out = _measure(engine, prompt_ids, text_tokens, codes, device, runs)
+    out["setup_s"] = setup
+    return out
+
+
+SCHEDULES = {"chunk48": 48, "chunk96": 96, "chunk192": 192}  # the vocoder's steady chunk, in codes
+
+
+def _schedules(model, prompt_ids, text_tokens, codes, device, runs: int) -> dict:
+    """Each vocoder schedule on one engine, one after the other in this process (side by side)."""
+    from .engine import Engine
+
+    engine = Engine(model, _BenchTokenizer(), model.speaker_map, eos_ids=[151645, 151643],
+                    max_context=max(1024, len(prompt_ids) + text_tokens + 8), max_codes=codes)
+    engine.warmup()
+    table = {}
+    for name, chunk in SCHEDULES.items():
+        engine.vocoder_chunk_codes = chunk
+        engine.warmup_vocoder()  # windows of this chunk size (captured once, kept on the model)
+        progress(f"schedule {name}")
+        table[name] = _measure(engine, prompt_ids, text_tokens, codes, device, runs)
+    return table
+
+
+def _measure(engine, prompt_ids, text_tokens, codes, device, runs: int) -> dict:
+    """`runs` timed replies (after one warm-up reply) on a ready engine; medians of the stats."""
+    import torch
+
+    from .config import TALKER_DEFAULTS, SamplingOptions
+    from .engine import TurnRequest
+
     thinker = SamplingOptions(do_sample=True, temperature=0.7, top_k=20, top_p=0.8, repetition_penalty=1.05)
     results = []
     for i in range(runs + 1):  # the first run warms up (graph capture, kernel selection)
@@ -178,7 +209,6 @@ def _ours(model, prompt_ids, text_tokens, codes, device, graphs: bool, runs: int
         del sink
     best = results[1:] or results
     out = {k: _median([r[k] for r in best]) for k in best[0]}
-    out["setup_s"] = setup
     out["warmup_total_s"] = results[0]["total_s"]
     return out
 
@@ -340,6 +370,7 @@ def main(
     graphs: bool = typer.Option(True, "--graphs/--no-graphs", help="CUDA graphs for the decode steps"),
     compare_hf: bool = typer.Option(False, "--compare-hf", help="also run transformers' generate"),
     variants: bool = typer.Option(False, "--variants", help="time each decode-step variant (eager, fused, graphs, graphs+compile)"),
+    schedules: bool = typer.Option(False, "--schedules", help="time the vocoder's steady chunk sizes side by side"),
     as_json: bool = typer.Option(False, "--json", help="print JSON instead of a table"),
 ) -> None:
     """Benchmark one reply at forced lengths on random weights."""
@@ -361,6 +392,10 @@ def main(
     prompt = torch.randint(0, min(vocab, 150000), (prompt_tokens,), generator=g).tolist()
     if variants:
         table = {name: _ours(model, prompt, text_tokens, codes, dev, graphs, runs, variant=name) for name in VARIANTS}
+        typer.echo(json.dumps(table, indent=2) if as_json else _variants_table(table))
+        return
+    if schedules:
+        table = _schedules(model, prompt, text_tokens, codes, dev, runs)
         typer.echo(json.dumps(table, indent=2) if as_json else _variants_table(table))
         return
     ours = _ours(model, prompt, text_tokens, codes, dev, graphs, runs)

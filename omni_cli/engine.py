@@ -101,7 +101,7 @@ class Engine:
 
     def __init__(self, model, tokenizer, speakers: dict, *, eos_ids: list[int], max_context: int = 4096,
                  max_codes: int = 4096, max_lag: int = 4, fast_decode: bool | None = None,
-                 graphs: bool = True, compile: bool | None = None) -> None:
+                 graphs: bool = True, compile: bool | None = None, vocoder_chunk_codes: int = 192) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.speakers = speakers
@@ -139,9 +139,16 @@ class Engine:
             self.thinker.enable_fast_decode(graphs, compile)
             if self.has_talker:
                 self.talker.enable_fast_decode(graphs, compile)
+        # The vocoder's steady chunk (chunks grow 12, 24, 48, ... up to it; see vocoder.py). A DiT window
+        # has a large fixed cost (36 evaluations of small kernels), so larger chunks cost less per second
+        # of audio. Measured side by side on an H200 beside the 7B talker (omni-bench --schedules):
+        # steady 48 codes: 111 ms a chunk, 0.130 s per second of audio, real-time factor 0.239;
+        # 96: 158 ms, 0.101 s, 0.212; 192: 222 ms, 0.080 s, 0.193; first audio the same (~300-317 ms).
+        # The first chunks stay small (12, 24, ...), so short replies are unaffected.
+        self.vocoder_chunk_codes = vocoder_chunk_codes
         # The engine thread issues its work on a high-priority stream: when the vocoder's windows and the
-        # decode steps are both waiting for the GPU, the steps' blocks are scheduled first, so the talker
-        # (the critical path) is slowed less by the vocoder running beside it.
+        # decode steps are both waiting for the GPU, the steps' blocks are scheduled first. (Measured on
+        # an H200: the vocoder's stream first instead changed no benchmark figure beyond its noise.)
         self.step_stream = torch.cuda.Stream(self.device, priority=-1) if self.device.type == "cuda" else None
         self.text_vocab = model.thinker.lm_head.out_features
         self._lock = threading.Lock()  # one turn at a time: the caches are shared
@@ -156,13 +163,19 @@ class Engine:
         if not self.has_talker:
             return
         self.talker.capture_graphs()
-        if not self.graphs:
-            return  # the vocoder's windows then run eagerly too (a window without a graph does)
-        from .vocoder import StreamingVocoder
+        self.warmup_vocoder()
 
-        codes = list(range(100, 196))  # 96 codes: the vocoder's first, second and steady windows, and a tail
+    def warmup_vocoder(self) -> None:
+        """Capture the vocoder's windows for the current chunk size, for every voice (after a change
+        of `vocoder_chunk_codes`, call again: the windows have other lengths)."""
+        if self.device.type != "cuda" or not self.has_talker or not self.graphs:
+            return  # without graphs the vocoder's windows run eagerly too (a window without a graph does)
+        from .vocoder import StreamingVocoder, warmup_codes
+
+        codes = warmup_codes(self.vocoder_chunk_codes)
         for spk in self.speakers.values():
-            voc = StreamingVocoder(self.model.token2wav, spk["cond"], spk["ref_mel"], max_codes=len(codes), generator=0)
+            voc = StreamingVocoder(self.model.token2wav, spk["cond"], spk["ref_mel"], max_codes=len(codes),
+                                   generator=0, codes_per_chunk=self.vocoder_chunk_codes)
             voc._graphs.capturing = True
             try:
                 with torch.inference_mode():
@@ -446,6 +459,7 @@ class _Turn:
             # The seed makes a CPU generator: the noise is drawn on the CPU, as transformers' is.
             voc = StreamingVocoder(self.e.model.token2wav, spk["cond"], spk["ref_mel"],
                                    max_codes=self.req.max_codes, generator=self.req.seed,
+                                   codes_per_chunk=self.e.vocoder_chunk_codes,
                                    pad_windows=None if self.e.graphs else False)  # no graphs: no padding
         except BaseException as exc:  # noqa: BLE001
             self._fail(exc)
@@ -504,11 +518,13 @@ class _Turn:
             # Wall time of each chunk on the vocoder thread (its DiT window and BigVGAN span, beside
             # the decode steps), per second of audio it made final: below 1 keeps up with playback.
             frames = sum(f for f, _ in chunks)
-            steady = sorted(1000 * s for f, s in chunks[1:-1] if f == max(f for f, _ in chunks))
+            # "Steady": the largest chunk before the last (the last is whatever the utterance left).
+            largest = max(f for f, _ in chunks[:-1]) if len(chunks) > 1 else chunks[0][0]
+            steady = sorted(1000 * s for f, s in chunks[1:-1] if f == largest)
             stats["vocoder_chunks"] = len(chunks)
             stats["vocoder_first_chunk_ms"] = 1000 * chunks[0][1]
             stats["vocoder_steady_chunk_ms"] = steady[len(steady) // 2] if steady else None
-            stats["vocoder_steady_chunk_codes"] = max(f for f, _ in chunks) // 2  # two mel frames a code
+            stats["vocoder_steady_chunk_codes"] = largest // 2  # two mel frames a code
             stats["vocoder_s_per_audio_s"] = sum(s for _, s in chunks) / (frames / (2 * CODES_PER_SECOND))
         text = self.e.tokenizer.decode(st.text_ids, skip_special_tokens=True)
         return Reply(text, list(st.text_ids), list(st.codes), audio, SAMPLE_RATE, stats)

@@ -506,6 +506,16 @@ def vocoder_worker(
         pcm.fail(exc)
 
 
+def warmup_codes(codes_per_chunk: int, block_codes: int = 12) -> list[int]:
+    """Audio codes enough for a vocoder with padded windows to run every DiT window length it has and
+    the BigVGAN span of a steady chunk: the growing chunks (12, 24, ...), one steady chunk with its
+    look-ahead block, and a tail that `finish` pads to a steady window."""
+    n, size = 0, block_codes
+    while size < codes_per_chunk:
+        n, size = n + size, 2 * size
+    return [100 + i % 4000 for i in range(n + codes_per_chunk + 2 * block_codes)]
+
+
 def _side_stream(device: torch.device):
     """On an accelerator, run the vocoder on its own stream so it overlaps the engine's work.
 

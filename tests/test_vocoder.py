@@ -356,3 +356,32 @@ def test_worker_returns_quietly_when_the_consumer_leaves(token2wav, voice):
     assert code_ch.cancelled
     with pytest.raises(Cancelled):
         code_ch.put([1])
+
+
+@pytest.mark.parametrize("chunk", [48, 96, 192])
+def test_warmup_codes_reach_every_window_an_utterance_uses(token2wav, voice, chunk):
+    # The engine captures the windows' CUDA graphs by streaming `warmup_codes`; a window it missed
+    # would run eagerly (slowly) in every reply. Compare with utterances of many lengths: every DiT
+    # window length, and every BigVGAN span before the last (the last one's length varies).
+    from omni_cli.vocoder import warmup_codes
+
+    def windows(codes):
+        vocoder = StreamingVocoder(token2wav, *voice, max_codes=len(codes), generator=SEED,
+                                   codes_per_chunk=chunk, pad_windows=True)
+        seen, run = set(), vocoder._graphs.run
+
+        def record(key, fn, *inputs):
+            if key[0] == "dit" or not vocoder.finished:
+                seen.add((key[0], key[-1]))
+            return run(key, fn, *inputs)
+
+        vocoder._graphs.run = record
+        try:
+            _stream(vocoder, [codes])
+        finally:
+            del vocoder._graphs.run  # the instance attribute; the class's method is back
+        return seen
+
+    warm = windows(warmup_codes(chunk))
+    for n in (5, 30, 100, 250, 420):
+        assert windows(_codes(n)) <= warm, n
