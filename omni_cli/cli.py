@@ -182,6 +182,16 @@ def _load(model, device, dtype, err, quiet: bool = False, **runtime):
                 _err(line)
 
 
+def _voices(model, quiet: bool) -> list[str]:
+    """The model's voices without loading it (its spk_dict.pt); quiet keeps the demo notice off stderr."""
+    from .loader import model_voices
+
+    if not quiet:
+        return model_voices(model)
+    with contextlib.redirect_stderr(io.StringIO()):
+        return model_voices(model)
+
+
 def _list_devices() -> None:
     from .sinks import output_devices
 
@@ -297,8 +307,12 @@ def say(
         to_stdout = output is not None and str(output) == "-"
         if text_only and (output is not None or play):
             raise UsageError("--text-only makes no speech: leave out -o and --play")
-        play = not list_voices and not text_only and (play or output is None)
-        text = None if list_voices else gather_prompt(prompt)
+        if list_voices:
+            for name in _voices(model, quiet):
+                print(name, flush=True)
+            return
+        play = not text_only and (play or output is None)
+        text = gather_prompt(prompt)
 
         # Outputs first: a bad path or a missing sound device should not cost a minute of loading.
         from .sinks import SpeakerSink, WavSink
@@ -308,10 +322,6 @@ def say(
             speaker = SpeakerSink(audio_device)
         _, err = _consoles()
         assistant = _load(model, device, dtype, err, quiet=quiet, **({} if graphs else {"graphs": False}))
-        if list_voices:
-            for name in assistant.voices:
-                print(name, flush=True)
-            return
         from .loader import check_voice
 
         if not text_only and assistant.has_audio:

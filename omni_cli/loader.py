@@ -455,11 +455,6 @@ def load_model(model: str | os.PathLike | None = None, device: str = "auto", dty
     speakers = _load_speakers(path / "spk_dict.pt", name)
     # What Qwen2_5OmniForConditionalGeneration.from_pretrained does after loading (load_speakers).
     omni.speaker_map = dict(speakers)
-    for voice, entry in speakers.items():
-        if not isinstance(entry, Mapping) or any(k not in entry for k in SPEAKER_KEYS):
-            raise ModelError(f"{name}: spk_dict.pt entry '{voice}' lacks one of {', '.join(SPEAKER_KEYS)}")
-    if not speakers:
-        raise ModelError(f"{name}: spk_dict.pt has no voices")
 
     return LoadedModel(
         model=omni,
@@ -483,7 +478,19 @@ def _load_speakers(file: Path, name: str) -> dict:
         raise ModelError(f"{name}: cannot read spk_dict.pt: {_one_line(exc)}") from exc
     if not isinstance(data, dict):
         raise ModelError(f"{name}: spk_dict.pt is not a dict of voices")
+    for voice, entry in data.items():
+        if not isinstance(entry, Mapping) or any(k not in entry for k in SPEAKER_KEYS):
+            raise ModelError(f"{name}: spk_dict.pt entry '{voice}' lacks one of {', '.join(SPEAKER_KEYS)}")
+    if not data:
+        raise ModelError(f"{name}: spk_dict.pt has no voices")
     return data
+
+
+def model_voices(model: str | os.PathLike | None = None) -> list[str]:
+    """The voice names of a checkpoint, from its spk_dict.pt alone: no weights are loaded (what
+    `omni-say --list-voices` prints). Same resolution and errors as `load_model`."""
+    path, _is_demo, name = _resolve(model)
+    return list(_load_speakers(path / "spk_dict.pt", name))
 
 
 def _free(device: "torch.device") -> None:

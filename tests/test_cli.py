@@ -350,9 +350,16 @@ def test_text_only(fake, tmp_path):
     assert fake.assistant.calls[0]["text_only"] is True
 
 
-def test_list_voices(fake):
-    result = invoke("--list-voices")
+def test_list_voices_reads_the_voices_without_loading_the_model(fake):
+    result = invoke("--list-voices")  # the built-in tiny model's spk_dict.pt
     assert (result.exit_code, result.stdout) == (0, "Chelsie\nEthan\n")
+    assert fake.load_args is None  # the weights were never loaded
+
+
+def test_list_voices_of_a_missing_model_is_one_error_line(fake, tmp_path):
+    result = invoke("--list-voices", "-m", tmp_path / "nowhere")
+    assert result.exit_code != 0 and result.stdout == ""
+    assert result.stderr.strip().splitlines() == [f"error: model folder {tmp_path / 'nowhere'} does not exist"]
 
 
 def test_list_audio_devices(fake):
