@@ -112,7 +112,9 @@ class _Loaded:
     name: str = "bench"
 
 
-VARIANTS = {  # how the decode steps run: (fast_decode, graphs, compile)
+# How the decode steps run: (fast_decode, graphs, compile). The vocoder follows `graphs` only: in both
+# graph rows its windows are graphs with the DiT compiled (the switch for it is OMNI_NO_COMPILE=1).
+VARIANTS = {
     "eager": (False, False, False),  # the library's layers, one kernel launch at a time
     "fused": (True, False, False),  # fused QKV / gate-up fixed-shape step, still launched op by op
     "graphs": (True, True, False),  # ... replayed as CUDA graphs
