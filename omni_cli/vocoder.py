@@ -8,7 +8,8 @@
 decoder does it (72-frame chunks, 48 frames of past, 24 of future). BigVGAN then turns final mel into
 audio; at each seam it gets `bigvgan_context` mel frames on both sides and the overlap is trimmed.
 History is never decoded again: each chunk costs its own frames plus a constant context. Chunks grow
-(12, 24, then 48 codes) so the first audio is early and later ones spend less on context; the last
+(12, 24, 48, ... codes, doubling up to `codes_per_chunk`: 48 by default, 192 in the engine) so the first
+audio is early and later ones spend less on context and on each window's fixed cost; the last
 window of an utterance is padded to a full window's length with rows no real row attends to, so every
 window has one of a few fixed lengths and can be replayed as a CUDA graph (`_WindowGraphs`), with the
 DiT evaluation compiled by inductor inside it.
