@@ -17,15 +17,17 @@ terminals, files or sound devices: audio goes to whatever sink the caller passes
 
 from __future__ import annotations
 
-import sys
+import logging
 from typing import Iterator
 
-from .config import SAMPLE_RATE, TALKER_DEFAULTS, RuntimeOptions, SamplingOptions
+from .config import SAMPLE_RATE, TALKER_DEFAULTS, ReplyOptions, RuntimeOptions, SamplingOptions
 from .engine import AudioBlock, Done, Engine, Reply, TextDelta, TurnRequest, fresh_seed
 from .errors import UsageError
 from .prompt import DEFAULT_SYSTEM, Conversation, check_prompt, fit
 
-__all__ = ["Assistant", "Chat", "Reply", "TextDelta", "AudioBlock", "Done"]
+__all__ = ["Assistant", "Chat", "Reply", "ReplyOptions", "TextDelta", "AudioBlock", "Done"]
+
+log = logging.getLogger(__name__)
 
 # Reply limits when the caller gives none. The demo model never stops by itself (random weights), so
 # it gets short ones: a whole demo reply takes seconds on one CPU core.
@@ -102,12 +104,13 @@ class Assistant:
         return Chat(self, Conversation(system=DEFAULT_SYSTEM if system is None else system))
 
     # ------------------------------------------------------------------------------------------
-    def say(self, prompt: str, voice: str = "Chelsie", greedy: bool = False, seed: int | None = None,
-            max_text_tokens: int | None = None, max_codes: int | None = None, sink=None,
-            text_only: bool = False, conversation: Conversation | None = None) -> Reply:
-        """One reply, start to end. Audio goes to `sink` as it is produced (if given) and into `reply.audio`."""
-        events = self.stream(prompt, voice=voice, greedy=greedy, seed=seed, max_text_tokens=max_text_tokens,
-                             max_codes=max_codes, sink=sink, text_only=text_only, conversation=conversation)
+    def say(self, prompt: str, options: ReplyOptions | None = None, *, sink=None,
+            conversation: Conversation | None = None, **fields) -> Reply:
+        """One reply, start to end. Audio goes to `sink` as it is produced (if given) and into `reply.audio`.
+
+        `options` (a `ReplyOptions`) and/or its fields as keywords: voice, greedy, seed, max_text_tokens,
+        max_codes, text_only, temperature, top_p, top_k (keywords override `options`)."""
+        events = self.stream(prompt, options, sink=sink, conversation=conversation, **fields)
         try:
             for event in events:
                 if isinstance(event, Done):
@@ -116,16 +119,15 @@ class Assistant:
             events.close()  # on Ctrl-C or an error: stop the turn's threads now, not at garbage collection
         raise RuntimeError("turn ended without a reply")  # unreachable: stream always ends with Done
 
-    def stream(self, prompt: str, voice: str = "Chelsie", greedy: bool = False, seed: int | None = None,
-               max_text_tokens: int | None = None, max_codes: int | None = None, sink=None,
-               text_only: bool = False, conversation: Conversation | None = None
-               ) -> Iterator[TextDelta | AudioBlock | Done]:
+    def stream(self, prompt: str, options: ReplyOptions | None = None, *, sink=None,
+               conversation: Conversation | None = None, **fields) -> Iterator[TextDelta | AudioBlock | Done]:
         """Yield `TextDelta`s and `AudioBlock`s as they exist, then `Done(reply)`.
 
         With a `conversation`, the prompt is appended to its history and, once the turn completes,
         the reply too (an interrupted turn leaves the history as it was).
         """
-        req, conv = self._request(prompt, voice, greedy, seed, max_text_tokens, max_codes, sink, text_only, conversation)
+        opts = reply_options(options, fields)
+        req, conv = self._request(prompt, opts, sink, conversation)
         events = self.engine.stream(req)
         try:
             for event in events:
@@ -136,37 +138,51 @@ class Assistant:
         finally:
             events.close()  # closing this generator (an interrupt) stops the turn at once
 
-    def _request(self, prompt, voice, greedy, seed, max_text_tokens, max_codes, sink, text_only, conversation):
+    @property
+    def default_voice(self) -> str:
+        """The voice a reply gets when none is asked for: Chelsie when the model has it, else its first."""
+        voices = self.voices
+        return "Chelsie" if "Chelsie" in voices or not voices else voices[0]
+
+    def _request(self, prompt, opts: ReplyOptions, sink, conversation):
         from .loader import check_voice
 
         prompt = check_prompt(prompt)
-        text_only = text_only or not self.has_audio
+        opts.check()
+        voice = opts.voice or self.default_voice
+        text_only = opts.text_only or not self.has_audio
         if not text_only:
-            check_voice(self.loaded.speakers, voice)
-        n_text = self._limit(max_text_tokens, "text", "max_text_tokens")
-        n_codes = self._limit(max_codes, "codes", "max_codes")
+            voice = check_voice(self.loaded.speakers, voice)
+        n_text = self._limit(opts.max_text_tokens, "text")
+        n_codes = self._limit(opts.max_codes, "codes")
         if n_codes > self.engine.max_codes:
             raise UsageError(f"max_codes {n_codes} is above this session's limit of {self.engine.max_codes}")
         conv = Conversation(conversation.system, list(conversation.turns)) if conversation else Conversation()
         ids, dropped = fit(self.loaded.tokenizer, conv, prompt, self.max_context - n_text)
         if dropped:
-            print(f"note: dropped the oldest {dropped} exchange(s) to fit the context", file=sys.stderr)
-        tsamp, ksamp = self.thinker_sampling, TALKER_DEFAULTS
-        if greedy:
-            tsamp, ksamp = tsamp.greedy(), ksamp.greedy()
+            log.warning("dropped the oldest %d exchange(s) to fit the context", dropped)
+        tsamp = opts.thinker_sampling(self.thinker_sampling)
+        ksamp = TALKER_DEFAULTS.greedy() if opts.greedy else TALKER_DEFAULTS
         req = TurnRequest(
             input_ids=ids, voice=voice, thinker=tsamp, talker=ksamp, max_text_tokens=n_text,
-            max_codes=n_codes, seed=fresh_seed() if seed is None else int(seed), text_only=text_only, sink=sink,
+            max_codes=n_codes, seed=fresh_seed() if opts.seed is None else int(opts.seed), text_only=text_only,
+            sink=sink,
         )
         return req, conv
 
-    def _limit(self, value, key, name) -> int:
-        if value is None:
-            return self.limits[key]
-        value = int(value)
-        if value < 1:
-            raise UsageError(f"{name} must be at least 1 (got {value})")
-        return value
+    def _limit(self, value, key) -> int:
+        return self.limits[key] if value is None else int(value)
+
+
+def reply_options(options: ReplyOptions | None, fields: dict) -> ReplyOptions:
+    """`options` with keyword overrides; an unknown keyword is a TypeError, as for a normal call."""
+    from dataclasses import fields as dc_fields, replace
+
+    known = {f.name for f in dc_fields(ReplyOptions)}
+    unknown = sorted(set(fields) - known)
+    if unknown:
+        raise TypeError(f"unknown reply option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+    return replace(options or ReplyOptions(), **fields)
 
 
 class Chat:

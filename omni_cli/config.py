@@ -50,3 +50,57 @@ class RuntimeOptions:
     max_context: int = 4096
     # Longest reply audio the talker's cache and the vocoder's noise are sized for (50 codes = 1 s).
     max_codes: int = 4096
+
+
+@dataclass(frozen=True)
+class ReplyOptions:
+    """What one reply is asked for: the one object the CLI and the REPL build from their flags and hand
+    to `Assistant.stream(prompt, options)` (keyword arguments there override single fields)."""
+
+    # A voice of the model (its spk_dict.pt); None = the model's default voice.
+    voice: str | None = None
+    # Greedy decoding for thinker and talker (overrides the sampling fields below).
+    greedy: bool = False
+    # Seed for sampling and the vocoder's noise; None = a fresh random seed per reply.
+    seed: int | None = None
+    # Caps on the reply's text tokens and speech codes; None = the model's defaults.
+    max_text_tokens: int | None = None
+    max_codes: int | None = None
+    # Text only: no talker, no vocoder.
+    text_only: bool = False
+    # The thinker's (text) sampling; None = the checkpoint's generation_config.json. Giving any of them
+    # turns sampling on; temperature 0 means greedy text. The talker keeps the reference's settings.
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+
+    def thinker_sampling(self, base: SamplingOptions) -> SamplingOptions:
+        """`base` (the checkpoint's settings) with this reply's overrides applied."""
+        if self.greedy or self.temperature == 0:
+            return base.greedy()
+        changes: dict = {}
+        if self.temperature is not None:
+            changes["temperature"] = float(self.temperature)
+        if self.top_p is not None:
+            changes["top_p"] = float(self.top_p)
+        if self.top_k is not None:
+            changes["top_k"] = int(self.top_k)
+        if changes:
+            changes["do_sample"] = True
+        return replace(base, **changes)
+
+    def check(self) -> "ReplyOptions":
+        """Raise a UsageError for values no model accepts (the CLI checks its flags with this too)."""
+        from .errors import UsageError
+
+        if self.temperature is not None and not (0 <= self.temperature <= 100):
+            raise UsageError(f"temperature must be between 0 and 100 (got {self.temperature:g})")
+        if self.top_p is not None and not (0 < self.top_p <= 1):
+            raise UsageError(f"top_p must be above 0 and at most 1 (got {self.top_p:g})")
+        if self.top_k is not None and self.top_k < 0:
+            raise UsageError(f"top_k must be 0 (off) or more (got {self.top_k})")
+        for name in ("max_text_tokens", "max_codes"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise UsageError(f"{name} must be at least 1 (got {value})")
+        return self
