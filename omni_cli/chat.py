@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .errors import OmniError, OutputError, UsageError, known_failure
-from .ui import InterruptTimes, print_timing, stop_on_interrupt
+from .ui import InterruptTimes, Terminated, print_timing, stop_on_interrupt
 
 PROMPT = ">>> "
 CONTINUATION = "... "
@@ -103,6 +103,8 @@ class ChatRepl:
         while True:
             try:
                 text = self.read_message(read)
+            except Terminated:
+                raise  # SIGTERM / SIGHUP: the program ends (cli.py gives exit 128+N)
             except KeyboardInterrupt:
                 self.err.print("[dim]Use Ctrl-D or /bye to leave.[/dim]")
                 continue
@@ -129,6 +131,8 @@ class ChatRepl:
         while True:
             try:
                 line = read(CONTINUATION)
+            except Terminated:
+                raise
             except KeyboardInterrupt:
                 return None
             if line.rstrip().endswith(MULTILINE):
@@ -167,6 +171,8 @@ class ChatRepl:
                             reply = event.reply
                 finally:
                     events.close()  # an interrupted reply: this stops the engine's threads
+        except Terminated:
+            raise  # the sink is aborted below; the program ends
         except KeyboardInterrupt:
             back = time.perf_counter()
             if printed:

@@ -73,8 +73,10 @@ def _err(message: str) -> None:
 def _fail(exc: BaseException, debug: bool) -> int:
     """Report an exception on stderr; the exit code to end with."""
     if isinstance(exc, KeyboardInterrupt):
-        _err("interrupted")
-        return 130
+        code = getattr(exc, "exit_code", 130)  # ui.Terminated: 128 + SIGTERM/SIGHUP's number
+        with contextlib.suppress(OSError):  # after SIGHUP the terminal may be gone
+            _err("interrupted" if code == 130 else f"terminated (signal {code - 128})")
+        return code
     exc = known_failure(exc)
     if debug:
         traceback.print_exception(exc, file=sys.stderr)
@@ -98,9 +100,12 @@ def _exit_on(exc: BaseException, debug: bool, sinks=(), interrupt=None) -> None:
         import time
 
         now = time.perf_counter()
-        _err(f"interrupted: silent after {((interrupt.silenced_at or now) - interrupt.signal_at) * 1000:.0f} ms, "
-             f"generation stopped after {(now - interrupt.signal_at) * 1000:.0f} ms")
-        raise typer.Exit(130) from None
+        code = getattr(exc, "exit_code", 130)
+        with contextlib.suppress(OSError):
+            _err(f"{'interrupted' if code == 130 else 'terminated'}: silent after "
+                 f"{((interrupt.silenced_at or now) - interrupt.signal_at) * 1000:.0f} ms, "
+                 f"generation stopped after {(now - interrupt.signal_at) * 1000:.0f} ms")
+        raise typer.Exit(code) from None
     raise typer.Exit(_fail(exc, debug)) from None
 
 
@@ -294,9 +299,10 @@ def say(
     debug: DebugOpt = False,
 ) -> None:
     """Answer PROMPT: the text on stdout, the speech through the speakers, a WAV file (-o FILE) or stdout (-o -)."""
-    from .ui import InterruptTimes, safe_text_streams
+    from .ui import InterruptTimes, end_on_signals, safe_text_streams
 
     safe_text_streams()
+    end_on_signals()
     sinks: list[Any] = []
     speaker = None
     interrupt = InterruptTimes()
@@ -410,9 +416,10 @@ def chat(
     debug: DebugOpt = False,
 ) -> None:
     """Chat with the model: >>> prompts, replies in text and speech, /? for the commands, Ctrl-D to leave."""
-    from .ui import safe_text_streams
+    from .ui import end_on_signals, safe_text_streams
 
     safe_text_streams()
+    end_on_signals()
     try:
         if list_audio_devices:
             _list_devices()

@@ -131,7 +131,39 @@ def print_timing(err, stats: dict, playback: dict | None = None, title: str = "t
         err.print(f"[dim]{label.ljust(width)}  {value}[/dim]")
 
 
-# -- Ctrl-C during a reply ---------------------------------------------------------------------
+# -- Ctrl-C during a reply, and the signals that end the program ------------------------------
+
+# SIGTERM (kill) and SIGHUP (the terminal closed) end a command as Ctrl-C does, with exit 128+N.
+ENDING_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name))
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM or SIGHUP arrived: stop like Ctrl-C (sound off, threads ended, no partial file), then
+    leave the program with exit code 128 + the signal's number. A KeyboardInterrupt, so every clean-up
+    path written for Ctrl-C runs; omni-chat does not stay at its prompt for it."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = int(signum)
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum
+
+
+def _raise_terminated(signum, frame):
+    raise Terminated(signum)
+
+
+def end_on_signals() -> None:
+    """From now on SIGTERM and SIGHUP raise `Terminated` in the main thread (instead of killing the
+    process outright, which would leave a WAV's temp file behind). Signals that were ignored when the
+    program started (nohup, a background job) stay ignored. Main thread only; elsewhere a no-op."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for signum in ENDING_SIGNALS:
+        if signal.getsignal(signum) is not signal.SIG_IGN:
+            signal.signal(signum, _raise_terminated)
 
 
 class InterruptTimes:
@@ -144,7 +176,8 @@ class InterruptTimes:
 
 @contextlib.contextmanager
 def stop_on_interrupt(*sinks: Any, times: InterruptTimes | None = None) -> Iterator[InterruptTimes]:
-    """While inside: SIGINT aborts `sinks` at once (sound off), then raises KeyboardInterrupt.
+    """While inside: SIGINT aborts `sinks` at once (sound off), then raises KeyboardInterrupt; SIGTERM
+    and SIGHUP do the same and raise `Terminated` (when they are not ignored).
 
     Only in the main thread (signals are delivered there); elsewhere it does nothing.
     """
@@ -152,10 +185,8 @@ def stop_on_interrupt(*sinks: Any, times: InterruptTimes | None = None) -> Itera
     if threading.current_thread() is not threading.main_thread():
         yield times
         return
-    previous = signal.getsignal(signal.SIGINT)
-    if previous is signal.SIG_IGN:  # started in the background with SIGINT ignored: keep it so
-        yield times
-        return
+    # Started in the background with SIGINT ignored (or nohup for SIGHUP): keep such signals ignored.
+    watched = [s for s in (signal.SIGINT, *ENDING_SIGNALS) if signal.getsignal(s) is not signal.SIG_IGN]
 
     def handler(signum, frame):
         again = times.signal_at is not None
@@ -169,16 +200,19 @@ def stop_on_interrupt(*sinks: Any, times: InterruptTimes | None = None) -> Itera
                 except Exception:
                     pass
                 silent.append(getattr(sink, "silent_time", None))
-        if again:
+        if again and signum == signal.SIGINT:
             return  # the reply is already being stopped: a second Ctrl-C must not cut its clean-up short
-        times.silenced_at = max((t for t in silent if t is not None), default=time.perf_counter())
-        raise KeyboardInterrupt
+        times.silenced_at = times.silenced_at or max((t for t in silent if t is not None), default=time.perf_counter())
+        raise KeyboardInterrupt if signum == signal.SIGINT else Terminated(signum)
 
-    signal.signal(signal.SIGINT, handler)
+    previous = {s: signal.getsignal(s) for s in watched}
+    for s in watched:
+        signal.signal(s, handler)
     try:
         yield times
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for s, old in previous.items():
+            signal.signal(s, old)
 
 
 # -- omni-chat's prompt ------------------------------------------------------------------------
