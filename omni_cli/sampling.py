@@ -2,11 +2,13 @@
 top-p, and either greedy argmax or a draw.
 
 The order and the float operations follow transformers' logits processors (repetition penalty, token
-suppression, temperature, top-k, top-p), so greedy picks are bit-identical to the reference. A draw
-uses the exponential-race trick (argmax of p / Exp(1)), which is an exact categorical sample that,
-unlike `torch.multinomial`, never waits for the device. Everything stays a device tensor: no
-`.item()`, no Python branch on a tensor value. The penalty needs the set of tokens seen so far; the
-caller keeps it as a boolean mask (`seen`) and updates it with `mark_seen`.
+suppression, temperature, top-k, top-p), so greedy picks are bit-identical to the reference and the
+sampled distribution is the reference's (tests/test_sampling.py checks both against the library).
+`distribution` is that filtered distribution; `draw` picks from it with the exponential-race trick
+(argmax of p / Exp(1)), an exact categorical sample that, unlike `torch.multinomial`, never waits for
+the device. Everything stays a device tensor: no `.item()`, no Python branch on a tensor value. The
+penalty needs the set of tokens seen so far; the caller keeps it as a boolean mask (`seen`) and
+updates it with `mark_seen`.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ def repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float)
 def top_k_filter(logits: torch.Tensor, k: int) -> torch.Tensor:
     k = min(k, logits.shape[-1])
     kth = torch.topk(logits, k)[0][..., -1, None]
+    # `<`, not `<=`: every token tied with the k-th survives, as in transformers (more than k may remain).
     return logits.masked_fill(logits < kth, float("-inf"))
 
 
@@ -39,6 +42,51 @@ def top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     return logits.masked_fill(remove, float("-inf"))
 
 
+def constrained(
+    logits: torch.Tensor, opts: SamplingOptions, seen: torch.Tensor | None = None, suppress: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`logits` after the repetition penalty and suppression: what greedy decoding takes the argmax of.
+
+    `seen`: bool [1, vocab] mask for the repetition penalty; `suppress`: bool [1, vocab] of banned ids.
+    """
+    if seen is not None:
+        logits = repetition_penalty(logits, seen, opts.repetition_penalty)
+    if suppress is not None:
+        logits = logits.masked_fill(suppress, float("-inf"))
+    return logits
+
+
+def distribution(
+    logits: torch.Tensor, opts: SamplingOptions, seen: torch.Tensor | None = None, suppress: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The probabilities a sampled pick is drawn from: `constrained` logits, then temperature, top-k and
+    top-p (each skipped at its "off" value, as transformers' generate skips it), then softmax. Filtered
+    tokens have probability exactly 0. `opts.do_sample` is not consulted: this is the sampled path.
+    """
+    logits = constrained(logits, opts, seen, suppress)
+    if opts.temperature != 1.0:
+        logits = logits / opts.temperature
+    if opts.top_k:
+        logits = top_k_filter(logits, opts.top_k)
+    if opts.top_p < 1.0:
+        logits = top_p_filter(logits, opts.top_p)
+    return logits.softmax(dim=-1)
+
+
+def race_winner(probs: torch.Tensor, race: torch.Tensor) -> torch.Tensor:
+    """argmax of probs / race over the last dim, `race` being i.i.d. Exp(1): token i wins with probability
+    probs[i]. A token of probability 0 is given a score below every other (-1) rather than 0 / race: an
+    exponential sample of exactly 0 would make that NaN, which argmax would pick. Where race > 0 this
+    changes no pick (a kept token's score is > 0 > -1)."""
+    return torch.where(probs > 0, probs / race, -1.0).argmax(dim=-1)
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One categorical sample per row of `probs` ([..., vocab]), without a host sync."""
+    race = torch.empty_like(probs).exponential_(1, generator=generator)
+    return race_winner(probs, race)
+
+
 def select(
     logits: torch.Tensor,
     opts: SamplingOptions,
@@ -49,22 +97,11 @@ def select(
     """Pick the next token from `logits` [1, vocab] (float32). Returns a [1] long tensor on the same device.
 
     `seen`: bool [1, vocab] mask for the repetition penalty; `suppress`: bool [1, vocab] of banned ids.
+    (Rows beyond the first are handled alike, one pick each: the tests draw many at once that way.)
     """
-    if seen is not None:
-        logits = repetition_penalty(logits, seen, opts.repetition_penalty)
-    if suppress is not None:
-        logits = logits.masked_fill(suppress, float("-inf"))
     if not opts.do_sample:
-        return logits.argmax(dim=-1)
-    if opts.temperature != 1.0:
-        logits = logits / opts.temperature
-    if opts.top_k:
-        logits = top_k_filter(logits, opts.top_k)
-    if opts.top_p < 1.0:
-        logits = top_p_filter(logits, opts.top_p)
-    probs = logits.softmax(dim=-1)
-    race = torch.empty_like(probs).exponential_(1, generator=generator)
-    return (probs / race).argmax(dim=-1)
+        return constrained(logits, opts, seen, suppress).argmax(dim=-1)
+    return draw(distribution(logits, opts, seen, suppress), generator)
 
 
 def mark_seen(seen: torch.Tensor, token: torch.Tensor) -> None:
