@@ -192,11 +192,11 @@ class Chat:
         self.assistant = assistant
         self.history = conversation
 
-    def say(self, prompt: str, **kwargs) -> Reply:
-        return self.assistant.say(prompt, conversation=self.history, **kwargs)
+    def say(self, prompt: str, options: ReplyOptions | None = None, **kwargs) -> Reply:
+        return self.assistant.say(prompt, options, conversation=self.history, **kwargs)
 
-    def stream(self, prompt: str, **kwargs):
-        return self.assistant.stream(prompt, conversation=self.history, **kwargs)
+    def stream(self, prompt: str, options: ReplyOptions | None = None, **kwargs):
+        return self.assistant.stream(prompt, options, conversation=self.history, **kwargs)
 
     def clear(self) -> None:
         self.history.clear()

@@ -22,9 +22,11 @@ import sys
 import tempfile
 import time
 import traceback
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
 
+from .config import ReplyOptions
 from .errors import OmniError, OutputError, UsageError, known_failure
 from .ui import InterruptTimes, Terminated, print_timing, stop_on_interrupt
 
@@ -58,31 +60,27 @@ class ChatRepl:
         out: Any,
         err: Any,
         *,
-        voice: str = "Chelsie",
+        options: ReplyOptions | None = None,
         muted: bool = False,
         system: str | None = None,
-        seed: int | None = None,
-        greedy: bool = False,
-        max_text_tokens: int | None = None,
-        max_codes: int | None = None,
         speaker: Callable[[], Any] | None = None,
         verbose: bool = False,
         debug: bool = False,
     ) -> None:
         """
         out, err: rich consoles (the answer; everything else).
+        options: what each reply is asked for (voice, sampling, limits); /voice and /set change it.
         speaker: makes the sink for one reply's sound (a SpeakerSink); None = nothing to play on.
         """
         self.assistant = assistant
         self.out = out
         self.err = err
         self.chat = assistant.conversation(system)
-        self.voice = voice
+        options = options or ReplyOptions()
+        if options.voice is None and assistant.has_audio:
+            options = replace(options, voice=getattr(assistant, "default_voice", None) or assistant.voices[0])
+        self.options = options
         self.muted = muted or not assistant.has_audio
-        self.seed = seed
-        self.greedy = greedy
-        self.max_text_tokens = max_text_tokens
-        self.max_codes = max_codes
         self.speaker = speaker
         self.verbose = verbose
         self.debug = debug
@@ -96,6 +94,10 @@ class ChatRepl:
         self.underruns = 0
         # One dict per interrupted reply: seconds from Ctrl-C to silence and to the prompt.
         self.interrupts: list[dict] = []
+
+    @property
+    def voice(self) -> str | None:
+        return self.options.voice
 
     # -- the loop --------------------------------------------------------------------------------
     def run(self, read: Callable[[str], str]) -> int:
@@ -156,10 +158,7 @@ class ChatRepl:
             if not self.muted and self.speaker is not None:
                 sink = self.speaker()
             with stop_on_interrupt(sink, times=times):
-                events = self.chat.stream(
-                    text, voice=self.voice, greedy=self.greedy, seed=self.seed, max_text_tokens=self.max_text_tokens,
-                    max_codes=self.max_codes, sink=sink, text_only=self.muted or sink is None,
-                )
+                events = self.chat.stream(text, self.options, sink=sink, text_only=self.muted or sink is None)
                 try:
                     for event in events:
                         if isinstance(event, TextDelta):
@@ -278,7 +277,7 @@ class ChatRepl:
         if not arg:
             self.say(f"voice: {self.voice} (voices: {', '.join(voices)})")
             return
-        self.voice = check_voice(voices, arg)
+        self.options = replace(self.options, voice=check_voice(voices, arg))
         self.say(f"voice: {self.voice}")
 
     def cmd_mute(self, arg: str) -> None:

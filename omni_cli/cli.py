@@ -440,9 +440,12 @@ def chat(
             sink.open(assistant.sample_rate)
             return sink
 
-        repl = ChatRepl(assistant, out, err, voice=voice, muted=mute, system=system, seed=seed, greedy=greedy,
-                        max_text_tokens=max_text_tokens, max_codes=max_codes, speaker=speaker, verbose=verbose,
-                        debug=debug)
+        from .config import ReplyOptions
+
+        options = ReplyOptions(voice=voice, seed=seed, greedy=greedy, max_text_tokens=max_text_tokens,
+                               max_codes=max_codes)
+        repl = ChatRepl(assistant, out, err, options=options, muted=mute, system=system, speaker=speaker,
+                        verbose=verbose, debug=debug)
         if _isatty(sys.stdin) and _isatty(sys.stdout):
             code = _chat_in_terminal(repl, err, assistant, history_file, no_history)
         else:

@@ -31,12 +31,18 @@ class FakeAssistant:
         self.stats = stats or {}
         self.calls = []
 
-    def stream(self, prompt, voice="Chelsie", greedy=False, seed=None, max_text_tokens=None, max_codes=None,
-               sink=None, text_only=False, conversation=None):
-        from omni_cli.assistant import AudioBlock, Done, TextDelta
+    default_voice = "Chelsie"
 
-        self.calls.append(dict(prompt=prompt, voice=voice, greedy=greedy, seed=seed,
-                               max_text_tokens=max_text_tokens, max_codes=max_codes, text_only=text_only))
+    def stream(self, prompt, options=None, *, sink=None, conversation=None, **fields):
+        from dataclasses import asdict
+
+        from omni_cli.assistant import AudioBlock, Done, TextDelta, reply_options
+
+        opts = reply_options(options, fields).check()  # the real API's argument handling and checks
+        call = asdict(opts)
+        call["voice"] = opts.voice or self.default_voice
+        self.calls.append(dict(prompt=prompt, **call))
+        text_only = opts.text_only
         if not prompt.strip():
             raise UsageError("empty prompt")
         started = time.perf_counter()

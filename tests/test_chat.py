@@ -26,6 +26,7 @@ from audio_device import FakeSoundDevice
 from conftest import cli_env
 from fakes import FakeAssistant
 from omni_cli.chat import ChatRepl, line_reader
+from omni_cli.config import ReplyOptions
 from omni_cli.prompt import DEFAULT_SYSTEM
 from omni_cli.sinks import SpeakerSink
 from omni_cli.ui import make_console, make_history, make_session
@@ -285,7 +286,7 @@ def tiny():
 
 
 def test_real_turns_with_the_tiny_model(tiny):
-    s = Session(assistant=tiny, sd=FakeSoundDevice(speed=50.0), seed=0, max_text_tokens=6, max_codes=40)
+    s = Session(assistant=tiny, sd=FakeSoundDevice(speed=50.0), options=ReplyOptions(seed=0, max_text_tokens=6, max_codes=40))
     s.run("Hello\r/voice Ethan\rAnd you?\r/stats\r\x04")
     assert len(s.repl.chat.history.turns) == 4
     lines = s.out.splitlines()
@@ -308,7 +309,7 @@ def hang_guard():
 
 def test_real_ctrl_c_during_a_reply_with_the_tiny_model(tiny, hang_guard):
     # A 30 s reply played at real time; Ctrl-C after 1 s: generation and sound stop within 200 ms.
-    s = Session(assistant=tiny, sd=FakeSoundDevice(speed=1.0), seed=0, max_text_tokens=200, max_codes=1500)
+    s = Session(assistant=tiny, sd=FakeSoundDevice(speed=1.0), options=ReplyOptions(seed=0, max_text_tokens=200, max_codes=1500))
     records = []
     for attempt in range(3):
         timer = _interrupt_after(1.0 + 0.13 * attempt)
@@ -330,7 +331,7 @@ def test_real_ctrl_c_during_a_reply_with_the_tiny_model(tiny, hang_guard):
 
 
 def test_real_context_overflow_drops_the_oldest_turns(tiny, capfd):
-    s = Session(assistant=tiny, seed=1, max_text_tokens=60, muted=True)
+    s = Session(assistant=tiny, options=ReplyOptions(seed=1, max_text_tokens=60), muted=True)
     s.run("".join(f"Message number {i} with a few more words in it to fill up the context\r" for i in range(8)) + "\x04")
     err = capfd.readouterr().err
     assert "note: dropped the oldest" in err and "exchange(s) to fit the context" in err
