@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from omni_cli import loader
-from omni_cli.errors import ModelError, OmniError, UsageError
+from omni_cli.errors import ModelError, UsageError
 from omni_cli.loader import check_voice, load_model, pick_device, pick_dtype, resolve_model
 
 
@@ -72,6 +72,8 @@ def test_incomplete_checkpoint(fake_model, missing, words):
         resolve_model(str(folder))
     assert words in one_line(err.value)
     assert str(folder) in str(err.value)
+    assert isinstance(err.value, loader.IncompleteModel)
+    assert err.value.exit_code == 1  # the README: model not found or not loadable is a runtime failure
 
 
 def test_complete_folder(fake_model):
@@ -147,8 +149,16 @@ def test_default_is_the_tiny_demo_with_one_notice(tiny_model_dir, monkeypatch, c
     assert "random" in err and "OMNI_MODEL" in err and "-m" in err
 
 
-def test_tiny_model_dir_constant(tiny_model_dir):
-    assert loader.TINY_MODEL_DIR == tiny_model_dir.resolve()
+def test_the_tiny_model_named_by_any_path_is_the_demo(tiny_model_dir, tmp_path, monkeypatch):
+    """The shipped folder is recognised as the built-in demo however it is named (relative path, symlink),
+    and a copy elsewhere is an ordinary checkpoint: the demo is known by where it is, not by its name."""
+    monkeypatch.chdir(tiny_model_dir.parent.parent)
+    assert resolve_model("assets/tiny-qwen2.5-omni") == (tiny_model_dir.resolve(), True)
+    link = tmp_path / "link"
+    link.symlink_to(tiny_model_dir, target_is_directory=True)
+    assert resolve_model(str(link)) == (tiny_model_dir.resolve(), True)
+    copy = shutil.copytree(tiny_model_dir, tmp_path / "tiny-qwen2.5-omni")
+    assert resolve_model(str(copy)) == (copy.resolve(), False)
 
 
 # -- device and dtype ---------------------------------------------------------------------------
@@ -177,6 +187,7 @@ def test_bad_device(name):
     message = one_line(err.value)
     assert name in message
     assert "cpu" in message  # names what is available / known
+    assert err.value.exit_code == 2  # the README: a bad flag value is a usage error
 
 
 def test_cuda_absent_names_what_is_available():
@@ -235,7 +246,7 @@ def test_load_tiny(tiny, tiny_model_dir):
     assert isinstance(tiny, loader.LoadedModel)
     assert isinstance(tiny.model, Qwen2_5OmniForConditionalGeneration)
     assert sorted(tiny.speakers) == ["Chelsie", "Ethan"]
-    assert tiny.voices == list(tiny.speakers)
+    assert sorted(tiny.voices) == ["Chelsie", "Ethan"]
     for entry in tiny.speakers.values():
         assert {"bos_token", "cond", "ref_mel"} <= set(entry)
     assert tiny.device == torch.device("cpu")
@@ -275,8 +286,3 @@ def test_corrupt_weights(tiny_model_dir, tmp_path, damage, capsys):
         load_model(str(folder), device="cpu")
     assert "broken" in one_line(err.value)
     assert capsys.readouterr().err == ""  # nothing from transformers on stderr
-
-
-def test_errors_are_omni_errors():
-    assert issubclass(loader.IncompleteModel, ModelError)
-    assert issubclass(ModelError, OmniError)

@@ -86,13 +86,29 @@ def test_second_turn_matches_transformers(assistant):
     assert len(chat.history.turns) == 4
 
 
-def test_thinker_to_talker_proj_is_a_plain_linear(assistant):
-    proj = assistant.engine.talker.proj
-    assert type(proj) is torch.nn.Linear  # not a subclass: no tensor-parallel or quantized wrapper
-    assert proj is assistant.loaded.model.talker.thinker_to_talker_proj
+def test_thinker_to_talker_proj_is_a_plain_linear_on_the_critical_path(assistant):
+    """The design's promise: the talker's input goes through the checkpoint's own `thinker_to_talker_proj`,
+    a plain torch.nn.Linear (no tensor-parallel or quantized wrapper, no hooks), called on every step."""
+    proj = assistant.loaded.model.talker.thinker_to_talker_proj  # the library model's module, not our engine's
+    assert type(proj) is torch.nn.Linear  # not a subclass
     assert not list(proj.children())
-    assert not getattr(proj, "_forward_hooks", None) and not getattr(proj, "_forward_pre_hooks", None)
-    assert proj.weight.dtype in (torch.float32, torch.bfloat16, torch.float16)
+    assert not proj._forward_hooks and not proj._forward_pre_hooks
+    x = torch.randn(3, proj.in_features, generator=torch.Generator().manual_seed(0), dtype=proj.weight.dtype)
+    with torch.no_grad():  # plain: x W^T + b, computed here by hand
+        by_hand = x @ proj.weight.T + (proj.bias if proj.bias is not None else 0)
+        torch.testing.assert_close(proj(x), by_hand)
+    # Every talker input passes through this very module: the prefill once (the prompt's positions, the
+    # voice's BOS and the first reply vector: prompt length + 2), then one position per later code.
+    widths = []
+    handle = proj.register_forward_hook(lambda module, args, out: widths.append(args[0].shape[1]))
+    try:
+        reply = assistant.say("Hello there!", greedy=True, max_text_tokens=4, max_codes=6)
+    finally:
+        handle.remove()
+    prompt_len = len(build_ids(assistant.loaded.tokenizer, Conversation().messages("Hello there!")))
+    assert widths[0] == prompt_len + 2
+    assert widths[1:] == [1] * (len(widths) - 1)
+    assert len(widths) == reply.stats["talker_steps"] >= len(reply.codes) >= 1  # one call a talker step
 
 
 def test_fused_decode_step_gives_the_same_tokens_and_codes(assistant):
