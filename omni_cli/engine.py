@@ -8,7 +8,8 @@ ended, the talker is fed the text-EOS embedding once, then text-pad, until it sa
 Threads. The engine thread issues steps and never reads a device value. Each sampled id goes through
 the async output boundary (`boundary.py`) to the producer thread, which notices text EOS and codec EOS
 (with a lag of at most `max_lag` steps; ids after an EOS are discarded), streams text deltas, and feeds
-codes to the vocoder thread (`vocoder.py`), which hands PCM blocks to the sink. The caller's thread
+codes to the vocoder thread (`vocoder.py`), which hands PCM blocks to the sink's own thread
+(`sink_thread.py`: one thread owns the sink from start to close). The caller's thread
 just reads events. An exception in any worker travels to the caller and stops the others.
 
 It does not know about prompts or chat templates (it gets token ids), nor about the terminal.
@@ -31,6 +32,7 @@ from .channel import Channel
 from .config import CODES_PER_SECOND, SAMPLE_RATE, SamplingOptions
 from .kv_cache import StaticKVCache
 from .sampling import mark_seen, select
+from .sink_thread import SinkThread
 from .talker import Talker
 from .thinker import Thinker
 
@@ -235,6 +237,7 @@ class _Turn:
         self._text_sent = ""
         self.eos_ids = [] if req.force_lengths else engine.eos_ids  # EOS ids that end the text
         self.clock = _StepClock(engine.device, req.step_events)
+        self.sink: SinkThread | None = None  # the request's sink, owned by its own thread (run())
 
     # -- orchestration (caller's thread) ------------------------------------------------------
     def run(self) -> Iterator[TextDelta | AudioBlock | Done]:
@@ -244,11 +247,13 @@ class _Turn:
                    threading.Thread(target=self._producer_main, name="omni-producer", daemon=True)]
         if self.audio:
             threads.append(threading.Thread(target=self._vocoder_main, name="omni-vocoder", daemon=True))
-        sink = self.req.sink
+        # The sink lives on its own thread from start to close (sink_thread.py): the vocoder thread
+        # only queues blocks for it, and an interrupt only asks it to abort.
+        self.sink = SinkThread(self.req.sink, on_error=self._fail) if self.req.sink is not None and self.audio else None
         ok = False
         try:
-            if sink is not None and self.audio:
-                sink.start(SAMPLE_RATE)
+            if self.sink is not None:
+                self.sink.start(SAMPLE_RATE)
             for t in threads:
                 t.start()
             for event in self.events:
@@ -257,16 +262,17 @@ class _Turn:
         finally:
             if not ok:
                 self._shutdown()
-                if sink is not None and self.audio:
-                    sink.abort()  # silence first: an interrupted reply stops sounding at once
+                if self.sink is not None:
+                    self.sink.abort()  # silence first: an interrupted reply stops sounding at once
             for t in (t for t in threads if t.ident is not None):  # only those that started
                 # After an interrupt the vocoder may be inside a chunk; don't hold the caller for it.
-                # The engine joins it before the next turn starts (`Engine.stream`).
+                # The engine joins it before the next turn starts (`Engine.stream`). It no longer
+                # touches the sink: its blocks are dropped by the aborted SinkThread.
                 t.join(timeout=None if ok or t.name != "omni-vocoder" else 0.02)
                 if t.is_alive():
                     self.e.lingering.append(t)
-            if ok and sink is not None and self.audio:
-                sink.close()
+            if ok and self.sink is not None:
+                self.sink.close()  # plays out / renames into place; raises what a write raised
         yield Done(self._result(t0))  # reached only when the turn completed
 
     def _shutdown(self) -> None:
@@ -475,8 +481,8 @@ class _Turn:
         self.state.times.setdefault("first_audio", now)
         self.state.times["last_audio"] = now
         self._pcm.append(block)
-        if self.req.sink is not None:
-            self.req.sink.write(block)
+        if self.sink is not None:
+            self.sink.write(block)
         self.events.put(AudioBlock(block, SAMPLE_RATE))
 
     # -- result ----------------------------------------------------------------------------------
