@@ -4,6 +4,16 @@ A `Conversation` is a list of chat messages (system, user, assistant) that can b
 loaded back. `build_ids` renders it with the checkpoint's own chat template and tokenizer. When the
 history outgrows the context, `fit` drops the oldest user/assistant pairs and says how many it dropped.
 
+The transcript format (what omni-chat's /save writes and /load reads, and `Conversation.to_json`):
+a JSON object with `"format": 1`, `"system"` (the system prompt; "" = none) and `"turns"` (user and
+assistant messages, in pairs); omni-chat adds `"context_from"` (where the model's history starts,
+when older turns were dropped to fit the context), the model, the voice and where each reply's speech
+is in the WAV beside it. Files without `"format"` (written before it existed) read as format 1.
+
+Every text that goes to the tokenizer is checked by `check_text`: a str holding a lone surrogate (how
+Python carries undecodable bytes: a non-UTF-8 argument, stdin or terminal input) is a usage error here
+rather than a TypeError deep inside the tokenizer.
+
 It knows text turns only: audio, image and video parts (the processor's job) are not built here.
 """
 
@@ -14,6 +24,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import UsageError
+
+# The version of the transcript JSON this code writes; it reads this one and files without the field.
+TRANSCRIPT_FORMAT = 1
 
 # Qwen2.5-Omni speaks only under this system prompt (the model card asks for it for audio output).
 DEFAULT_SYSTEM = (
@@ -41,12 +54,19 @@ class Conversation:
         self.turns.clear()
 
     def to_json(self) -> str:
-        return json.dumps({"system": self.system, "turns": self.turns}, ensure_ascii=False, indent=2)
+        data = {"format": TRANSCRIPT_FORMAT, "system": self.system, "turns": self.turns}
+        return json.dumps(data, ensure_ascii=False, indent=2)
 
     @classmethod
     def from_json(cls, text: str) -> "Conversation":
-        data = json.loads(text)
-        return cls(system=data.get("system", DEFAULT_SYSTEM), turns=list(data.get("turns", [])))
+        """A conversation from transcript JSON (ours or omni-chat's /save); UsageError if it is not one."""
+        return cls.from_dict(parse_json(text))
+
+    @classmethod
+    def from_dict(cls, data: object) -> "Conversation":
+        """The conversation in decoded transcript JSON, checked; the model's history (`context_from` on)."""
+        system, turns, start = read_transcript(data)
+        return cls(system=system, turns=turns[start:])
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(self.to_json(), encoding="utf-8")
@@ -56,14 +76,88 @@ class Conversation:
         return cls.from_json(Path(path).read_text(encoding="utf-8"))
 
 
+class TranscriptError(UsageError):
+    """A file that is not a transcript this code can read (not JSON, another shape, a newer format)."""
+
+
+def parse_json(text: str) -> object:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise TranscriptError(f"it is not JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})") from exc
+
+
+def read_transcript(data: object) -> tuple[str, list[dict], int]:
+    """(system prompt, every turn, index of the first turn in the model's history) of decoded transcript
+    JSON. Checked here, so that a hand-edited or foreign file is one clear error at loading instead of a
+    failure inside the chat template at the next turn."""
+    if not isinstance(data, dict):
+        raise TranscriptError(f"it is JSON but not a transcript (a {_json_type(data)}, not an object with \"turns\")")
+    version = data.get("format", TRANSCRIPT_FORMAT)
+    if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+        raise TranscriptError(f"its \"format\" is {json.dumps(version)}, not a version number")
+    if version > TRANSCRIPT_FORMAT:
+        raise TranscriptError(f"it was written in transcript format {version} by a newer omni-cli; this one reads "
+                              f"format {TRANSCRIPT_FORMAT}: upgrade omni-cli")
+    if "turns" not in data:
+        raise TranscriptError("it is JSON but not a transcript (no \"turns\")")
+    turns = data["turns"]
+    if not isinstance(turns, list):
+        raise TranscriptError(f"its \"turns\" is a {_json_type(turns)}, not a list")
+    clean = []
+    for i, turn in enumerate(turns):
+        want = "user" if i % 2 == 0 else "assistant"  # the transcript holds whole exchanges, user first
+        if not isinstance(turn, dict) or turn.get("role") != want or not isinstance(turn.get("content"), str):
+            raise TranscriptError(f"turn {i + 1} is not a {want} message ({{\"role\": \"{want}\", \"content\": \"...\"}})")
+        clean.append({"role": want, "content": check_text(turn["content"], f"turn {i + 1}")})
+    if len(clean) % 2:
+        raise TranscriptError(f"its last turn ({len(clean)}) is a user message without the assistant's reply")
+    system = data.get("system", DEFAULT_SYSTEM)
+    if system is None:
+        system = ""
+    if not isinstance(system, str):
+        raise TranscriptError(f"its \"system\" is a {_json_type(system)}, not text")
+    start = data.get("context_from", 0)
+    if isinstance(start, bool) or not isinstance(start, int) or not 0 <= start <= len(clean) or start % 2:
+        raise TranscriptError(f"its \"context_from\" ({json.dumps(start)}) is not the start of an exchange")
+    return check_text(system, "the system prompt"), clean, start
+
+
+def _json_type(value: object) -> str:
+    return {dict: "object", list: "list", str: "string", bool: "boolean", type(None): "null"}.get(
+        type(value), "number")
+
+
+def check_text(text: str, what: str = "the prompt") -> str:
+    """`text`, or a UsageError if it cannot be encoded as UTF-8.
+
+    Python turns bytes that are not UTF-8 into lone surrogates (U+DC80-U+DCFF, the "surrogateescape"
+    handler its stdin, argv and prompt_toolkit use), and JSON may spell one as "\\ud800". Such a str
+    reaches the tokenizer, whose Rust side cannot take it and raises "TypeError: TextEncodeInput must
+    be ...": a bug report instead of a message. So it is caught here, with the place and a cure."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        code = ord(text[exc.start])
+        line = text.count("\n", 0, exc.start) + 1
+        where = f"character {exc.start + 1}" + (f" (line {line})" if line > 1 else "")
+        if 0xDC80 <= code <= 0xDCFF:  # an undecodable byte, carried by surrogateescape
+            raise UsageError(f"{what} is not UTF-8 text (byte 0x{code - 0xDC00:02x} at {where}): convert it first, "
+                             "e.g. iconv -f latin1 -t utf-8, or set the terminal to UTF-8") from None
+        raise UsageError(f"{what} holds a lone surrogate U+{code:04X} at {where}, which is not text") from None
+    return text
+
+
 def check_prompt(prompt: str) -> str:
     if prompt is None or not str(prompt).strip():
         raise UsageError("empty prompt: say something, e.g. omni-say \"Hello\"")
-    return str(prompt)
+    return check_text(str(prompt))
 
 
 def build_ids(tokenizer, messages: list[dict]) -> list[int]:
     """Token ids of `messages` rendered with the chat template, ending with the assistant's turn opener."""
+    for message in messages:  # the system prompt and the history too (a --system argument, a loaded file)
+        check_text(message["content"], "the system prompt" if message["role"] == "system" else f"a {message['role']} message")
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     if isinstance(ids, dict) or hasattr(ids, "keys"):  # some tokenizers return a BatchEncoding
         ids = ids["input_ids"]
