@@ -1,10 +1,19 @@
 """omni-chat's read-eval-print loop: turns, slash commands, multi-line input, Ctrl-C and Ctrl-D.
 
 `ChatRepl(assistant, ...)` holds one session: the conversation (`assistant.conversation()`), the
-voice, mute, the transcript and the speech of every reply (for `/save`), and the last reply's timing
-(for `/stats`). `run(read)` loops until `/bye` or end of input and returns the exit code; `read(prompt)`
-is a prompt_toolkit session's `prompt` on a terminal, or a line reader on a pipe, so the same loop is
-driven by a person, by a script, and by the tests.
+reply options (voice, sampling, limits: /voice and /set change them), mute, the transcript and the
+speech of every reply (for `/save`; `/load` and `load_transcript` resume a saved one), and the last
+reply's timing (for `/stats`). `run(read)` loops until `/bye` or end of input and returns the exit
+code; `read(prompt)` is a prompt_toolkit session's `prompt` on a terminal, or `line_reader()` on a
+pipe, so the same loop is driven by a person, by a script, and by the tests.
+
+Exit codes: a person at a terminal sees each error and carries on, so the session ends with 0. A
+script cannot see them, so when the input is piped (`piped=True`) a failed command or turn makes the
+exit code non-zero once the input ends: 2 if every failure was a usage error (unknown command, bad
+value, unknown voice, a file that is not a transcript), else 1 (a file that could not be written, a
+reply that failed). The session still goes on to the next line either way. Input that is not UTF-8
+ends a piped session at once with a UsageError: the lines after it cannot be trusted to be what the
+script meant.
 
 A reply's text streams to the `out` console while its speech plays through a `SpeakerSink` (one per
 turn). Ctrl-C during a reply aborts the sink at once (the sound stops), closes the reply's event
@@ -17,6 +26,7 @@ It knows nothing of typer or of how the model is loaded (cli.py does both), nor 
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import tempfile
@@ -28,7 +38,8 @@ from typing import Any, Callable
 
 from .config import ReplyOptions
 from .errors import OmniError, OutputError, UsageError, known_failure
-from .ui import InterruptTimes, Terminated, print_timing, stop_on_interrupt
+from .prompt import TRANSCRIPT_FORMAT, check_text
+from .ui import InterruptTimes, StreamWrapper, Terminated, print_timing, stop_on_interrupt, terminal_width
 
 PROMPT = ">>> "
 CONTINUATION = "... "
@@ -47,7 +58,11 @@ HELP = [
     ("/voice [NAME]", "show the voices, or speak with NAME"),
     ("/mute, /unmute", "text only / speak again"),
     ("/system [TEXT]", "show the system prompt, or set it (/system default restores it)"),
+    ("/set [NAME VALUE]", "show the settings, or set one: temperature, top_p, top_k, seed, greedy, "
+                          "max_codes, max_text_tokens (VALUE default: the model's)"),
+    ("/show", "the model, voice, sound, system prompt and every setting"),
     ("/save PATH", "write PATH.json (the transcript) and PATH.wav (every reply's speech)"),
+    ("/load PATH", "resume a conversation saved with /save (PATH or PATH.json)"),
     ("/stats", "timing of the last reply, totals of the session"),
     ('"""', 'begin and end a multi-line message'),
 ]
@@ -66,11 +81,18 @@ class ChatRepl:
         speaker: Callable[[], Any] | None = None,
         verbose: bool = False,
         debug: bool = False,
+        piped: bool | None = None,
+        wrap: int | bool | None = None,
     ) -> None:
         """
         out, err: rich consoles (the answer; everything else).
         options: what each reply is asked for (voice, sampling, limits); /voice and /set change it.
         speaker: makes the sink for one reply's sound (a SpeakerSink); None = nothing to play on.
+        piped: the input is a script, not a person: failed commands and turns make `run`'s exit code
+            non-zero. None = when sys.stdin is not a terminal.
+        wrap: word wrap of the reply's text: None = at the terminal's width when `out` writes to a
+            terminal (looked up at each reply, so a resized window is followed), not at all into a pipe
+            or a file; an int = at that width; False = never.
         """
         self.assistant = assistant
         self.out = out
@@ -84,6 +106,12 @@ class ChatRepl:
         self.speaker = speaker
         self.verbose = verbose
         self.debug = debug
+        self.piped = (not _isatty(sys.stdin)) if piped is None else bool(piped)
+        self.wrap = wrap
+        # The exit code of each failure (command or turn) so far; what run() ends with when piped.
+        self.failures: list[int] = []
+        # The file the conversation was resumed from (/load, --load), for /show.
+        self.loaded_from: Path | None = None
         # Every message of the session (the model's history may drop old turns; this never does).
         self.transcript: list[dict] = []
         # (index in transcript of the reply, float32 audio) for each spoken reply.
@@ -101,7 +129,9 @@ class ChatRepl:
 
     # -- the loop --------------------------------------------------------------------------------
     def run(self, read: Callable[[str], str]) -> int:
-        """Read, answer, repeat; the exit code (0) once the user leaves."""
+        """Read, answer, repeat; the exit code once the user leaves (see the module's docstring).
+
+        A UsageError from `read` (input that is not UTF-8) ends the loop: it propagates."""
         while True:
             try:
                 text = self.read_message(read)
@@ -111,14 +141,20 @@ class ChatRepl:
                 self.err.print("[dim]Use Ctrl-D or /bye to leave.[/dim]")
                 continue
             except EOFError:
-                return 0
+                return self.exit_code()
             if text is None or not text.strip():
                 continue
             if text.lstrip().startswith("/"):
                 if self.command(text.strip()) == "bye":
-                    return 0
+                    return self.exit_code()
                 continue
             self.turn(text)
+
+    def exit_code(self) -> int:
+        """0 at a terminal; when piped, 0 if nothing failed, 2 if every failure was a usage error, else 1."""
+        if not self.piped or not self.failures:
+            return 0
+        return 2 if all(code == 2 for code in self.failures) else 1
 
     def read_message(self, read: Callable[[str], str]) -> str | None:
         """One message: a line, or a block between two \"\"\" lines (None if Ctrl-C cancelled the block)."""
@@ -137,6 +173,11 @@ class ChatRepl:
                 raise
             except KeyboardInterrupt:
                 return None
+            except EOFError:
+                # Leaving inside a block: say that its text was not sent rather than drop it unseen.
+                self.error(UsageError(f'the input ended inside a {MULTILINE} block: that message was not sent '
+                                      f'(end it with a line that ends with {MULTILINE})'))
+                raise
             if line.rstrip().endswith(MULTILINE):
                 last = line.rstrip()[: -len(MULTILINE)]
                 if last:
@@ -154,7 +195,9 @@ class ChatRepl:
         printed = False
         reply = None
         clock = AudioClock()
+        wrapper = self._wrapper()
         try:
+            check_text(text)  # before a sound device opens for nothing; the API checks it again
             if not self.muted and self.speaker is not None:
                 sink = self.speaker()
             with stop_on_interrupt(sink, times=times):
@@ -162,7 +205,7 @@ class ChatRepl:
                 try:
                     for event in events:
                         if isinstance(event, TextDelta):
-                            self.out.print(event.text, end="", markup=False, highlight=False)
+                            self._show(wrapper.feed(event.text) if wrapper else event.text)
                             printed = True
                         elif isinstance(event, AudioBlock):
                             clock.tick()
@@ -174,25 +217,35 @@ class ChatRepl:
             raise  # the sink is aborted below; the program ends
         except KeyboardInterrupt:
             back = time.perf_counter()
-            if printed:
-                self.out.print()
+            self._end_reply(wrapper, printed)
             self._interrupted(times, back)
             return
-        except OmniError as exc:
-            if printed:
-                self.out.print()
-            self.error(exc)
-            return
-        except Exception as exc:  # noqa: BLE001 - a bug: say so, keep the session
-            if printed:
-                self.out.print()
+        except Exception as exc:  # noqa: BLE001 - an OmniError, or a bug: say so, keep the session
+            self._end_reply(wrapper, printed)
             self.error(exc)
             return
         finally:
             if sink is not None:
                 sink.abort()  # a no-op after a normal close(); silence after anything else
-        self.out.print()
+        self._end_reply(wrapper, True)
         self._record(text, reply, sink, clock.stats(reply.stats))
+
+    def _wrapper(self) -> StreamWrapper | None:
+        if self.wrap is False:
+            return None
+        width = self.wrap if isinstance(self.wrap, int) and self.wrap is not True else terminal_width(self.out.file)
+        return StreamWrapper(width) if width else None
+
+    def _show(self, text: str) -> None:
+        if text:
+            self.out.print(text, end="", markup=False, highlight=False)
+
+    def _end_reply(self, wrapper: StreamWrapper | None, printed: bool) -> None:
+        """The word the wrapper still holds (also of a stopped reply: it was generated), then the line's end."""
+        if wrapper is not None:
+            self._show(wrapper.end())
+        if printed:
+            self.out.print()
 
     def _interrupted(self, times: InterruptTimes, back: float) -> None:
         record = {}
@@ -225,8 +278,10 @@ class ChatRepl:
         detail = " ".join(str(exc).split())
         if isinstance(exc, OmniError):
             message = f"error: {detail}"
+            self.failures.append(int(getattr(exc, "exit_code", 1)))
         else:
             message = f"error: internal error: {type(exc).__name__}: {detail}"
+            self.failures.append(1)
         self.err.print(message, style="red", markup=False, highlight=False)
 
     # -- slash commands --------------------------------------------------------------------------
@@ -240,18 +295,24 @@ class ChatRepl:
             "/voice": self.cmd_voice,
             "/mute": self.cmd_mute, "/unmute": self.cmd_unmute,
             "/system": self.cmd_system,
+            "/set": self.cmd_set,
+            "/show": self.cmd_show,
             "/save": self.cmd_save,
+            "/load": self.cmd_load,
             "/stats": self.cmd_stats,
         }
         if name not in handlers:
             self.err.print(f"unknown command '{name}': type /? for help", style="yellow", markup=False, highlight=False)
+            self.failures.append(UsageError.exit_code)
             return None
         handler = handlers[name]
         if handler is None:
             return "bye"
         try:
             handler(arg)
-        except OmniError as exc:
+        except Terminated:
+            raise
+        except Exception as exc:  # noqa: BLE001 - an OmniError, or a bug: one line either way, the session goes on
             self.error(exc)
         return None
 
@@ -300,10 +361,87 @@ class ChatRepl:
         if not arg:
             self.say(f"system: {history.system}")
             return
-        history.system = DEFAULT_SYSTEM if arg.lower() == "default" else arg
+        history.system = DEFAULT_SYSTEM if arg.lower() == "default" else check_text(arg, "the system prompt")
         self.say("system prompt set")
         if history.system != DEFAULT_SYSTEM and not self.muted:
             self.say("note: Qwen2.5-Omni speaks reliably only under its default system prompt (/system default)")
+
+    # -- settings --------------------------------------------------------------------------------
+    def cmd_set(self, arg: str) -> None:
+        words = arg.split()
+        if words[:1] == ["parameter"]:  # ollama's spelling: /set parameter temperature 0.7
+            words = words[1:]
+        if not words:
+            self._print_settings()
+            self.say("  /set NAME VALUE changes one; /set NAME default goes back to the model's")
+            return
+        name = words[0].lower().replace("-", "_")
+        if name not in SETTINGS:
+            raise UsageError(f"unknown setting '{words[0]}': the settings are {', '.join(SETTINGS)}")
+        if len(words) != 2:
+            raise UsageError(f"/set {name} needs one value, e.g. /set {name} {SETTINGS[name][1]}")
+        value = _parse_setting(name, words[1])
+        options = replace(self.options, **{name: value}).check()  # a bad value changes nothing
+        limit = getattr(getattr(self.assistant, "engine", None), "max_codes", None)
+        if name == "max_codes" and value is not None and limit is not None and value > limit:
+            # The API would refuse it at the next turn; say so now, where it was typed.
+            raise UsageError(f"max_codes {value} is above this session's limit of {limit}")
+        self.options = options
+        self.say(f"{name}: {self._setting_text(name)}")
+        if self.options.greedy and name in ("temperature", "top_p", "top_k"):
+            self.say("note: greedy is on, so sampling settings have no effect (/set greedy off)")
+
+    def cmd_show(self, arg: str) -> None:
+        a = self.assistant
+        where = getattr(getattr(a, "loaded", None), "device", None)
+        model = f"{getattr(a, 'name', None) or 'unknown'}" + (f" on {where}" if where else "")
+        if getattr(a, "is_demo", False):
+            model += " (the built-in demo model: random weights)"
+        if not a.has_audio:
+            sound = "none (this model has no talker: text only)"
+        else:
+            sound = "muted (text only)" if self.muted else ("on" if self.speaker is not None else "no sound device")
+        system = self.chat.history.system
+        short = system if len(system) <= 60 else system[:57].rstrip() + "..."
+        rows = [("model", model), ("voice", str(self.voice) if a.has_audio else "-"), ("sound", sound),
+                ("system", (repr(short) if system else "(none)") + ("  (/system shows it whole)" if short != system else ""))]
+        if self.loaded_from is not None:
+            rows.append(("loaded from", str(self.loaded_from)))
+        width = max(len(k) for k in [*SETTINGS, *(r[0] for r in rows)])
+        for key, value in rows:
+            self.say(f"  {key.ljust(width)}  {value}")
+        self._print_settings(width)
+
+    def _print_settings(self, width: int | None = None) -> None:
+        width = width or max(len(k) for k in SETTINGS)
+        for name in SETTINGS:
+            self.say(f"  {name.ljust(width)}  {self._setting_text(name)}")
+
+    def _setting_text(self, name: str) -> str:
+        value = getattr(self.options, name)
+        if name == "greedy":
+            return "on" if value else "off"
+        if value is not None:
+            return f"{value:g}" if isinstance(value, float) else str(value)
+        if name == "seed":
+            return "random (a new seed for each reply)"
+        default = self._model_default(name)
+        return "model default" + (f" ({default})" if default is not None else "")
+
+    def _model_default(self, name: str) -> str | None:
+        """The value the model uses when the setting is not given (None if this assistant does not say)."""
+        a = self.assistant
+        base = getattr(a, "thinker_sampling", None)  # the checkpoint's SamplingOptions
+        limits = getattr(a, "limits", None)
+        if name in ("temperature", "top_p", "top_k") and base is not None and hasattr(base, name):
+            value = getattr(base, name)
+            shown = f"{value:g}" if isinstance(value, float) else str(value)
+            return shown if getattr(base, "do_sample", True) else f"{shown}, but the model decodes greedily"
+        if name == "max_text_tokens" and isinstance(limits, dict) and "text" in limits:
+            return str(limits["text"])
+        if name == "max_codes" and isinstance(limits, dict) and "codes" in limits:
+            return f"{limits['codes']}"
+        return None
 
     def cmd_stats(self, arg: str) -> None:
         if self.last_stats is None:
@@ -324,10 +462,12 @@ class ChatRepl:
         wav_path = base.with_name(base.name + ".wav")
         seconds = self._save_wav(wav_path) if self.speech else None
         data = {
+            "format": TRANSCRIPT_FORMAT,
             "model": getattr(self.assistant, "name", None),
             "voice": self.voice,
             "system": self.chat.history.system,
             "turns": self.transcript,
+            "context_from": self._context_from(),
             "audio": wav_path.name if seconds is not None else None,
             "audio_segments": self._segments(),
         }
@@ -336,6 +476,68 @@ class ChatRepl:
             self.say(f"saved {json_path} ({_count(len(self.transcript) // 2, 'exchange')}; no speech to save)")
         else:
             self.say(f"saved {json_path} ({_count(len(self.transcript) // 2, 'exchange')}) and {wav_path} ({seconds:.1f} s)")
+
+    def _context_from(self) -> int:
+        """Where the model's history starts in the transcript (turns dropped to fit the context come
+        before it), so that a loaded conversation prompts the model exactly as this one would."""
+        history = self.chat.history.turns
+        start = len(self.transcript) - len(history)
+        if start >= 0 and start % 2 == 0 and self.transcript[start:] == history:
+            return start
+        return 0  # not a suffix (cannot happen through this REPL): keep everything
+
+    # -- resuming a saved conversation -----------------------------------------------------------
+    def cmd_load(self, arg: str) -> None:
+        if not arg:
+            raise UsageError("/load needs a path: /load PATH reads PATH or PATH.json (written by /save)")
+        self.load_transcript(arg)
+
+    def load_transcript(self, path: str | os.PathLike) -> None:
+        """Resume the conversation saved with /save at `path` (or `path`.json): its system prompt and turns
+        become the model's history and this session's transcript, so the next reply follows on from it
+        and the next /save writes all of it. The speech of its replies stays in the WAV saved beside it
+        (this session's WAV holds the replies from now on). Raises UsageError (the file is missing, is
+        not JSON, or is not a transcript) and then changes nothing. `omni-chat --load PATH` calls this."""
+        from .prompt import TranscriptError, parse_json, read_transcript
+
+        file = _transcript_path(path)
+        try:
+            raw = file.read_bytes()
+        except FileNotFoundError:
+            tried = f"{file}" if str(file) == str(path) else f"{path} or {file}"
+            raise UsageError(f"cannot load {tried}: no such file (/save PATH writes PATH.json)") from None
+        except IsADirectoryError:
+            raise UsageError(f"cannot load {file}: it is a folder, not a transcript file") from None
+        except OSError as exc:
+            raise UsageError(f"cannot load {file}: {exc.strerror or exc}") from None
+        try:
+            text = raw.decode("utf-8-sig")
+        except UnicodeDecodeError as exc:
+            raise UsageError(f"cannot load {file}: it is not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset "
+                             f"{exc.start}), so not a transcript") from None
+        try:
+            data = parse_json(text)
+            system, turns, start = read_transcript(data)
+        except TranscriptError as exc:
+            raise TranscriptError(f"cannot load {file}: {exc}") from None
+        replaced = len(self.transcript) // 2
+        self.chat.history.system = system
+        self.chat.history.turns[:] = [dict(t) for t in turns[start:]]
+        self.transcript = [dict(t) for t in turns]
+        self.speech = []  # indexes into the transcript: the loaded turns have no audio in this session
+        self.loaded_from = file
+        self.say(f"loaded {file} ({_count(len(turns) // 2, 'exchange')})"
+                 + (f"; it replaces this session's {_count(replaced, 'exchange')}" if replaced else ""))
+        audio = data.get("audio")
+        if isinstance(audio, str) and audio:
+            self.say(f"note: the speech of those replies stays in {file.with_name(audio)}; "
+                     "the next /save writes the speech of the replies from now on")
+        model = data.get("model")
+        if isinstance(model, str) and model and model != getattr(self.assistant, "name", model):
+            self.say(f"note: it was saved with the model {model}; this session runs {self.assistant.name}")
+        if start:
+            self.say(f"note: the model sees the last {_count((len(turns) - start) // 2, 'exchange')} "
+                     "(the older ones no longer fitted its context)")
 
     def _segments(self) -> list[dict]:
         """Where each reply's speech is in the saved WAV."""
@@ -360,6 +562,62 @@ class ChatRepl:
                     sink.write(np.zeros(int(SAVE_GAP * rate), dtype=np.float32))
                 sink.write(audio)
         return sink.seconds
+
+
+# /set's settings: the ReplyOptions field, and an example value for the usage message.
+SETTINGS = {
+    "temperature": (float, "0.7"),
+    "top_p": (float, "0.9"),
+    "top_k": (int, "40"),
+    "seed": (int, "3"),
+    "greedy": (bool, "on"),
+    "max_codes": (int, "1500"),
+    "max_text_tokens": (int, "256"),
+}
+
+_ON = ("on", "true", "yes", "1")
+_OFF = ("off", "false", "no", "0")
+
+
+def _parse_setting(name: str, text: str):
+    """The value `text` means for setting `name`; None for "default" (the model's own); UsageError else.
+    The range is checked by ReplyOptions.check()."""
+    kind = SETTINGS[name][0]
+    word = text.lower()
+    if kind is bool:
+        if word in _ON or word in _OFF:
+            return word in _ON
+        if word == "default":
+            return False
+        raise UsageError(f"greedy is on or off (got '{text}')")
+    if word in ("default", "none") or (name == "seed" and word == "random"):
+        return None
+    try:
+        value = kind(text)
+    except ValueError:
+        what = "a whole number" if kind is int else "a number"
+        raise UsageError(f"{name} must be {what} (got '{text}')") from None
+    if kind is float and not math.isfinite(value):  # "nan" and "inf" parse as floats
+        raise UsageError(f"{name} must be a finite number (got '{text}')")
+    return value
+
+
+def _transcript_path(path: str | os.PathLike) -> Path:
+    """What /load PATH reads: PATH, or PATH.json when PATH is not a file (as /save PATH wrote it);
+    PATH.wav names the JSON beside it."""
+    file = Path(path).expanduser()
+    if file.suffix.lower() == ".wav":
+        return file.with_suffix(".json")
+    if not file.is_file() and file.suffix.lower() != ".json":
+        return file.with_name(file.name + ".json")
+    return file
+
+
+def _isatty(stream) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError, OSError):
+        return False
 
 
 def _count(n: int, word: str, plural: str | None = None) -> str:
@@ -387,13 +645,36 @@ def _write_text_atomic(path: Path, text: str) -> None:
 
 
 def line_reader(stream=None) -> Callable[[str], str]:
-    """`read(prompt)` for a pipe: the next line without its newline (no prompt shown); EOFError at the end."""
+    """`read(prompt)` for a pipe: the next line without its newline (no prompt shown); EOFError at the end.
+
+    Bytes are read and decoded as UTF-8 strictly (a byte-order mark at the start is skipped): a line
+    that is not UTF-8 raises a UsageError naming the byte and where it is. sys.stdin's own decoding
+    would not do: its "surrogateescape" handler (the default under the C and C.UTF-8 locales) passes
+    such bytes on as lone surrogates, which the tokenizer rejects with a TypeError."""
+    number = 0
+    offset = 0  # bytes read before this line, to name the bad byte as omni-say does
 
     def read(prompt: str) -> str:
-        line = (stream or sys.stdin).readline()
+        nonlocal number, offset
+        source = stream if stream is not None else sys.stdin
+        binary = getattr(source, "buffer", source)
+        line = binary.readline()
         if not line:
             raise EOFError
-        return line.rstrip("\r\n")
+        number += 1
+        start, offset = offset, offset + len(line)
+        if isinstance(line, str):  # a text stream without a buffer (io.StringIO): already decoded
+            return line.rstrip("\r\n")
+        bom = 3 if number == 1 and line.startswith(b"\xef\xbb\xbf") else 0
+        try:
+            text = line[bom:].decode("utf-8")
+        except UnicodeDecodeError as exc:
+            at = bom + exc.start
+            raise UsageError(
+                f"stdin is not UTF-8 text (byte 0x{line[at]:02x} on line {number}, at offset {start + at}): "
+                "convert it first, e.g. iconv -f latin1 -t utf-8"
+            ) from None
+        return text.rstrip("\r\n")
 
     return read
 
