@@ -6,9 +6,10 @@ any number of times (float32 mono 1-D blocks, values nominally in [-1, 1]), then
 nothing partial behind). `close()` and `abort()` are idempotent, and `abort()` after `close()` keeps
 what was finished. Every sink is also a context manager: an exception inside the block aborts it.
 
-- `WavSink(path)`: a WAV file, written to a temp file in the same folder and renamed into place at
-  `close()`, so a WAV that exists is always whole. Whether the folder is writable is checked in the
-  constructor, before any model is loaded.
+- `AudioFileSink(path, format=None)`: an audio file (WAV, FLAC, Ogg Vorbis, Ogg Opus, MP3; by the
+  extension or `format`), written to a temp file in the same folder and renamed into place at
+  `close()`, so a file that exists is always whole. The format and whether the folder is writable are
+  checked in the constructor, before any model is loaded. `WavSink(path)`: the same, always WAV.
 - `WavStreamSink(file)`: streaming WAV (16-bit) on a binary file object, e.g. stdout for `-o -`: a
   header with unknown sizes first, then the PCM as it is produced, flushed block by block. If the
   file can seek (stdout redirected to a file), the sizes are patched at `close()`.
@@ -112,19 +113,99 @@ class _SinkBase:
             self.abort()
 
 
-class WavSink(_SinkBase):
-    """A WAV file that appears whole at `close()` or not at all.
+# Audio file formats a file sink writes, by name: (libsndfile major format, subtype, file name
+# extensions). Each takes the model's 24 kHz as it is (libsndfile 1.2: Opus accepts 8, 12, 16, 24 and
+# 48 kHz, Vorbis and MP3 24 kHz too), so nothing is resampled. A file without an extension is WAV.
+FILE_FORMATS: dict[str, tuple[str, str, tuple[str, ...]]] = {
+    "wav": ("WAV", "PCM_16", (".wav", ".wave")),
+    "flac": ("FLAC", "PCM_16", (".flac",)),
+    "ogg": ("OGG", "VORBIS", (".ogg", ".oga")),
+    "opus": ("OGG", "OPUS", (".opus",)),
+    "mp3": ("MP3", "MPEG_LAYER_III", (".mp3",)),
+}
 
-    `subtype` is soundfile's sample format: "PCM_16" (default, plays everywhere; samples are clipped
-    to [-1, 1]) or "FLOAT" (32-bit float, lossless).
+# The sample rates an Opus stream can carry (anything else is refused by the encoder).
+_OPUS_RATES = (8000, 12000, 16000, 24000, 48000)
+
+
+def writable_formats() -> list[str]:
+    """The names in FILE_FORMATS that the installed libsndfile can write (MP3 needs libsndfile >= 1.1
+    built with LAME and mpg123; Opus >= 1.0.29), in FILE_FORMATS' order."""
+    import soundfile
+
+    majors = soundfile.available_formats()
+    names = []
+    for name, (major, subtype, _ext) in FILE_FORMATS.items():
+        if major in majors and subtype in soundfile.available_subtypes(major):
+            names.append(name)
+    return names
+
+
+def file_format(path: str | os.PathLike, format: str | None = None) -> str:
+    """The FILE_FORMATS name to write `path` in: `format` if given, else by the extension (none: WAV).
+
+    A UsageError (one line, naming what this machine can write) for a format or extension that nothing
+    here writes: callers check this before any model is loaded."""
+    available = writable_formats()
+    listed = ", ".join(available)
+    if format is not None:
+        name = format.strip().lower().lstrip(".")
+        if name not in available:
+            raise UsageError(f"cannot write audio format '{format}': supported formats are {listed}")
+        return name
+    suffix = Path(path).suffix.lower()
+    if not suffix:
+        return "wav"
+    for name, (_major, _subtype, extensions) in FILE_FORMATS.items():
+        if suffix in extensions:
+            if name not in available:
+                raise UsageError(f"cannot write {Path(path).name}: this machine's libsndfile has no "
+                                 f"{name.upper()} encoder; supported formats are {listed}")
+            return name
+    known = ", ".join(ext for name in available for ext in FILE_FORMATS[name][2])
+    raise UsageError(f"cannot write {Path(path).name}: unknown audio file extension '{suffix}'; use one of "
+                     f"{known} (or --format {'|'.join(available)})")
+
+
+def _temp_path(path: Path, suffix: str) -> Path:
+    """A fresh hidden name beside `path` (.NAME.<random>SUFFIX). The name is known before the file
+    exists, so whoever records it first can always remove it: an interrupt that lands between creating
+    the file and remembering its name cannot leave it behind."""
+    import secrets
+
+    return path.parent / f".{path.name}.{secrets.token_hex(8)}{suffix}"
+
+
+def _create_exclusive(path: Path, mode: int) -> None:
+    """Create `path`, empty; an error if it exists. `mode` is filtered by the umask as open() does."""
+    os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode))
+
+
+class AudioFileSink(_SinkBase):
+    """An audio file (WAV, FLAC, Ogg Vorbis, Ogg Opus, MP3: see FILE_FORMATS) that appears whole at
+    `close()` or not at all: it is written to a hidden temp file in the same folder and renamed into
+    place. The format comes from `format` (a FILE_FORMATS name), else the file's extension (none: WAV);
+    one nothing here can write is a UsageError, and an unwritable folder an OutputError, both raised by
+    the constructor, before any audio exists.
+
+    `subtype` overrides the format's sample encoding (soundfile's names; e.g. "FLOAT" for a lossless
+    32-bit WAV). Integer encodings are clipped to [-1, 1].
+
+    Calls may come from several threads (an interrupt's `abort()` while the writer is inside `write()`):
+    a lock makes each call whole, so `abort()` never closes the file under a write in progress.
     """
 
-    def __init__(self, path: str | os.PathLike, subtype: str = "PCM_16") -> None:
+    def __init__(self, path: str | os.PathLike, format: str | None = None, subtype: str | None = None) -> None:
         super().__init__()
         self.path = Path(path)
-        self.subtype = subtype
+        # The FILE_FORMATS name, and libsndfile's format and subtype for it.
+        self.format = file_format(self.path, format)
+        self.major, default_subtype, _ = FILE_FORMATS[self.format]
+        self.subtype = subtype or default_subtype
         self._tmp: Path | None = None
         self._file: Any = None
+        # Re-entrant: a signal handler in the writing thread may call abort() from inside write().
+        self._lock = threading.RLock()
         self._check_writable()
 
     def _check_writable(self) -> None:
@@ -138,83 +219,103 @@ class WavSink(_SinkBase):
             raise OutputError(f"cannot write {path}: folder {parent} does not exist")
         if not parent.is_dir():
             raise OutputError(f"cannot write {path}: {parent} is not a folder")
-        # A real probe: os.access() says yes to root on read-only file systems and the like.
+        # A real probe: os.access() says yes to root on read-only file systems and the like. The
+        # probe is removed whatever happens, an interrupt included (its name exists before it does).
+        probe = _temp_path(path, ".probe")
         try:
-            fd, probe = tempfile.mkstemp(dir=parent, prefix=f".{path.name}.", suffix=".probe")
+            _create_exclusive(probe, 0o600)
         except OSError as exc:
             raise OutputError(f"cannot write {path}: {exc.strerror or exc}") from exc
-        os.close(fd)
-        os.unlink(probe)
-
-    def start(self, sample_rate: int) -> None:
-        self._check_start(sample_rate)
-        import soundfile
-
-        try:
-            fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.", suffix=".part")
-            os.close(fd)
-            self._tmp = Path(tmp)
-            # mkstemp makes the file 0600; give the WAV the mode a plain open() would.
-            umask = os.umask(0)
-            os.umask(umask)
-            os.chmod(tmp, 0o666 & ~umask)
-            self._file = soundfile.SoundFile(
-                tmp, mode="w", samplerate=self.sample_rate, channels=1, format="WAV", subtype=self.subtype
-            )
-        except Exception as exc:
-            self.abort()
-            raise OutputError(f"cannot write {self.path}: {_reason(exc)}") from exc
-
-    def write(self, block: "np.ndarray") -> None:
-        self._check_write()
-        import numpy as np
-
-        arr = as_block(block)
-        if self.subtype.upper().startswith("PCM"):
-            # libsndfile wraps around (not clips) out-of-range floats when converting to integers.
-            arr = np.clip(arr, -1.0, 1.0)
-        try:
-            self._file.write(arr)
-        except Exception as exc:
-            self.abort()
-            raise OutputError(f"cannot write {self.path}: {_reason(exc)}") from exc
-        self.samples += int(arr.shape[0])
-
-    def close(self) -> None:
-        """Finish the file and rename it into place (an empty WAV if nothing was ever started)."""
-        if self.closed or self.aborted:
-            return
-        if not self.started:
-            self.start(self.sample_rate)
-        try:
-            self._file.close()
-            self._file = None
-            os.replace(self._tmp, self.path)
-        except Exception as exc:
-            self.abort()
-            raise OutputError(f"cannot write {self.path}: {_reason(exc)}") from exc
-        self._tmp = None
-        self.closed = True
-
-    def abort(self) -> None:
-        """Drop the temp file; an already finished WAV stays."""
-        if self.closed or self.aborted:
-            return
-        self.aborted = True
-        if self._file is not None:
+        finally:
             try:
-                self._file.close()
-            except Exception:
-                pass
-            self._file = None
-        if self._tmp is not None:
-            try:
-                self._tmp.unlink()
-            except FileNotFoundError:
-                pass
+                probe.unlink()
             except OSError:
                 pass
+
+    def start(self, sample_rate: int) -> None:
+        with self._lock:
+            self._check_start(sample_rate)
+            import soundfile
+
+            if self.subtype == "OPUS" and self.sample_rate not in _OPUS_RATES:
+                self.abort()
+                raise OutputError(f"cannot write {self.path}: Opus takes 8, 12, 16, 24 or 48 kHz, not "
+                                  f"{self.sample_rate} Hz; write .flac, .ogg or .wav instead")
+            try:
+                self._tmp = _temp_path(self.path, ".part")  # remembered before it exists: see _temp_path
+                # Made here (not by libsndfile) so that it gets the mode a plain open() would give.
+                _create_exclusive(self._tmp, 0o666)
+                self._file = soundfile.SoundFile(
+                    self._tmp, mode="w", samplerate=self.sample_rate, channels=1, format=self.major,
+                    subtype=self.subtype,
+                )
+            except Exception as exc:
+                self.abort()
+                raise OutputError(f"cannot write {self.path}: {_reason(exc)}") from exc
+
+    def write(self, block: "np.ndarray") -> None:
+        with self._lock:
+            self._check_write()
+            import numpy as np
+
+            arr = as_block(block)
+            if self.subtype.upper() not in ("FLOAT", "DOUBLE"):
+                # libsndfile wraps around (not clips) out-of-range floats when converting to integers;
+                # the lossy encoders would clip anyway.
+                arr = np.clip(arr, -1.0, 1.0)
+            try:
+                self._file.write(arr)
+            except Exception as exc:
+                self.abort()
+                raise OutputError(f"cannot write {self.path}: {_reason(exc)}") from exc
+            self.samples += int(arr.shape[0])
+
+    def close(self) -> None:
+        """Finish the file and rename it into place (an empty file if nothing was ever started)."""
+        with self._lock:
+            if self.closed or self.aborted:
+                return
+            if not self.started:
+                self.start(self.sample_rate)
+            try:
+                self._file.close()
+                self._file = None
+                os.replace(self._tmp, self.path)
+            except Exception as exc:
+                self.abort()
+                raise OutputError(f"cannot write {self.path}: {_reason(exc)}") from exc
             self._tmp = None
+            self.closed = True
+
+    def abort(self) -> None:
+        """Drop the temp file; an already finished file stays."""
+        with self._lock:
+            if self.closed or self.aborted:
+                return
+            self.aborted = True
+            if self._file is not None:
+                try:
+                    self._file.close()
+                except Exception:
+                    pass
+                self._file = None
+            if self._tmp is not None:
+                try:
+                    self._tmp.unlink()
+                except OSError:  # never created, or already renamed into place
+                    pass
+                self._tmp = None
+
+
+class WavSink(AudioFileSink):
+    """A WAV file whatever its name, which appears whole at `close()` or not at all (AudioFileSink).
+
+    `subtype` is soundfile's sample format: "PCM_16" (default, plays everywhere; samples are clipped
+    to [-1, 1]) or "FLOAT" (32-bit float, lossless).
+    """
+
+    def __init__(self, path: str | os.PathLike, subtype: str = "PCM_16") -> None:
+        super().__init__(path, format="wav", subtype=subtype)
 
 
 class NullSink(_SinkBase):

@@ -1,4 +1,5 @@
-"""sinks: the WAV file appears whole or not at all; streamed WAV (stdout) is valid as it grows; the
+"""sinks: an audio file (WAV, FLAC, Ogg Vorbis/Opus, MP3; by extension or by name) appears whole or not at
+all, even under an interrupt or an abort from another thread; streamed WAV (stdout) is valid as it grows; the
 speaker sink plays every sample in order, waits for the device at close(), stops at once at abort()
 and counts underruns (against a fake sound device paced at real time); tee, null and recording sinks."""
 
@@ -228,6 +229,152 @@ def test_unwritable_folder(unwritable_dir):
     assert "\n" not in str(err.value)
     assert str(unwritable_dir / "omni-test.wav") in str(err.value)
     assert set(os.listdir(unwritable_dir)) == before
+
+
+# -- AudioFileSink: formats by extension or by name --------------------------------------------
+
+
+def _tone(seconds: float = 1.3) -> np.ndarray:
+    t = np.arange(int(seconds * SR)) / SR
+    return (0.5 * np.sin(2 * np.pi * 440 * t)).astype(np.float32)
+
+
+@pytest.mark.parametrize("name, major, subtype", [("speech.wav", "WAV", "PCM_16"), ("speech.flac", "FLAC", "PCM_16"),
+                                                  ("speech.ogg", "OGG", "VORBIS"), ("speech.OPUS", "OGG", "OPUS"),
+                                                  ("speech.mp3", "MP3", "MPEG_LAYER_III")])
+def test_file_format_by_extension_reads_back(tmp_path, name, major, subtype):
+    from omni_cli.sinks import FILE_FORMATS, AudioFileSink, writable_formats
+
+    fmt = next(k for k, v in FILE_FORMATS.items() if v[:2] == (major, subtype))
+    if fmt not in writable_formats():
+        pytest.skip(f"this libsndfile cannot write {fmt}")
+    tone = _tone()
+    path = tmp_path / name
+    with AudioFileSink(path) as sink:
+        sink.start(SR)
+        for part in np.array_split(tone, 7):  # blocks of odd sizes, as the vocoder hands them over
+            sink.write(part)
+        assert os.listdir(tmp_path) != [name]  # only the hidden temp file until close()
+    info = sf.info(path)
+    assert (info.format, info.subtype, info.samplerate, info.channels) == (major, subtype, SR, 1)
+    data, _ = sf.read(path, dtype="float32")
+    assert len(data) == len(tone)  # the duration, to the sample (libsndfile trims the codecs' padding)
+    if major in ("WAV", "FLAC"):
+        assert np.max(np.abs(data - tone)) <= 1 / 32767 + 1e-6
+    else:  # lossy: the same tone, not the same samples
+        middle = slice(SR // 10, -SR // 10)
+        assert np.corrcoef(data[middle], tone[middle])[0, 1] > 0.95
+    assert os.listdir(tmp_path) == [name]
+
+
+def test_format_overrides_the_extension(tmp_path):
+    from omni_cli.sinks import AudioFileSink
+
+    path = tmp_path / "speech.bin"
+    with AudioFileSink(path, format="FLAC") as sink:
+        sink.start(SR)
+        sink.write(_tone(0.2))
+    assert sf.info(path).format == "FLAC"
+    # WavSink keeps its promise whatever the name.
+    with WavSink(tmp_path / "named.flac") as sink:
+        sink.start(SR)
+        sink.write(_tone(0.2))
+    assert sf.info(tmp_path / "named.flac").format == "WAV"
+    # No extension: WAV, as before formats existed.
+    with AudioFileSink(tmp_path / "plain") as sink:
+        sink.start(SR)
+    assert sf.info(tmp_path / "plain").format == "WAV"
+
+
+@pytest.mark.parametrize("name, fmt, words", [("speech.txt", None, ["unknown audio file extension '.txt'", ".wav", ".flac",
+                                                                     ".opus", "--format"]),
+                                              ("speech.wav", "aiff", ["'aiff'", "wav, flac, ogg, opus"])])
+def test_unknown_format_is_a_usage_error_and_makes_nothing(tmp_path, name, fmt, words):
+    from omni_cli.sinks import AudioFileSink
+
+    with pytest.raises(UsageError) as err:
+        AudioFileSink(tmp_path / name, format=fmt)
+    message = str(err.value)
+    assert "\n" not in message
+    for word in words:
+        assert word in message
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_format_this_libsndfile_lacks(tmp_path, monkeypatch):
+    from omni_cli.sinks import AudioFileSink
+
+    real = sf.available_subtypes
+    monkeypatch.setattr(sf, "available_subtypes", lambda fmt=None: {} if fmt == "MP3" else real(fmt))
+    with pytest.raises(UsageError, match=r"speech.mp3: this machine's libsndfile has no MP3 encoder; supported formats "
+                                         r"are wav, flac, ogg, opus$"):
+        AudioFileSink(tmp_path / "speech.mp3")
+    with pytest.raises(UsageError, match="supported formats are wav, flac, ogg, opus$"):
+        AudioFileSink(tmp_path / "speech.wav", format="mp3")
+
+
+def test_opus_refuses_a_rate_it_cannot_carry(tmp_path):
+    from omni_cli.sinks import AudioFileSink, writable_formats
+
+    if "opus" not in writable_formats():
+        pytest.skip("no Opus here")
+    sink = AudioFileSink(tmp_path / "x.opus")
+    with pytest.raises(OutputError, match="Opus takes 8, 12, 16, 24 or 48 kHz, not 22050 Hz"):
+        sink.start(22_050)
+    assert os.listdir(tmp_path) == []
+
+
+def test_an_interrupt_right_after_a_temp_file_is_made_leaves_nothing(tmp_path, monkeypatch):
+    """Ctrl-C (or SIGTERM) can land between creating a temp file and remembering it: the names are
+    chosen first, so the probe and the .part are removed all the same."""
+    import omni_cli.sinks as sinks
+
+    real = sinks._create_exclusive
+
+    def then_interrupted(path, mode):
+        real(path, mode)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(sinks, "_create_exclusive", then_interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        WavSink(tmp_path / "x.wav")  # the writability probe
+    assert os.listdir(tmp_path) == []
+    monkeypatch.setattr(sinks, "_create_exclusive", real)
+    sink = WavSink(tmp_path / "x.wav")
+    monkeypatch.setattr(sinks, "_create_exclusive", then_interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        sink.start(SR)  # the .part
+    assert [p for p in os.listdir(tmp_path) if p.endswith(".part")]  # made, and known to the sink
+    sink.abort()
+    assert os.listdir(tmp_path) == []
+
+
+def test_abort_from_another_thread_waits_for_a_write_in_progress(tmp_path):
+    """abort() must not close the file under a write() that is running (libsndfile would write into
+    freed memory): it waits for the write, then removes the temp file."""
+    sink = WavSink(tmp_path / "x.wav")
+    sink.start(SR)
+    inside, finished = threading.Event(), threading.Event()
+    real_file = sink._file
+
+    class SlowFile:
+        def write(self, arr):
+            inside.set()
+            time.sleep(0.3)
+            real_file.write(arr)
+            finished.set()
+
+        def close(self):
+            real_file.close()
+
+    sink._file = SlowFile()
+    writer = threading.Thread(target=sink.write, args=(_tone(0.1),))
+    writer.start()
+    assert inside.wait(5)
+    sink.abort()
+    assert finished.is_set()  # abort() waited for the write
+    writer.join(5)
+    assert sink.aborted and os.listdir(tmp_path) == []
 
 
 # -- NullSink / RecordingSink -------------------------------------------------------------------
