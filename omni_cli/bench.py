@@ -8,7 +8,9 @@ Metrics: time to first text token, time to first audio (first PCM block handed t
 ms/token and talker ms/step (device time per step, from CUDA events), device idle between consecutive
 talker steps, vocoder ms per chunk, real-time factor, peak GPU memory. `--compare-hf` runs
 `Qwen2_5OmniForConditionalGeneration.generate` on the same model and lengths in the same process and
-prints each ratio. It knows nothing about the terminal UI; it prints a table (or `--json`).
+prints each ratio. It knows nothing about the terminal UI; it prints a table (or `--json`) on stdout,
+progress and errors on stderr. Without `--preset` it benchmarks the 7B sizes on an accelerator and the
+tiny model on a CPU (the full sizes in float32 would exhaust a CPU machine's memory).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import json
 import sys
 import time
 from dataclasses import dataclass
+from typing import Optional
 
 import typer
 
@@ -71,6 +74,15 @@ def build_config(preset: str):
 
 def build_model(preset: str, device, dtype):
     """Random weights, allocated and initialised on the device."""
+    from .loader import _quiet_transformers
+
+    # The configs' special ids (vision, audio, tts text) lie outside the talker's codec vocabulary as in
+    # the real checkpoint, and transformers warns about each of them: nothing the user can act on.
+    with _quiet_transformers():
+        return _build_model(preset, device, dtype)
+
+
+def _build_model(preset: str, device, dtype):
     import torch
     from transformers import Qwen2_5OmniForConditionalGeneration
 
@@ -246,11 +258,17 @@ def progress(message: str) -> None:
 
 
 def _median(values):
-    values = [v for v in values if v is not None]
+    """The median of the values that are not None (None if none are): the middle value of an odd count,
+    the mean of the two middle values of an even count (the same value, unchanged, when those are equal,
+    so integer counts stay integers)."""
+    values = sorted(v for v in values if v is not None)
     if not values:
         return None
-    values = sorted(values)
-    return values[len(values) // 2]
+    mid = len(values) // 2
+    if len(values) % 2:
+        return values[mid]
+    low, high = values[mid - 1], values[mid]
+    return low if low == high else (low + high) / 2
 
 
 def _reference(model, prompt_ids, text_tokens, codes, device) -> dict:
@@ -359,14 +377,37 @@ def _variants_table(table: dict) -> str:
 
 app = typer.Typer(add_completion=False, help=__doc__.split("\n")[0])
 
+DEFAULT_PRESET = "qwen2.5-omni-7b"  # on an accelerator; on a CPU the default is "tiny"
+
+
+def _pick_preset(preset: str | None, device) -> str:
+    """The preset to build on `device` from the one asked for (None or a key of PRESETS), or a UsageError:
+    the full sizes are refused on a CPU (in float32 they need more memory than a CPU machine has, and
+    building them runs out of it after a minute)."""
+    from .errors import UsageError
+
+    if preset is None:
+        if device.type != "cpu":
+            return DEFAULT_PRESET
+        print("note: no accelerator here, so the tiny preset (the full-size presets need a GPU)",
+              file=sys.stderr, flush=True)
+        return "tiny"
+    if preset != "tiny" and device.type == "cpu":
+        raise UsageError(f"the {preset} preset does not fit a CPU run (float32 at full size): "
+                         "use --preset tiny, or a GPU with --device cuda")
+    return preset
+
 
 @app.command()
 def main(
-    preset: str = typer.Option("qwen2.5-omni-7b", "--preset", help="qwen2.5-omni-7b | qwen2.5-omni-3b | tiny"),
-    prompt_tokens: int = typer.Option(60, "--prompt-tokens"),
-    text_tokens: int = typer.Option(64, "--text-tokens"),
-    codes: int = typer.Option(750, "--codes", help="talker codes (50 = 1 s of audio)"),
-    runs: int = typer.Option(2, "--runs", help="measured runs after one warm-up run"),
+    preset: Optional[str] = typer.Option(None, "--preset", show_default=False,
+                                         help=f"{' | '.join(PRESETS)} [default: {DEFAULT_PRESET} on an accelerator, "
+                                              "tiny on a CPU]"),
+    prompt_tokens: int = typer.Option(60, "--prompt-tokens", min=1),
+    text_tokens: int = typer.Option(64, "--text-tokens", min=1),
+    codes: int = typer.Option(750, "--codes", min=1, help="talker codes (50 = 1 s of audio)"),
+    runs: int = typer.Option(2, "--runs", min=1, help="measured runs after one warm-up run; each metric is their "
+                                                      "median (an even count: the mean of the middle two)"),
     device: str = typer.Option("auto", "--device"),
     dtype: str = typer.Option("auto", "--dtype"),
     graphs: bool = typer.Option(True, "--graphs/--no-graphs", help="CUDA graphs for the decode steps"),
@@ -378,12 +419,13 @@ def main(
     """Benchmark one reply at forced lengths on random weights."""
     import torch
 
+    from .errors import UsageError
     from .loader import pick_device, pick_dtype
 
-    if preset not in PRESETS:
-        typer.echo(f"error: unknown preset {preset!r}; choose one of {', '.join(PRESETS)}", err=True)
-        raise typer.Exit(2)
-    dev = pick_device(device)
+    if preset is not None and preset not in PRESETS:
+        raise UsageError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
+    dev = pick_device(device)  # a device that is not here: the same one-line UsageError as omni-say's
+    preset = _pick_preset(preset, dev)
     dt = pick_dtype(dtype, dev)
     t = time.perf_counter()
     model = build_model(preset, dev, dt)
@@ -419,8 +461,39 @@ def main(
     typer.echo(_table(ours, ref))
 
 
-def bench_app() -> None:
-    app()
+def bench_app(argv: list[str] | None = None) -> None:
+    """The `omni-bench` program (`argv`: the arguments, default sys.argv[1:]). Every usage error, typer's
+    own included (an unknown flag, a value that is not a number), is one `error: ...` line on stderr and
+    exit code 2; a failure with a known cause is one line and exit code 1; anything else is a bug and
+    keeps its traceback."""
+    from .errors import OmniError, known_failure
+
+    try:
+        from typer._click.exceptions import ClickException  # newer typer releases carry their own click
+    except ImportError:
+        from click.exceptions import ClickException
+
+    try:
+        # standalone_mode=False: click raises its usage errors instead of printing typer's boxed block.
+        code = app(args=argv, prog_name="omni-bench", standalone_mode=False)
+    except ClickException as exc:  # usage errors (exit code 2) and click's few others
+        _fail(exc.format_message(), exc.exit_code)
+    except OmniError as exc:
+        _fail(str(exc), exc.exit_code)
+    except Exception as exc:
+        if known_failure(exc) is exc:  # not a failure with a known cure: a bug, with its traceback
+            raise
+        _fail("out of device memory: try a smaller --preset, fewer --codes or --text-tokens, or --dtype bfloat16", 1)
+    else:
+        # Not standalone, click returns an Exit's code (130 after Ctrl-C) instead of exiting.
+        if isinstance(code, int) and code:
+            raise SystemExit(code)
+
+
+def _fail(message: str, code: int) -> None:
+    # Local to this face for now: omni-say's and omni-chat's equivalent lives in cli.py.
+    print(f"error: {' '.join(message.split())}", file=sys.stderr, flush=True)
+    raise SystemExit(code)
 
 
 if __name__ == "__main__":
