@@ -401,8 +401,8 @@ def _pick_preset(preset: str | None, device) -> str:
 @app.command()
 def main(
     preset: Optional[str] = typer.Option(None, "--preset", show_default=False,
-                                         help=f"{' | '.join(PRESETS)} [default: {DEFAULT_PRESET} on an accelerator, "
-                                              "tiny on a CPU]"),
+                                         help=f"{' | '.join(PRESETS)} (default: {DEFAULT_PRESET} on an accelerator, "
+                                              "tiny on a CPU)"),
     prompt_tokens: int = typer.Option(60, "--prompt-tokens", min=1),
     text_tokens: int = typer.Option(64, "--text-tokens", min=1),
     codes: int = typer.Option(750, "--codes", min=1, help="talker codes (50 = 1 s of audio)"),
