@@ -140,7 +140,8 @@ def check_text(text: str, what: str = "the prompt") -> str:
     except UnicodeEncodeError as exc:
         code = ord(text[exc.start])
         line = text.count("\n", 0, exc.start) + 1
-        where = f"character {exc.start + 1}" + (f" (line {line})" if line > 1 else "")
+        column = exc.start - (text.rfind("\n", 0, exc.start) + 1) + 1
+        where = f"character {column}" + (f" of line {line}" if line > 1 else "")
         if 0xDC80 <= code <= 0xDCFF:  # an undecodable byte, carried by surrogateescape
             raise UsageError(f"{what} is not UTF-8 text (byte 0x{code - 0xDC00:02x} at {where}): convert it first, "
                              "e.g. iconv -f latin1 -t utf-8, or set the terminal to UTF-8") from None

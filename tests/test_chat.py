@@ -1,7 +1,8 @@
 """omni-chat's REPL as a person uses it, through prompt_toolkit's pipe input: turns, slash commands,
 multi-line input, Ctrl-C (on the prompt, and during a reply: the sound stops, the session goes on),
-Ctrl-D; then with the real tiny model in-process (a paced fake sound device) and as a subprocess
-reading a script on stdin.
+Ctrl-D, /set and /show, /save and /load, exit codes in piped mode, input that is not UTF-8, and the
+streaming word wrap; then with the real tiny model in-process (a paced fake sound device) and as a
+subprocess reading a script on stdin.
 
 A real terminal (tmux) is in test_tmux.py; real PortAudio playback of a chat turn in test_playback.py.
 """
@@ -11,9 +12,13 @@ from __future__ import annotations
 import io
 import json
 import os
+import random
 import signal
+import subprocess
+import sys
 import threading
 import time
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -27,15 +32,18 @@ from conftest import cli_env
 from fakes import FakeAssistant
 from omni_cli.chat import ChatRepl, line_reader
 from omni_cli.config import ReplyOptions
-from omni_cli.prompt import DEFAULT_SYSTEM
+from omni_cli.errors import OutputError, UsageError
+from omni_cli.prompt import DEFAULT_SYSTEM, Conversation, check_prompt, fit
 from omni_cli.sinks import SpeakerSink
-from omni_cli.ui import make_console, make_history, make_session
+from omni_cli.ui import StreamWrapper, make_console, make_history, make_session
 
 
 class Session:
     """A ChatRepl fed keystrokes through a prompt_toolkit pipe; what it printed, split by stream."""
 
     def __init__(self, assistant=None, sd=None, **kwargs):
+        # A person at a terminal unless a test says otherwise (pytest's own stdin says nothing here).
+        kwargs.setdefault("piped", False)
         self.assistant = assistant or FakeAssistant()
         self.sd = sd if sd is not None else FakeSoundDevice(speed=20.0)
         self.out_buf, self.err_buf = io.StringIO(), io.StringIO()
@@ -56,6 +64,19 @@ class Session:
             pipe.send_text(keys)
             session = make_session(history or InMemoryHistory(), input=pipe, output=DummyOutput())
             self.code = self.repl.run(session.prompt)
+        return self.code
+
+    def run_lines(self, *lines: str) -> int:
+        """Feed str lines as they are (the pipe input can only carry text that encodes as UTF-8)."""
+        feed = iter(lines)
+
+        def read(prompt):
+            try:
+                return next(feed)
+            except StopIteration:
+                raise EOFError from None
+
+        self.code = self.repl.run(read)
         return self.code
 
     @property
@@ -274,6 +295,348 @@ def test_line_reader_for_pipes():
         read(">>> ")
 
 
+# -- input that is not UTF-8 ------------------------------------------------------------------
+
+
+def test_line_reader_decodes_strictly_and_names_the_bad_byte():
+    read = line_reader(io.BytesIO("\ufeffok\r\nnaïve\ncaf\xe9\n".encode("utf-8").replace(b"caf\xc3\xa9", b"caf\xe9")))
+    assert read(">>> ") == "ok"  # the byte-order mark is not part of the message
+    assert read(">>> ") == "naïve"
+    with pytest.raises(UsageError) as info:
+        read(">>> ")
+    # line 3 starts after 3 (BOM) + 4 ("ok\r\n") + 7 ("naïve\n") bytes; the bad byte is its 4th
+    assert str(info.value) == ("stdin is not UTF-8 text (byte 0xe9 on line 3, at offset 17): convert it first, "
+                               "e.g. iconv -f latin1 -t utf-8")
+
+
+def test_non_utf8_piped_input_ends_the_session_with_a_usage_error():
+    s = Session(piped=True)
+    with pytest.raises(UsageError, match=r"byte 0xe9 on line 2"):
+        s.repl.run(line_reader(io.BytesIO(b"Hello\ncaf\xe9\nnever read\n")))
+    assert [c["prompt"] for c in s.assistant.calls] == ["Hello"]  # the lines after it are not trusted
+
+
+def test_undecodable_text_from_a_terminal_is_one_error_and_the_session_goes_on():
+    # prompt_toolkit decodes keyboard bytes with surrogateescape: a latin-1 terminal's é arrives as
+    # U+DCE9, which the tokenizer would reject with a TypeError.
+    s = Session()
+    assert s.run_lines("caf\udce9", "/system pir\udce9te", "Hello") == 0
+    assert s.err.splitlines() == [
+        "error: the prompt is not UTF-8 text (byte 0xe9 at character 4): convert it first, e.g. iconv -f latin1 "
+        "-t utf-8, or set the terminal to UTF-8",
+        "error: the system prompt is not UTF-8 text (byte 0xe9 at character 4): convert it first, e.g. iconv -f "
+        "latin1 -t utf-8, or set the terminal to UTF-8",
+    ]
+    assert [c["prompt"] for c in s.assistant.calls] == ["Hello"] and s.sd.streams  # no device opened for it
+    assert s.repl.chat.history.system == DEFAULT_SYSTEM
+    assert s.run_lines("caf\udce9") == 0  # a person saw the error: the exit code stays 0
+
+
+def test_check_prompt_names_a_lone_surrogate():
+    with pytest.raises(UsageError, match=r"^the prompt holds a lone surrogate U\+D800 at character 1 of line 2, "):
+        check_prompt("a\n\ud800")
+    assert check_prompt("café 😀") == "café 😀"
+
+
+# -- exit codes when piped ----------------------------------------------------------------------
+
+
+def test_piped_failures_make_the_exit_code_non_zero_and_the_session_goes_on(tmp_path):
+    missing = tmp_path / "no" / "x"
+    # A usage error only: 2.
+    s = Session(piped=True)
+    assert s.run("/frob\rHello\r/set top_p 2\r/voice Bob\r\x04") == 2
+    assert [c["prompt"] for c in s.assistant.calls] == ["Hello"]
+    # A runtime failure (a file that could not be written) among them: 1; the next lines still ran.
+    s = Session(piped=True)
+    assert s.run(f"/frob\r/save {missing}\rHello\r/save {tmp_path / 'ok'}\r\x04") == 1
+    assert (tmp_path / "ok.json").exists() and len(s.assistant.calls) == 1
+    # A reply that failed: 1 (an OmniError's own code), a bug: 1.
+    s = Session(piped=True, assistant=FakeAssistant(fail=OutputError("disk full")))
+    assert s.run("Hello\r\x04") == 1
+    s = Session(piped=True, assistant=FakeAssistant(fail=RuntimeError("boom")))
+    assert s.run("Hello\r/bye\r") == 1  # /bye ends it with the same code as the end of input
+    # Nothing failed: 0.
+    s = Session(piped=True)
+    assert s.run(f"Hello\r/set seed 3\r/save {tmp_path / 'fine'}\r\x04") == 0
+    # The same failures typed by a person: 0, every error was on the screen.
+    s = Session(piped=False)
+    assert s.run(f"/frob\r/save {missing}\r\x04") == 0
+    assert s.repl.failures == [2, 1]
+
+
+def test_piped_defaults_to_whether_stdin_is_a_terminal(monkeypatch):
+    class Stdin(io.StringIO):
+        def __init__(self, tty):
+            super().__init__()
+            self.tty = tty
+
+        def isatty(self):
+            return self.tty
+
+    for tty in (True, False):
+        monkeypatch.setattr(sys, "stdin", Stdin(tty))
+        repl = ChatRepl(FakeAssistant(), make_console(file=io.StringIO()), make_console(file=io.StringIO()))
+        assert repl.piped is (not tty)
+
+
+def test_input_that_ends_inside_a_multi_line_block_is_an_error():
+    s = Session(piped=True)
+    assert s.run_lines("Hello", '"""', "a draft that never ends") == 2
+    assert s.err == 'error: the input ended inside a """ block: that message was not sent (end it with a line that ends with """)\n'
+    assert [c["prompt"] for c in s.assistant.calls] == ["Hello"]
+
+
+# -- /set and /show -----------------------------------------------------------------------------
+
+
+def test_set_changes_the_options_of_the_next_replies():
+    s = Session()
+    s.run("/set temperature 0.7\r/set top_p 0.9\r/set TOP-K 40\r/set seed 3\r/set max_codes 1500\r"
+          "/set parameter max_text_tokens 256\rHello\r/set greedy on\r/set temperature default\r/set seed random\r"
+          "Again\r\x04")
+    first, second = s.assistant.calls
+    assert (first["temperature"], first["top_p"], first["top_k"], first["seed"], first["max_codes"],
+            first["max_text_tokens"], first["greedy"]) == (0.7, 0.9, 40, 3, 1500, 256, False)
+    assert (second["temperature"], second["seed"], second["greedy"], second["top_p"]) == (None, None, True, 0.9)
+    assert s.repl.options == ReplyOptions(voice="Chelsie", greedy=True, top_p=0.9, top_k=40, max_codes=1500,
+                                          max_text_tokens=256)
+    for line in ("temperature: 0.7", "top_k: 40", "seed: 3", "greedy: on", "max_text_tokens: 256",
+                 "temperature: model default", "seed: random (a new seed for each reply)"):
+        assert line in s.err.splitlines()
+
+
+def test_set_refuses_bad_values_and_changes_nothing():
+    s = Session(piped=True)
+    before = s.repl.options
+    code = s.run("/set temperature hot\r/set temperature -1\r/set top_p 0\r/set top_k -3\r/set top_k 2.5\r"
+                 "/set seed x\r/set greedy maybe\r/set max_codes 0\r/set max_text_tokens 1e3\r/set temperature nan\r"
+                 "/set warmth 3\r/set temperature\r/set top_k 1 2\r\x04")
+    assert code == 2 and s.repl.options == before
+    assert s.err.splitlines() == [
+        "error: temperature must be a number (got 'hot')",
+        "error: temperature must be between 0 and 100 (got -1)",
+        "error: top_p must be above 0 and at most 1 (got 0)",
+        "error: top_k must be 0 (off) or more (got -3)",
+        "error: top_k must be a whole number (got '2.5')",
+        "error: seed must be a whole number (got 'x')",
+        "error: greedy is on or off (got 'maybe')",
+        "error: max_codes must be at least 1 (got 0)",
+        "error: max_text_tokens must be a whole number (got '1e3')",
+        "error: temperature must be a finite number (got 'nan')",
+        "error: unknown setting 'warmth': the settings are temperature, top_p, top_k, seed, greedy, max_codes, "
+        "max_text_tokens",
+        "error: /set temperature needs one value, e.g. /set temperature 0.7",
+        "error: /set top_k needs one value, e.g. /set top_k 40",
+    ]
+
+
+def test_set_alone_lists_the_settings():
+    s = Session(options=ReplyOptions(temperature=0.5, greedy=True))
+    s.run("/set\r\x04")
+    assert s.err.splitlines() == [
+        "  temperature      0.5",
+        "  top_p            model default",
+        "  top_k            model default",
+        "  seed             random (a new seed for each reply)",
+        "  greedy           on",
+        "  max_codes        model default",
+        "  max_text_tokens  model default",
+        "  /set NAME VALUE changes one; /set NAME default goes back to the model's",
+    ]
+
+
+def test_show_names_the_model_voice_sound_system_and_settings():
+    s = Session()
+    s.run("/set seed 3\r/mute\r/show\r\x04")
+    shown = s.err.splitlines()[2:]
+    assert shown == [
+        "  model            fake",
+        "  voice            Chelsie",
+        "  sound            muted (text only)",
+        "  system           'You are Qwen, a virtual human developed by the Qwen Team,...'  (/system shows it whole)",
+        "  temperature      model default",
+        "  top_p            model default",
+        "  top_k            model default",
+        "  seed             3",
+        "  greedy           off",
+        "  max_codes        model default",
+        "  max_text_tokens  model default",
+    ]
+    s = Session()
+    s.run("/system Be brief.\r/show\r\x04")
+    assert "  system           'Be brief.'" in s.err.splitlines()
+
+
+def test_help_lists_set_show_and_load():
+    s = Session()
+    s.run("/?\r\x04")
+    for cmd in ("/set [NAME VALUE]", "/show", "/load PATH"):
+        assert cmd in s.err
+
+
+# -- /save and /load ----------------------------------------------------------------------------
+
+
+def test_save_then_load_resumes_the_conversation(tmp_path):
+    first = Session()
+    first.run(f"/system Be brief.\rHello\rHow are you?\r/save {tmp_path / 'talk'}\r\x04")
+    data = json.loads((tmp_path / "talk.json").read_text())
+    assert data["format"] == 1 and data["context_from"] == 0 and data["system"] == "Be brief."
+
+    second = Session()
+    second.run(f"/load {tmp_path / 'talk'}\r\x04")
+    assert second.err.splitlines() == [
+        f"loaded {tmp_path / 'talk.json'} (2 exchanges)",
+        f"note: the speech of those replies stays in {tmp_path / 'talk.wav'}; the next /save writes the speech "
+        "of the replies from now on",
+    ]
+    assert second.repl.chat.history == first.repl.chat.history  # system prompt and turns
+    assert second.repl.transcript == first.repl.transcript
+    second.run(f"And then?\r/save {tmp_path / 'more.json'}\r\x04")
+    assert second.assistant.calls[0]["prompt"] == "And then?"
+    more = json.loads((tmp_path / "more.json").read_text())
+    # The whole conversation, and the new reply's speech where its turn is.
+    assert [t["content"] for t in more["turns"][::2]] == ["Hello", "How are you?", "And then?"]
+    assert more["system"] == "Be brief." and more["audio_segments"] == [{"turn": 5, "start": 0.0, "seconds": 0.5}]
+    assert sf.info(tmp_path / "more.wav").frames == 12_000
+    # Loading replaces what the session had; the .wav's name finds the JSON beside it.
+    second.run(f"/load {tmp_path / 'talk.wav'}\r\x04")
+    assert "it replaces this session's 3 exchanges" in second.err
+    assert len(second.repl.transcript) == 4 and second.repl.speech == []
+
+
+def test_load_transcript_errors(tmp_path):
+    (tmp_path / "notjson.json").write_text("Hello there\n")
+    (tmp_path / "list.json").write_text("[1, 2]")
+    (tmp_path / "shape.json").write_text('{"turns": [{"role": "assistant", "content": "hi"}]}')
+    (tmp_path / "odd.json").write_text('{"turns": [{"role": "user", "content": "hi"}]}')
+    (tmp_path / "newer.json").write_text('{"format": 2, "turns": []}')
+    (tmp_path / "latin1.json").write_bytes(b'{"turns": [], "system": "caf\xe9"}')
+    cases = {
+        "nothing": f"cannot load {tmp_path / 'nothing'} or {tmp_path / 'nothing.json'}: no such file (/save PATH "
+                   "writes PATH.json)",
+        "notjson.json": f"cannot load {tmp_path / 'notjson.json'}: it is not JSON (line 1, column 1: Expecting value)",
+        "list": f"cannot load {tmp_path / 'list.json'}: it is JSON but not a transcript (a list, not an object "
+                'with "turns")',
+        "shape": f"cannot load {tmp_path / 'shape.json'}: turn 1 is not a user message "
+                 '({"role": "user", "content": "..."})',
+        "odd": f"cannot load {tmp_path / 'odd.json'}: its last turn (1) is a user message without the assistant's reply",
+        "newer": f"cannot load {tmp_path / 'newer.json'}: it was written in transcript format 2 by a newer "
+                 "omni-cli; this one reads format 1: upgrade omni-cli",
+        "latin1": f"cannot load {tmp_path / 'latin1.json'}: it is not UTF-8 text (byte 0xe9 at offset 28), so not a "
+                  "transcript",
+        "": "/load needs a path: /load PATH reads PATH or PATH.json (written by /save)",
+    }
+    s = Session(piped=True)
+    s.run("Hello\r" + "".join(f"/load {tmp_path / name if name else ''}\r" for name in cases) + "Again\r\x04")
+    assert s.err.splitlines() == [f"error: {message}" for message in cases.values()]
+    assert s.code == 2  # all usage errors
+    assert len(s.repl.transcript) == 4  # nothing was replaced; the session went on
+    repl = Session().repl
+    with pytest.raises(UsageError, match="no such file"):  # what omni-chat --load calls
+        repl.load_transcript(tmp_path / "nothing")
+
+
+def test_load_reads_files_without_a_format_and_the_api_s_own(tmp_path):
+    # Written before "format" existed (/save's old shape) and by Conversation.save.
+    (tmp_path / "old.json").write_text(json.dumps({"model": "fake", "voice": "Ethan", "system": DEFAULT_SYSTEM,
+                                                   "turns": [{"role": "user", "content": "Hi"},
+                                                             {"role": "assistant", "content": "Hello!"}],
+                                                   "audio": None, "audio_segments": []}))
+    Conversation(system="", turns=[{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]).save(
+        tmp_path / "api.json")
+    assert json.loads((tmp_path / "api.json").read_text())["format"] == 1
+    s = Session()
+    s.run(f"/load {tmp_path / 'old'}\r\x04")
+    assert s.err == f"loaded {tmp_path / 'old.json'} (1 exchange)\n"
+    assert s.repl.chat.history.turns[1]["content"] == "Hello!"
+    s.run(f"/load {tmp_path / 'api.json'}\r/show\r\x04")
+    assert s.repl.chat.history.system == "" and "  system           (none)" in s.err
+    assert f"  loaded from      {tmp_path / 'api.json'}" in s.err
+
+
+def test_load_notes_another_model(tmp_path):
+    (tmp_path / "t.json").write_text(json.dumps({"format": 1, "model": "Qwen/Qwen2.5-Omni-7B", "turns": []}))
+    s = Session()
+    s.run(f"/load {tmp_path / 't.json'}\r\x04")
+    assert "note: it was saved with the model Qwen/Qwen2.5-Omni-7B; this session runs fake" in s.err
+
+
+# -- word wrap of the streamed reply ------------------------------------------------------------
+
+
+def wrap(width, *pieces):
+    w = StreamWrapper(width)
+    return "".join(w.feed(p) for p in pieces) + w.end()
+
+
+def test_stream_wrapper_tricky_input():
+    assert wrap(10, "hello wor", "ld this is a test") == "hello\nworld this\nis a test"  # a word split by deltas
+    assert wrap(10, "a  b   c") == "a  b   c"  # spaces inside a line are kept
+    assert wrap(10, "hello     ", "world") == "hello\nworld"  # spaces where the line breaks are dropped
+    assert wrap(5, "abcdefghijklmnop qr") == "abcde\nfghij\nklmno\np qr"  # longer than a line: hard breaks
+    assert wrap(10, "xxxxxxxxxx", " y") == "xxxxxxxxxx\ny"  # a line may be exactly the width
+    assert wrap(10, "one\n\ntwo three four") == "one\n\ntwo three\nfour"  # "\n" resets the column
+    assert wrap(10, "one two  \nthree") == "one two\nthree"  # invisible trailing blanks go
+    assert wrap(10, "one two\n  ind line here") == "one two\n  ind line\nhere"  # indentation is kept...
+    assert wrap(10, "one two\n    indented") == "one two\nindented"  # ...unless the word would not fit after it
+    assert wrap(6, "你好世界你好") == "你好世\n界你好"  # two cells each, and breakable anywhere
+    assert wrap(7, "ab 你好世界") == "ab 你好\n世界"
+    assert wrap(20, "a\tb") == "a       b"  # a tab: to the next multiple of 8
+    assert wrap(1, "ab c") == "a\nb\nc"
+
+
+def test_stream_wrapper_streams_without_waiting_for_the_end():
+    w = StreamWrapper(10)
+    assert w.feed("Hello") == ""  # the word may still grow
+    assert w.feed(" ") == "Hello"  # now it is whole
+    # Longer than a line: it breaks hard wherever it starts, so it starts here and is printed as it comes.
+    assert w.feed("supercalifragilistic") == " supe\nrcalifragi\n"
+    assert w.feed("expi") == ""  # "listicexpi": a line's worth, may still move on as a whole
+    assert w.feed("alidocious") == "listicexpi\n"
+    assert w.end() == "alidocious"
+    assert w.column == 10
+
+
+def test_stream_wrapper_any_split_gives_the_same_lines():
+    rng = random.Random(0)
+    words = ["a", "to", "the", "words", "streamed", "hippopotamus", "x" * 23, "", "\n", "  "]
+    for _ in range(300):
+        text = " ".join(rng.choice(words) for _ in range(rng.randint(1, 30)))
+        width = rng.randint(1, 16)
+        whole = wrap(width, text)
+        cuts = sorted(rng.sample(range(len(text) + 1), min(len(text), rng.randint(1, 8))))
+        pieces = [text[i:j] for i, j in zip([0, *cuts], [*cuts, len(text)])]
+        assert wrap(width, *pieces) == whole, (text, width, pieces)
+        lines = whole.split("\n")
+        assert all(len(line) <= width for line in lines), (text, width, whole)
+        assert "".join(whole.split()) == "".join(text.split())  # nothing lost, nothing added
+        for word in text.split():  # a word that fits on a line is never split
+            if len(word) <= width:
+                assert word in whole.split(), (word, whole)
+        # Greedy: with single spaces and no newlines in the text, a line is broken only where the next
+        # word (and the space before it) would not have fitted on it.
+        if "  " in text or "\n" in text:
+            continue
+        for line, following in zip(lines, lines[1:]):
+            nxt = following.split(" ")[0]
+            if line and len(nxt) <= width:
+                assert len(line) + 1 + len(nxt) > width, (line, nxt, width, text)
+
+
+def test_the_reply_is_wrapped_on_a_terminal_and_not_into_a_pipe():
+    s = Session(wrap=7)
+    s.run("Hello\r\x04")
+    assert s.out == "Hi\nthere.\n"  # "Hi " and "there." arrive as two deltas
+    s = Session()  # wrap=None: the console writes to a StringIO, not a terminal
+    s.run("Hello\r\x04")
+    assert s.out == "Hi there.\n"
+    s = Session(wrap=False)
+    s.run("Hello\r\x04")
+    assert s.out == "Hi there.\n"
+
+
 # -- the real tiny model, in-process ----------------------------------------------------------
 
 
@@ -325,7 +688,7 @@ def test_real_ctrl_c_during_a_reply_with_the_tiny_model(tiny, hang_guard):
     while [t for t in threading.enumerate() if t.name.startswith("omni-")] and time.monotonic() < deadline:
         time.sleep(0.01)
     assert not [t.name for t in threading.enumerate() if t.name.startswith("omni-")]
-    s.repl.max_codes, s.repl.max_text_tokens = 30, 4
+    s.repl.options = replace(s.repl.options, max_codes=30, max_text_tokens=4)  # a short turn, not 30 s of it
     s.run("Short one\r\x04")
     assert len(s.repl.chat.history.turns) == 2 and s.repl.replies == 1
 
@@ -339,6 +702,42 @@ def test_real_context_overflow_drops_the_oldest_turns(tiny, capfd):
     assert len(s.repl.transcript) == 16 and len(s.repl.chat.history.turns) < 16
 
 
+def test_real_surrogates_are_a_usage_error_not_a_tokenizer_type_error(tiny):
+    with pytest.raises(UsageError, match=r"^the prompt is not UTF-8 text \(byte 0xe9 at character 4\)"):
+        tiny.say("caf\udce9", text_only=True)
+    with pytest.raises(UsageError, match=r"^the system prompt is not UTF-8 text"):
+        tiny.conversation(system="pir\udce9te").say("Hello", text_only=True)
+
+
+def test_real_save_and_load_give_the_prompt_of_a_session_that_never_stopped(tiny, tmp_path):
+    # Long messages in a small context, so that older exchanges were dropped from the model's history:
+    # the loaded session must prompt the model with exactly what the first one would have.
+    options = ReplyOptions(seed=2, max_text_tokens=8)
+    long = " ".join(["a message long enough to fill the tiny model's context quickly"] * 4)
+    first = Session(assistant=tiny, options=options, muted=True)
+    first.run("".join(f"{i}: {long}\r" for i in range(5)) + f"/save {tmp_path / 'talk'}\r\x04")
+    history = first.repl.chat.history
+    assert len(first.repl.transcript) == 10 and len(history.turns) < 10  # some were dropped
+    saved = json.loads((tmp_path / "talk.json").read_text())
+    assert saved["context_from"] == 10 - len(history.turns)
+
+    second = Session(assistant=tiny, options=options, muted=True)
+    second.repl.load_transcript(tmp_path / "talk")
+    assert "the older ones no longer fitted its context" in second.err
+    tokenizer, budget = tiny.loaded.tokenizer, tiny.max_context - options.max_text_tokens
+
+    def next_prompt(repl):
+        conv = Conversation(repl.chat.history.system, list(repl.chat.history.turns))
+        return fit(tokenizer, conv, "And after that?", budget)
+
+    assert next_prompt(second.repl) == next_prompt(first.repl)
+    # The same through the real turn: both sessions answer the next message alike (same seed, same ids).
+    first.run("And after that?\r\x04")
+    second.run("And after that?\r\x04")
+    assert second.repl.transcript[-1] == first.repl.transcript[-1]
+    assert second.repl.chat.history == first.repl.chat.history
+
+
 # -- omni-chat as a subprocess, reading a script on stdin -----------------------------------------
 
 
@@ -346,7 +745,7 @@ def test_chat_script_on_stdin(run_chat, tmp_path):
     script = "Hello\n/voice Ethan\n\"\"\"\nTwo\nlines\n\"\"\"\n/frob\n/save talk\n"
     result = run_chat("--mute", "--seed", "0", "--max-text-tokens", "5", input=script, cwd=tmp_path,
                       env=cli_env(OMNI_NOHISTORY="1"))
-    assert result.returncode == 0, result.stderr
+    assert result.returncode == 2, result.stderr  # piped, and /frob failed (a usage error); the rest ran
     assert len(result.stdout.splitlines()) == 2  # two replies, nothing else on stdout
     err = result.stderr.splitlines()
     assert err[0].startswith("note: ")  # the demo model
@@ -366,3 +765,28 @@ def test_chat_bad_model_and_no_device(run_chat, tmp_path):
     assert result.returncode == 1
     assert result.stderr.startswith("error: cannot play audio: no sound output device found")
     assert "start omni-chat with --mute" in result.stderr and result.stderr.count("\n") == 1
+
+
+def _omni_chat_piped(stdin: bytes, tmp_path, *args: str) -> subprocess.CompletedProcess:
+    """`printf ... | omni-chat --mute ARGS`: real bytes on a real pipe (run_chat would encode text)."""
+    return subprocess.run([sys.executable, "-m", "omni_cli.chat", "--mute", "--max-text-tokens", "4", *args],
+                          input=stdin, capture_output=True, cwd=tmp_path, timeout=600,
+                          env=cli_env(OMNI_NOHISTORY="1"))
+
+
+def test_chat_piped_non_utf8_input_is_one_error_line_and_exit_2(tmp_path):
+    result = _omni_chat_piped(b"caf\xe9\nhello\n", tmp_path)
+    assert result.returncode == 2 and result.stdout == b""
+    err = [line for line in result.stderr.decode().splitlines() if not line.startswith("note: ")]
+    assert err == ["error: stdin is not UTF-8 text (byte 0xe9 on line 1, at offset 3): convert it first, "
+                   "e.g. iconv -f latin1 -t utf-8"]
+
+
+def test_chat_piped_failures_give_a_non_zero_exit_after_the_rest_ran(tmp_path):
+    result = _omni_chat_piped(b"Hello\n/save no/such/folder/x\n/frob\nAgain\n/save talk\n", tmp_path)
+    assert result.returncode == 1, result.stderr  # a runtime failure (the /save) among them
+    assert len(result.stdout.decode().splitlines()) == 2  # both messages were answered
+    err = result.stderr.decode().splitlines()
+    assert f"error: cannot write {os.path.join('no', 'such', 'folder', 'x.json')}: folder " \
+           f"{os.path.join('no', 'such', 'folder')} does not exist" in err
+    assert len(json.loads((tmp_path / "talk.json").read_text())["turns"]) == 4
