@@ -58,8 +58,7 @@ HELP = [
     ("/voice [NAME]", "show the voices, or speak with NAME"),
     ("/mute, /unmute", "text only / speak again"),
     ("/system [TEXT]", "show the system prompt, or set it (/system default restores it)"),
-    ("/set [NAME VALUE]", "show the settings, or set one: temperature, top_p, top_k, seed, greedy, "
-                          "max_codes, max_text_tokens (VALUE default: the model's)"),
+    ("/set [NAME VALUE]", "show the sampling settings and limits, or change one (/set temperature 0.7)"),
     ("/show", "the model, voice, sound, system prompt and every setting"),
     ("/save PATH", "write PATH.json (the transcript) and PATH.wav (every reply's speech)"),
     ("/load PATH", "resume a conversation saved with /save (PATH or PATH.json)"),
