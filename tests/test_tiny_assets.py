@@ -210,3 +210,38 @@ def test_build_is_seeded():
     c = tiny.build_tiny_model(cfg, seed=2).state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert not torch.equal(a["talker.codec_head.weight"], c["talker.codec_head.weight"])
+
+
+def test_vocoder_keeps_the_real_window_and_hop(config):
+    """Shrunk for CPU time, the token2wav still has the real model's streaming shape: 24-frame DiT blocks
+    at two mel frames a code, two look-back layers and one look-ahead layer (so a stream decodes with 48
+    frames of past and 24 of future), and BigVGAN stages whose rates multiply to 240 samples a frame,
+    each giving exactly `rate` samples a frame."""
+    import math
+
+    from transformers import Qwen2_5OmniForConditionalGeneration
+
+    from omni_cli.vocoder import StreamingVocoder
+
+    dit, bigvgan = config.token2wav_config.dit_config, config.token2wav_config.bigvgan_config
+    assert (dit.block_size, dit.repeats, dit.mel_dim) == (24, 2, 80)
+    assert len(dit.look_backward_layers) == 2 and len(dit.look_ahead_layers) == 1
+    assert math.prod(bigvgan.upsample_rates) == 240
+    model = Qwen2_5OmniForConditionalGeneration.from_pretrained(ASSET)
+    speakers = torch.load(ASSET / "spk_dict.pt", weights_only=True)
+    voice = speakers["Chelsie"]
+    vocoder = StreamingVocoder(model.token2wav, voice["cond"], voice["ref_mel"], max_codes=60, generator=0)
+    assert (vocoder.past_frames, vocoder.future_frames) == (48, 24)
+    codes = list(range(100, 160))
+    audio = vocoder.decode_whole(codes)
+    assert audio.shape == (60 * 2 * 240,)
+    assert 0.03 < float(audio.std()) < 0.3 and float(abs(audio).max()) < 1.0  # audible noise, never clipped
+
+
+def test_tiny_config_rejects_a_vocoder_off_24_khz():
+    with pytest.raises(ValueError, match="multiply to 240"):
+        tiny.tiny_config(bigvgan_upsample_rates=(5, 4, 4, 2))
+    with pytest.raises(ValueError, match="bigvgan_channels"):
+        tiny.tiny_config(bigvgan_channels=8, bigvgan_upsample_rates=(5, 4, 4, 3))
+    config = tiny.tiny_config(bigvgan_upsample_rates=(5, 3, 2, 2, 2, 2), bigvgan_channels=64)
+    assert config.token2wav_config.bigvgan_config.upsample_kernel_sizes == [11, 7, 4, 4, 4, 4]  # the real ones
