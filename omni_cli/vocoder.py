@@ -379,8 +379,12 @@ def dit_forward(dit, x, t, static, rope, masks) -> torch.Tensor:
     """One CFG evaluation (batch of two), the same float operations as the DiT's own forward.
 
     `masks`: one per layer, from `attention_masks`. The layers' own forward is restated (same
-    operations, `DiTDecoderLayer.forward`) only to take that mask instead of rebuilding it.
+    operations, `DiTDecoderLayer.forward`) only to take that mask instead of rebuilding it. A tensor of
+    block differences ([T, T], or expanded to [2, heads, T, T], as callers such as
+    scripts/profile_gpu.py pass) is also taken: the masks are made from it here.
     """
+    if isinstance(masks, torch.Tensor):
+        masks = attention_masks(dit, masks if masks.ndim == 2 else masks[0, 0], x.dtype)
     time_embedding = dit.time_embed(t.repeat(2))
     hidden = dit.input_embed.proj(torch.cat((torch.cat([x, x], dim=0), static), dim=-1))
     for layer, mask in zip(dit.transformer_blocks, masks):
