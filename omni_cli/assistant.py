@@ -160,7 +160,8 @@ class Assistant:
         conv = Conversation(conversation.system, list(conversation.turns)) if conversation else Conversation()
         ids, dropped = fit(self.loaded.tokenizer, conv, prompt, self.max_context - n_text)
         if dropped:
-            log.warning("dropped the oldest %d exchange(s) to fit the context", dropped)
+            # INFO: expected behaviour worth a note (the faces print INFO as `note: ...`), not a fault.
+            log.info("dropped the oldest %d exchange(s) to fit the context", dropped)
         tsamp = opts.thinker_sampling(self.thinker_sampling)
         ksamp = TALKER_DEFAULTS.greedy() if opts.greedy else TALKER_DEFAULTS
         req = TurnRequest(

@@ -10,17 +10,20 @@ that ships with a source checkout is used, with a one-line notice on stderr.
 Every failure a person can fix is raised as a one-line `ModelError` / `UsageError` / `OmniError`.
 It does not know how a reply is generated (engine), how prompts are built (prompt) or where audio goes
 (sinks). torch, transformers and huggingface_hub are imported inside the functions that need them, so
-importing this module stays cheap.
+importing this module stays cheap. It never prints: notices go to the `omni_cli.loader` logger (INFO:
+the demo model, a download; WARNING: weights left random), and the faces decide what a person sees.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
+import pickle
 import re
-import sys
 import warnings
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Mapping
@@ -29,6 +32,8 @@ from .errors import ModelError, OmniError, UsageError
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     import torch
+
+log = logging.getLogger(__name__)
 
 # The built-in random-weight model; present in a source checkout / `pip install -e .`.
 TINY_MODEL_DIR = Path(__file__).resolve().parent.parent / "assets" / "tiny-qwen2.5-omni"
@@ -49,6 +54,9 @@ _WEIGHT_FILES = (
     "pytorch_model.bin.index.json",
 )
 
+# transformers' VERY_LARGE_INTEGER: a tokenizer's model_max_length meaning "no limit".
+_NO_LIMIT = int(1e30)
+
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 _DTYPES = {
@@ -63,7 +71,7 @@ _DTYPES = {
 }
 
 DEMO_NOTICE = (
-    "note: no model given, using the built-in tiny demo model: its weights are random, so it prints "
+    "no model given, using the built-in tiny demo model: its weights are random, so it prints "
     "gibberish and speaks noise; pass -m FOLDER_OR_HUB_ID (e.g. -m Qwen/Qwen2.5-Omni-7B) or set "
     "OMNI_MODEL for a real one"
 )
@@ -77,7 +85,7 @@ DEMO_NOTICE = (
 def resolve_model(model: str | os.PathLike | None) -> tuple[Path, bool]:
     """Where the checkpoint named by `model` lives, and whether it is the built-in demo model.
 
-    None means `$OMNI_MODEL` if set, else the built-in tiny model (with a one-line notice on stderr).
+    None means `$OMNI_MODEL` if set, else the built-in tiny model (with a one-line notice, logged).
     A local folder is checked (config.json of a Qwen2.5-Omni model, spk_dict.pt); anything shaped like
     `owner/name` that is not an existing path is a hub id: the local hub cache first, then a download.
     """
@@ -85,8 +93,8 @@ def resolve_model(model: str | os.PathLike | None) -> tuple[Path, bool]:
     return path, is_demo
 
 
-def _resolve(model: str | os.PathLike | None) -> tuple[Path, bool, str]:
-    """(folder, is_demo, short display name)."""
+def _resolve(model: str | os.PathLike | None, notice: bool = True) -> tuple[Path, bool, str]:
+    """(folder, is_demo, short display name). `notice`: log the demo-model notice when it applies."""
     if model is None:
         env = os.environ.get(MODEL_ENV, "").strip()
         if env:
@@ -96,7 +104,8 @@ def _resolve(model: str | os.PathLike | None) -> tuple[Path, bool, str]:
                 f"the built-in tiny model is missing ({TINY_MODEL_DIR} does not exist; it comes with a "
                 "source checkout): pass -m FOLDER_OR_HUB_ID or set OMNI_MODEL"
             )
-        print(DEMO_NOTICE, file=sys.stderr, flush=True)
+        if notice:
+            log.info(DEMO_NOTICE)
         path = _check_folder(TINY_MODEL_DIR)
         return path, True, TINY_MODEL_DIR.name
 
@@ -188,7 +197,7 @@ def _from_hub(repo_id: str) -> Path:
             f"model {repo_id} is neither a local folder nor in the Hugging Face cache, and HF_HUB_OFFLINE "
             f"is set: {hint}"
         )
-    print(f"downloading {repo_id} from the Hugging Face Hub (this can take a while)...", file=sys.stderr, flush=True)
+    log.info("downloading %s from the Hugging Face Hub (this can take a while)...", repo_id)
     try:
         folder = Path(snapshot_download(repo_id))
     except KeyboardInterrupt:
@@ -416,11 +425,7 @@ def load_model(model: str | os.PathLike | None = None, device: str = "auto", dty
         missing = sorted(info.get("missing_keys") or ())
         if missing:
             # transformers left these random; its own warning is silenced above, so say it here.
-            print(
-                f"warning: {name} lacks {len(missing)} weights (first: {missing[0]}): they are random",
-                file=sys.stderr,
-                flush=True,
-            )
+            log.warning("%s lacks %d weights (first: %s): they are random", name, len(missing), missing[0])
 
         try:
             omni.to(torch_device)
@@ -441,6 +446,11 @@ def load_model(model: str | os.PathLike | None = None, device: str = "auto", dty
             raise
         except Exception as exc:
             raise ModelError(f"cannot load the tokenizer of {name} ({path}): {_one_line(exc)}") from exc
+        # The tokenizer's model_max_length only makes it log "Token indices sequence length is longer
+        # than the specified maximum..." for a long prompt, ahead of our own one-line error: what fits
+        # is decided by the context check (prompt.fit), so lift the tokenizer's limit (to the value
+        # transformers itself uses for "no limit"); nothing here truncates by it.
+        tokenizer.model_max_length = _NO_LIMIT
         if not getattr(tokenizer, "chat_template", None):
             raise ModelError(f"the tokenizer of {name} ({path}) has no chat template (tokenizer_config.json)")
 
@@ -476,6 +486,12 @@ def _load_speakers(file: Path, name: str) -> dict:
         data = torch.load(file, weights_only=True, map_location="cpu")
     except Exception as exc:
         raise ModelError(f"{name}: cannot read spk_dict.pt: {_one_line(exc)}") from exc
+    _check_speakers(data, name)
+    return data
+
+
+def _check_speakers(data: Any, name: str) -> None:
+    """A ModelError unless `data` is a non-empty dict of voice name -> entry with SPEAKER_KEYS."""
     if not isinstance(data, dict):
         raise ModelError(f"{name}: spk_dict.pt is not a dict of voices")
     for voice, entry in data.items():
@@ -483,14 +499,73 @@ def _load_speakers(file: Path, name: str) -> dict:
             raise ModelError(f"{name}: spk_dict.pt entry '{voice}' lacks one of {', '.join(SPEAKER_KEYS)}")
     if not data:
         raise ModelError(f"{name}: spk_dict.pt has no voices")
-    return data
 
 
-def model_voices(model: str | os.PathLike | None = None) -> list[str]:
-    """The voice names of a checkpoint, from its spk_dict.pt alone: no weights are loaded (what
-    `omni-say --list-voices` prints). Same resolution and errors as `load_model`."""
-    path, _is_demo, name = _resolve(model)
-    return list(_load_speakers(path / "spk_dict.pt", name))
+def model_voices(model: str | os.PathLike | None = None, notice: bool = True) -> list[str]:
+    """The voice names of a checkpoint, from its spk_dict.pt alone: no weights are loaded and torch is
+    not imported (what `omni-say --list-voices` prints, and what the CLI checks `-v` against before
+    loading). Same resolution and errors as `load_model`; `notice=False` leaves the demo notice to the
+    load that follows."""
+    path, _is_demo, name = _resolve(model, notice=notice)
+    file = path / "spk_dict.pt"
+    try:
+        data = _read_torch_pickle_shallow(file)
+    except _NotShallow:
+        # Not the zip format torch has written since 1.6 (or something our reader refuses): let torch
+        # read it, at the price of importing torch.
+        return list(_load_speakers(file, name))
+    except Exception as exc:  # a damaged file: unpickling bad bytes can raise nearly anything
+        raise ModelError(f"{name}: cannot read spk_dict.pt: {_one_line(exc)}") from exc
+    _check_speakers(data, name)
+    return list(data)
+
+
+class _NotShallow(Exception):
+    """spk_dict.pt is not something `_read_torch_pickle_shallow` reads; torch.load may."""
+
+
+class _TensorStub:
+    """Stands for a tensor in a shallowly read checkpoint: the structure is kept, the data never read."""
+
+
+def _tensor_stub(*_args) -> _TensorStub:
+    return _TensorStub()
+
+
+class _ShallowUnpickler(pickle.Unpickler):
+    """Reads the object tree of a torch zip checkpoint with every tensor replaced by `_TensorStub`.
+
+    Safer than torch.load and free of torch: only plain containers and torch's tensor-rebuilding names
+    are resolved (to stubs); any other global refuses the file, so no code from it ever runs. Storages
+    (persistent ids) become stubs, so the tensor data in the zip is not even read."""
+
+    _REBUILD = {"_rebuild_tensor", "_rebuild_tensor_v2", "_rebuild_parameter", "_rebuild_parameter_with_state"}
+
+    def find_class(self, module: str, name: str):
+        if (module, name) == ("collections", "OrderedDict"):
+            import collections
+
+            return collections.OrderedDict
+        if module == "torch._utils" and name in self._REBUILD:
+            return _tensor_stub
+        if module == "torch" and name.endswith("Storage"):
+            return _TensorStub  # only ever passed around inside a persistent id
+        raise _NotShallow(f"{module}.{name}")
+
+    def persistent_load(self, pid):
+        return _TensorStub()
+
+
+def _read_torch_pickle_shallow(file: Path) -> Any:
+    """The object saved in a torch zip checkpoint (`torch.save`), tensors as `_TensorStub`s."""
+    if not zipfile.is_zipfile(file):
+        raise _NotShallow("not a zip checkpoint")
+    with zipfile.ZipFile(file) as archive:
+        pickles = [n for n in archive.namelist() if n.endswith("/data.pkl") or n == "data.pkl"]
+        if len(pickles) != 1:
+            raise _NotShallow("no single data.pkl")
+        with archive.open(pickles[0]) as stream:
+            return _ShallowUnpickler(stream).load()
 
 
 def _free(device: "torch.device") -> None:
