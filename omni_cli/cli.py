@@ -1,13 +1,20 @@
 """The command line: `omni-say` (one question, spoken) and `omni-chat` (a conversation), with typer.
 
-omni-say: the prompt is the argument, piped stdin, or both (stdin first). The speech plays through
-the sound device, or goes to a WAV file (`-o FILE`, `--play` to do both), or streams as WAV to stdout
-(`-o -`: then stdout holds nothing but the WAV bytes, and the text goes to stderr). The reply's text
-goes to stdout as it is generated; notices, the summary, `--verbose` timing and errors go to stderr.
+omni-say: the prompt is the argument, piped stdin (or `-f FILE`), or both (stdin/file first). The
+speech plays through the sound device, or goes to an audio file (`-o FILE`: WAV, FLAC, Ogg Vorbis, Opus
+or MP3 by the extension or `--format`; `--play` to do both), or streams as WAV to stdout (`-o -`: then
+stdout holds nothing but the WAV bytes, and the text goes to stderr). The reply's text goes to stdout
+as it is generated; notices, the summary, `--verbose` timing and errors go to stderr.
 
 Errors: an `OmniError` ends the command with `error: <message>` and its exit code (2 usage, 1 runtime),
-no traceback unless `--debug`; Ctrl-C exits 130; anything else is reported as an internal error (1).
-Outputs are checked (file writable, PortAudio and a device present) before the model loads.
+no traceback unless `--debug`; click's own usage errors (an unknown flag, a value that is not a number)
+become the same one line with exit 2 (`_OneLineErrors`); Ctrl-C exits 130, SIGTERM 143 and SIGHUP 129;
+a reader of stdout that went away (`| head`) ends the command quietly with 141, as Unix tools do;
+anything else is reported as an internal error (1). Outputs (format, file writable, PortAudio and a
+device present) and the voice (from spk_dict.pt) are checked before the model loads.
+
+The library logs instead of printing; `_report_library_logs` shows its records on stderr as
+`note: ...` (INFO; not with --quiet) and `warning: ...` lines.
 
 It holds no model logic and imports neither torch, transformers, numpy nor sounddevice at import time,
 so `--help` is instant: the model side is imported inside the commands.
@@ -17,15 +24,69 @@ from __future__ import annotations
 
 import contextlib
 import io
+import logging
 import os
+import re
 import sys
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
 import typer
+from typer.core import TyperCommand
 
-from .errors import OmniError, OutputError, UsageError, known_failure
+try:  # typer >= 0.24 carries its own copy of click; older ones use click itself
+    from typer._click.exceptions import ClickException
+    from typer.exceptions import Abort
+except ImportError:  # pragma: no cover - older typer
+    from click.exceptions import Abort, ClickException
+
+from .config import ReplyOptions
+from .errors import OmniError, OutputError, StdoutClosed, UsageError, known_failure
+
+
+class _OneLineErrors(TyperCommand):
+    """A typer command whose usage errors, click's own included (an unknown flag, a missing value, a
+    value that is not a number or out of range), are one `error: ...` line on stderr with exit code 2,
+    like every other error of these programs, instead of typer's usage block. Used by omni-say and
+    omni-chat (`cls=`), so it holds for `python -m`, the entry points and CliRunner alike."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        name = prog_name or self.name or "omni-say"
+        try:
+            # Not standalone: click raises its errors instead of printing them, and returns the code of
+            # a typer.Exit (None when the command just returns).
+            try:
+                code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+            finally:
+                _stop_reporting_library_logs()  # in-process callers (tests, CliRunner) get logging back as it was
+        except ClickException as exc:
+            message = " ".join(exc.format_message().split()).rstrip(".")
+            # "Invalid value for '--seed': Input should be..." -> our lower-case style, sentence by clause.
+            message = re.sub(r"(^|: )([A-Z])(?=[a-z])", lambda m: m.group(1) + m.group(2).lower(), message)
+            with contextlib.suppress(OSError):
+                _err(f"error: {message} (see {name} --help)")
+            code = exc.exit_code
+        except Abort:  # click's own prompts (none today) hit EOF or Ctrl-C
+            code = 1
+        code = code if isinstance(code, int) else 0
+        if standalone_mode:
+            sys.exit(code)
+        return code
+
+
+def _show_version(ctx: typer.Context, value: bool) -> None:
+    if value:
+        from . import __version__
+
+        print(f"{ctx.find_root().info_name or 'omni-cli'} {__version__}", flush=True)
+        raise typer.Exit(0)
+
+
+# `--version` (eager: before anything else is checked); omni-bench can take it from here too.
+VersionOpt = Annotated[bool, typer.Option("--version", callback=_show_version, is_eager=True,
+                                          help="Print the program's version and exit.")]
 
 say_app = typer.Typer(
     name="omni-say",
@@ -60,6 +121,16 @@ SeedOpt = Annotated[Optional[int], typer.Option("--seed", metavar="N", show_defa
 GreedyOpt = Annotated[bool, typer.Option("--greedy", help="Greedy decoding instead of sampling.")]
 MaxTextOpt = Annotated[Optional[int], typer.Option("--max-text-tokens", min=1, metavar="N", show_default=False, help="Cap on the reply's text tokens (default: the model's).")]
 MaxCodesOpt = Annotated[Optional[int], typer.Option("--max-codes", min=1, metavar="N", show_default=False, help="Cap on the speech codes (50 codes = 1 s of audio).")]
+TemperatureOpt = Annotated[Optional[float], typer.Option(
+    "--temperature", metavar="T", show_default=False,
+    help="Sampling temperature of the reply's text (the thinker; the speech keeps the model's settings); "
+    "0 = greedy text. Default: the model's generation_config.json.")]
+TopPOpt = Annotated[Optional[float], typer.Option(
+    "--top-p", metavar="P", show_default=False,
+    help="Nucleus sampling of the reply's text: keep the most likely tokens up to probability P (0 < P <= 1).")]
+TopKOpt = Annotated[Optional[int], typer.Option(
+    "--top-k", metavar="K", show_default=False,
+    help="Sample the reply's text from the K most likely tokens (0 = no limit).")]
 AudioDeviceOpt = Annotated[Optional[str], typer.Option("--audio-device", metavar="NAME|INDEX", show_default=False, help="Sound device to play on (see --list-audio-devices). Default: the system's default output.")]
 ListDevicesOpt = Annotated[bool, typer.Option("--list-audio-devices", help="List the sound output devices and exit.")]
 VerboseOpt = Annotated[bool, typer.Option("--verbose", help="Timing on stderr after each reply: time to first text and audio, real-time factor, underruns.")]
@@ -70,6 +141,50 @@ def _err(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
+class _LineHandler(logging.Handler):
+    """The library's log records as one line each on stderr: INFO as `note: ...`, WARNING and above as
+    `warning: ...`. sys.stderr is looked up at each record (CliRunner and `-o -` swap streams)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        kind = "note" if record.levelno < logging.WARNING else "warning"
+        with contextlib.suppress(Exception):  # after SIGHUP the terminal may be gone: never fail for a note
+            _err(f"{kind}: {' '.join(record.getMessage().split())}")
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """warnings.showwarning for the faces: one `warning: ...` line, no source line."""
+    with contextlib.suppress(Exception):
+        _err(f"warning: {' '.join(str(message).split())}")
+
+
+_saved_logging: list = []  # (logger level, warnings.showwarning) to restore; empty when not reporting
+
+
+def _report_library_logs(quiet: bool = False) -> None:
+    """While a command runs, show what the library logs (it never prints): notes unless `quiet`,
+    warnings always; Python warnings as one line too. Undone by `_stop_reporting_library_logs`."""
+    import warnings
+
+    _stop_reporting_library_logs()
+    logger = logging.getLogger("omni_cli")
+    _saved_logging.append((logger.level, warnings.showwarning))
+    logger.addHandler(_LineHandler(logging.WARNING if quiet else logging.INFO))
+    logger.setLevel(logging.INFO)
+    warnings.showwarning = _show_warning
+
+
+def _stop_reporting_library_logs() -> None:
+    import warnings
+
+    logger = logging.getLogger("omni_cli")
+    for old in [h for h in logger.handlers if isinstance(h, _LineHandler)]:
+        logger.removeHandler(old)
+    while _saved_logging:
+        level, show = _saved_logging.pop()
+        logger.setLevel(level)
+        warnings.showwarning = show
+
+
 def _fail(exc: BaseException, debug: bool) -> int:
     """Report an exception on stderr; the exit code to end with."""
     if isinstance(exc, KeyboardInterrupt):
@@ -77,6 +192,9 @@ def _fail(exc: BaseException, debug: bool) -> int:
         with contextlib.suppress(OSError):  # after SIGHUP the terminal may be gone
             _err("interrupted" if code == 130 else f"terminated (signal {code - 128})")
         return code
+    if _stdout_went_away(exc):
+        _silence_stdout()
+        return StdoutClosed.exit_code  # quietly, as `yes | head` does: the reader has what it wanted
     exc = known_failure(exc)
     if debug:
         traceback.print_exception(exc, file=sys.stderr)
@@ -87,6 +205,18 @@ def _fail(exc: BaseException, debug: bool) -> int:
     hint = "" if debug else " (run with --debug for the traceback)"
     _err(f"error: internal error: {type(exc).__name__}: {detail}{hint}")
     return 1
+
+
+def _stdout_went_away(exc: BaseException) -> bool:
+    """Did `exc` come from writing to a stdout whose reader is gone (EPIPE), directly or as the cause
+    of a sink's OutputError (the WAV stream on `-o -`), however far down the chain?"""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, (StdoutClosed, BrokenPipeError)):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
 
 
 def _exit_on(exc: BaseException, debug: bool, sinks=(), interrupt=None) -> None:
@@ -119,34 +249,53 @@ def _isatty(stream) -> bool:
         return False
 
 
-def read_stdin() -> str | None:
-    """Piped stdin as text; None when stdin is a terminal, closed or absent."""
+def read_stdin(terminal_too: bool = False) -> str | None:
+    """Piped stdin as text; None when stdin is closed or absent, or a terminal (unless `terminal_too`:
+    `-f -` reads what is typed, up to Ctrl-D)."""
     stdin = sys.stdin
-    if stdin is None or _isatty(stdin):
+    if stdin is None or (_isatty(stdin) and not terminal_too):
         return None
     try:
         data = stdin.buffer.read() if hasattr(stdin, "buffer") else stdin.read()
     except (OSError, ValueError):  # a closed descriptor
         return None
-    if isinstance(data, str):
-        return data
+    return data if isinstance(data, str) else _utf8(data, "stdin")
+
+
+def _utf8(data: bytes, what: str) -> str:
     try:
         return data.decode("utf-8-sig")
     except UnicodeDecodeError as exc:
         bad = data[exc.start]
         raise UsageError(
-            f"stdin is not UTF-8 text (byte 0x{bad:02x} at offset {exc.start}): convert it first, "
+            f"{what} is not UTF-8 text (byte 0x{bad:02x} at offset {exc.start}): convert it first, "
             "e.g. iconv -f latin1 -t utf-8"
         ) from exc
 
 
-def gather_prompt(argument: str | None) -> str:
-    """stdin first, then the argument (like llm); a usage error if there is nothing to say."""
-    piped = read_stdin()
-    parts = [p.strip() for p in (piped, argument) if p is not None and p.strip()]
+def read_prompt_file(name: str) -> str:
+    """The text of `-f FILE` (`-` = stdin, a terminal included); a one-line UsageError if unreadable."""
+    if name == "-":
+        return read_stdin(terminal_too=True) or ""
+    try:
+        data = Path(name).expanduser().read_bytes()
+    except IsADirectoryError:
+        raise UsageError(f"cannot read the prompt file {name}: it is a folder") from None
+    except OSError as exc:
+        raise UsageError(f"cannot read the prompt file {name}: {(exc.strerror or str(exc)).lower()}") from None
+    return _utf8(data, f"the prompt file {name}")
+
+
+def gather_prompt(argument: str | None, file: str | None = None) -> str:
+    """Piped stdin (or `-f FILE` instead) first, then the argument (like llm); a usage error if there
+    is nothing to say."""
+    first = read_prompt_file(file) if file is not None else read_stdin()
+    parts = [p.strip() for p in (first, argument) if p is not None and p.strip()]
     if parts:
         return "\n".join(parts)
-    if argument is None and not piped:
+    if file is not None and argument is None:
+        raise UsageError(f"empty prompt: {'stdin' if file == '-' else f'the prompt file {file}'} holds no text")
+    if argument is None and not first:
         raise UsageError('no prompt: give one, e.g. omni-say "Hello", or pipe text in: echo Hello | omni-say')
     raise UsageError('empty prompt: say something, e.g. omni-say "Hello"')
 
@@ -161,7 +310,8 @@ def _consoles():
 
 
 def _load(model, device, dtype, err, quiet: bool = False, **runtime):
-    """omni_cli.load() under a spinner that names the model; with quiet, only warnings get through.
+    """omni_cli.load() under a spinner that names the model (not with quiet: then only the library's
+    warnings get through, see `_report_library_logs`).
 
     `runtime`: RuntimeOptions fields beside device and dtype (max_context, ...)."""
     import omni_cli
@@ -174,27 +324,8 @@ def _load(model, device, dtype, err, quiet: bool = False, **runtime):
 
         kwargs["runtime"] = RuntimeOptions(device=device, dtype=dtype, **runtime)
 
-    if not quiet:
-        with loading(err, model_label(model)):
-            return omni_cli.load(model, device=device, dtype=dtype, **kwargs)
-    captured = io.StringIO()
-    try:
-        with contextlib.redirect_stderr(captured):
-            return omni_cli.load(model, device=device, dtype=dtype, **kwargs)
-    finally:
-        for line in captured.getvalue().splitlines():
-            if line.startswith("warning:"):
-                _err(line)
-
-
-def _voices(model, quiet: bool) -> list[str]:
-    """The model's voices without loading it (its spk_dict.pt); quiet keeps the demo notice off stderr."""
-    from .loader import model_voices
-
-    if not quiet:
-        return model_voices(model)
-    with contextlib.redirect_stderr(io.StringIO()):
-        return model_voices(model)
+    with loading(err, model_label(model), enabled=not quiet):
+        return omni_cli.load(model, device=device, dtype=dtype, **kwargs)
 
 
 def _list_devices() -> None:
@@ -249,9 +380,9 @@ class _TextOut:
         try:
             self.stream.write(text)
             self.stream.flush()
-        except BrokenPipeError as exc:
+        except BrokenPipeError as exc:  # `omni-say ... | head -c 5`: the reader has what it wanted
             _silence_stdout()
-            raise OutputError("stdout was closed before the reply was written") from exc
+            raise StdoutClosed("stdout was closed before the reply was written") from exc
         self.written = True
 
     def end(self) -> None:
@@ -271,15 +402,25 @@ def _silence_stdout() -> None:
 # -- omni-say ----------------------------------------------------------------------------------
 
 
-@say_app.command()
+# The names --format takes, for --help (what this machine writes is checked when it is used).
+FORMAT_NAMES = "wav, flac, ogg (Vorbis), opus, mp3"
+
+
+@say_app.command(cls=_OneLineErrors)
 def say(
     prompt: Annotated[Optional[str], typer.Argument(
         metavar="PROMPT", show_default=False,
-        help="What to say to the model. Piped stdin is used too (before PROMPT).")] = None,
+        help="What to say to the model. Piped stdin (or -f FILE) is used too, before PROMPT.")] = None,
+    file: Annotated[Optional[str], typer.Option(
+        "--file", "-f", metavar="FILE", show_default=False,
+        help="Read the prompt from FILE ('-': stdin), before PROMPT if both are given; stdin is then not read.")] = None,
     output: Annotated[Optional[Path], typer.Option(
         "--output", "-o", metavar="FILE", show_default=False, dir_okay=False,
-        help="Write the speech to this WAV file (24 kHz mono, 16-bit) instead of playing it; '-' streams "
-        "WAV to stdout.")] = None,
+        help="Write the speech to this audio file instead of playing it (24 kHz mono; the format from the "
+        "extension: .wav, .flac, .ogg, .opus, .mp3; none: WAV); '-' streams WAV to stdout.")] = None,
+    format: Annotated[Optional[str], typer.Option(
+        "--format", metavar="FORMAT", show_default=False,
+        help=f"The audio format of -o FILE whatever its extension: {FORMAT_NAMES}.")] = None,
     play: Annotated[bool, typer.Option("--play", help="Play through the speakers too when -o is given.")] = False,
     voice: VoiceOpt = "Chelsie",
     model: ModelOpt = None,
@@ -288,6 +429,9 @@ def say(
     graphs: GraphsOpt = True,
     seed: SeedOpt = None,
     greedy: GreedyOpt = False,
+    temperature: TemperatureOpt = None,
+    top_p: TopPOpt = None,
+    top_k: TopKOpt = None,
     max_text_tokens: MaxTextOpt = None,
     max_codes: MaxCodesOpt = None,
     text_only: Annotated[bool, typer.Option("--text-only", help="Answer in text only: no speech is generated.")] = False,
@@ -297,14 +441,15 @@ def say(
     verbose: VerboseOpt = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No notices or summary on stderr (errors still).")] = False,
     debug: DebugOpt = False,
+    version: VersionOpt = False,
 ) -> None:
-    """Answer PROMPT: the text on stdout, the speech through the speakers, a WAV file (-o FILE) or stdout (-o -)."""
+    """Answer PROMPT: the text on stdout, the speech through the speakers, an audio file (-o FILE) or stdout (-o -)."""
     from .ui import InterruptTimes, end_on_signals, safe_text_streams
 
     safe_text_streams()
     end_on_signals()
-    sinks: list[Any] = []
-    speaker = None
+    _report_library_logs(quiet)
+    outputs = _Outputs()
     interrupt = InterruptTimes()
     try:
         if list_audio_devices:
@@ -314,55 +459,81 @@ def say(
         if text_only and (output is not None or play):
             raise UsageError("--text-only makes no speech: leave out -o and --play")
         if list_voices:
-            for name in _voices(model, quiet):
+            from .loader import model_voices
+
+            for name in model_voices(model):  # spk_dict.pt alone: no torch, no weights
                 print(name, flush=True)
             return
+        if format is not None and output is None:
+            raise UsageError("--format is the format of -o FILE: give -o FILE too")
+        if to_stdout and format is not None and format.strip().lower() != "wav":
+            raise UsageError("-o - streams WAV only: write other formats to a file (-o FILE --format ...)")
+        options = ReplyOptions(voice=voice, greedy=greedy, seed=seed, max_text_tokens=max_text_tokens,
+                               max_codes=max_codes, text_only=text_only, temperature=temperature, top_p=top_p,
+                               top_k=top_k).check()
         play = not text_only and (play or output is None)
-        text = gather_prompt(prompt)
+        text = gather_prompt(prompt, file)
 
-        # Outputs first: a bad path or a missing sound device should not cost a minute of loading.
-        from .sinks import SpeakerSink, WavSink
+        # Outputs and voice first: a bad path or format, a missing sound device or an unknown voice
+        # should not cost a minute of loading.
+        from .sinks import AudioFileSink, SpeakerSink
 
-        wav = WavSink(output) if output is not None and not to_stdout else None
+        outputs.file = AudioFileSink(output, format) if output is not None and not to_stdout else None
         if play:
-            speaker = SpeakerSink(audio_device)
+            outputs.speaker = SpeakerSink(audio_device)
+        if not text_only:
+            from dataclasses import replace
+
+            from .loader import check_voice, model_voices
+
+            # The load that follows gives the demo notice; said twice it would be noise.
+            options = replace(options, voice=check_voice(model_voices(model, notice=False), voice))
         _, err = _consoles()
         assistant = _load(model, device, dtype, err, quiet=quiet, **({} if graphs else {"graphs": False}))
-        from .loader import check_voice
-
-        if not text_only and assistant.has_audio:
-            voice = check_voice(assistant.voices, voice)
         if to_stdout:
             with _stdout_for_wav() as wav_file:
-                reply = _say_once(assistant, text, voice, seed, greedy, max_text_tokens, max_codes, text_only,
-                                  wav, speaker, wav_file, _TextOut(None if quiet else sys.stderr), sinks, interrupt)
+                reply = _say_once(assistant, text, options, outputs, wav_file, _TextOut(None if quiet else sys.stderr),
+                                  interrupt)
         else:
-            reply = _say_once(assistant, text, voice, seed, greedy, max_text_tokens, max_codes, text_only,
-                              wav, speaker, None, _TextOut(sys.stdout), sinks, interrupt)
+            reply = _say_once(assistant, text, options, outputs, None, _TextOut(sys.stdout), interrupt)
         if not quiet:
             seconds = len(reply.audio) / reply.sample_rate if reply.audio is not None else 0.0
-            if wav is not None:
+            if outputs.file is not None:
                 _err(f"wrote {output} ({seconds:.1f} s audio)")
             elif to_stdout:
                 _err(f"wrote {seconds:.1f} s of WAV audio to stdout")
         if verbose:
             from .ui import print_timing
 
-            print_timing(err, reply.stats, speaker.stats if speaker is not None else None)
+            print_timing(err, reply.stats, outputs.speaker.stats if outputs.speaker is not None else None)
     except BaseException as exc:  # noqa: BLE001 - every way out is reported, none with a traceback
         if isinstance(exc, (SystemExit, typer.Exit)):
             raise
-        _exit_on(exc, debug, [*sinks, speaker], interrupt if verbose else None)
+        _exit_on(exc, debug, outputs.sinks(), interrupt if verbose else None)
 
 
-def _say_once(assistant, text, voice, seed, greedy, max_text_tokens, max_codes, text_only, wav, speaker,
-              wav_file, text_out: _TextOut, sinks: list, interrupt):
+@dataclass
+class _Outputs:
+    """Where one omni-say reply's speech goes; each None when not asked for."""
+
+    file: Any = None  # AudioFileSink for -o FILE
+    stream: Any = None  # WavStreamSink on stdout for -o -
+    speaker: Any = None  # SpeakerSink when playing
+
+    def sinks(self) -> list:
+        return [s for s in (self.file, self.stream, self.speaker) if s is not None]
+
+
+def _say_once(assistant, text: str, options, outputs: _Outputs, wav_file, text_out: _TextOut, interrupt):
+    """One reply: text to `text_out`, speech to `outputs` (and, for -o -, a WAV stream on `wav_file`)."""
     from .assistant import AudioBlock, Done, TextDelta
     from .sinks import TeeSink, WavStreamSink
     from .ui import AudioClock, stop_on_interrupt
 
-    parts = [s for s in (wav, WavStreamSink(wav_file) if wav_file is not None else None, speaker) if s is not None]
-    sinks.extend(parts)
+    if wav_file is not None:
+        outputs.stream = WavStreamSink(wav_file)
+    parts = outputs.sinks()
+    speaker = outputs.speaker
     if speaker is not None:
         speaker.open(assistant.sample_rate)  # device errors now, before any generation
     sink = parts[0] if len(parts) == 1 else TeeSink(parts) if parts else None
@@ -370,8 +541,7 @@ def _say_once(assistant, text, voice, seed, greedy, max_text_tokens, max_codes, 
     clock = AudioClock()
     try:
         with stop_on_interrupt(speaker, times=interrupt):
-            events = assistant.stream(text, voice=voice, greedy=greedy, seed=seed, max_text_tokens=max_text_tokens,
-                                      max_codes=max_codes, sink=sink, text_only=text_only)
+            events = assistant.stream(text, options, sink=sink)
             try:
                 for event in events:
                     if isinstance(event, TextDelta):
@@ -382,9 +552,11 @@ def _say_once(assistant, text, voice, seed, greedy, max_text_tokens, max_codes, 
                         reply = event.reply
             finally:
                 events.close()  # on Ctrl-C or an error: stops the engine's threads
-    finally:
+    except BaseException:
         with contextlib.suppress(OutputError):
-            text_out.end()  # the text's line is ended, also before an error message
+            text_out.end()  # the text's line is ended before the error message; the error is what counts
+        raise
+    text_out.end()  # a reader gone by now is still a closed pipe (141), as for any other write
     if sink is not None:
         sink.close()  # a no-op if the engine closed it already
     reply.stats = clock.stats(reply.stats)
@@ -394,7 +566,7 @@ def _say_once(assistant, text, voice, seed, greedy, max_text_tokens, max_codes, 
 # -- omni-chat ---------------------------------------------------------------------------------
 
 
-@chat_app.command()
+@chat_app.command(cls=_OneLineErrors)
 def chat(
     model: ModelOpt = None,
     voice: VoiceOpt = "Chelsie",
@@ -403,6 +575,9 @@ def chat(
     graphs: GraphsOpt = True,
     seed: SeedOpt = None,
     greedy: GreedyOpt = False,
+    temperature: TemperatureOpt = None,
+    top_p: TopPOpt = None,
+    top_k: TopKOpt = None,
     max_text_tokens: MaxTextOpt = None,
     max_codes: MaxCodesOpt = None,
     max_context: Annotated[int, typer.Option("--max-context", min=64, metavar="N", help="Tokens of conversation the model keeps; older turns are dropped, with a notice.")] = 4096,
@@ -412,18 +587,26 @@ def chat(
     list_audio_devices: ListDevicesOpt = False,
     history_file: Annotated[Optional[Path], typer.Option("--history-file", metavar="FILE", show_default=False, dir_okay=False, help="Where the input history is kept (default: ~/.local/share/omni-cli/chat_history).")] = None,
     no_history: Annotated[bool, typer.Option("--no-history", help="Keep no input history on disk (so does OMNI_NOHISTORY=1).")] = False,
+    load: Annotated[Optional[Path], typer.Option(
+        "--load", metavar="PATH", show_default=False, dir_okay=False,
+        help="Resume a conversation saved with /save (PATH or PATH.json): its history is the model's context.")] = None,
     verbose: VerboseOpt = False,
     debug: DebugOpt = False,
+    version: VersionOpt = False,
 ) -> None:
     """Chat with the model: >>> prompts, replies in text and speech, /? for the commands, Ctrl-D to leave."""
     from .ui import end_on_signals, safe_text_streams
 
     safe_text_streams()
     end_on_signals()
+    _report_library_logs()
     try:
         if list_audio_devices:
             _list_devices()
             return
+        # One options object from the flags, checked before the model loads (a bad --top-p is exit 2 now).
+        options = ReplyOptions(voice=voice, seed=seed, greedy=greedy, max_text_tokens=max_text_tokens,
+                               max_codes=max_codes, temperature=temperature, top_p=top_p, top_k=top_k).check()
         from .chat import CHAT_PLAY_HINT, ChatRepl, line_reader
         from .sinks import SpeakerSink
 
@@ -440,12 +623,12 @@ def chat(
             sink.open(assistant.sample_rate)
             return sink
 
-        from .config import ReplyOptions
+        from dataclasses import replace
 
-        options = ReplyOptions(voice=voice, seed=seed, greedy=greedy, max_text_tokens=max_text_tokens,
-                               max_codes=max_codes)
-        repl = ChatRepl(assistant, out, err, options=options, muted=mute, system=system, speaker=speaker,
-                        verbose=verbose, debug=debug)
+        repl = ChatRepl(assistant, out, err, options=replace(options, voice=voice), muted=mute, system=system,
+                        speaker=speaker, verbose=verbose, debug=debug)
+        if load is not None:
+            repl.load_transcript(load)  # an OmniError (one line, exit 2) for a file that is not a transcript
         if _isatty(sys.stdin) and _isatty(sys.stdout):
             code = _chat_in_terminal(repl, err, assistant, history_file, no_history)
         else:

@@ -32,6 +32,13 @@ class AudioDeviceError(OutputError):
     """Sound cannot be played: no PortAudio, no output device, or the device failed. Exit code 1."""
 
 
+class StdoutClosed(OutputError):
+    """Whoever read stdout stopped reading (`omni-say ... | head -c 5`). Not a failure to report: the
+    CLI ends quietly with 141, the status a shell shows for a Unix tool ended by SIGPIPE (128 + 13)."""
+
+    exit_code = 141
+
+
 def known_failure(exc: BaseException) -> BaseException:
     """`exc`, or an OmniError that says what to do when `exc` is a failure with a known cure raised
     below us as a plain exception (running out of device memory)."""

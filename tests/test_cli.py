@@ -1,13 +1,20 @@
-"""omni-say: --help is instant; every bad input is one `error:` line with the right exit code and no
-file left behind; stdin and stdout piping (`echo hi | omni-say -o -`); the flags reach the assistant
-(a fake one, fast); --verbose reports underruns; real runs with the tiny model write whole WAVs.
+"""omni-say (and omni-chat's flags): --help, --version and --list-voices are instant (no torch);
+every bad input, click's own usage errors included, is one `error:` line with the right exit code and no
+file left behind, the cheap checks (format, voice, flag values) before the model loads; stdin, -f FILE
+and stdout piping (`echo hi | omni-say -o -`), a reader that goes away (`| head`) ends quietly with
+141; audio files by extension or --format; the flags reach the assistant as one ReplyOptions (a fake
+assistant, fast); the library's log records become `note:`/`warning:` lines; --verbose reports
+underruns; real runs with the tiny model write whole files; SIGTERM and SIGHUP at each stage of a
+run end it with 128+N and leave no file or a whole one, never a temp file.
 
 Playback through a real PortAudio device is in test_playback.py."""
 
 from __future__ import annotations
 
 import io
+import logging
 import os
+import signal
 import subprocess
 import wave
 import sys
@@ -35,7 +42,8 @@ def test_help_is_instant_and_exits_0(run_cli):
     elapsed = time.perf_counter() - start
     assert result.returncode == 0, result.stderr
     for word in ("omni-say", "--output", "--voice", "--play", "--text-only", "--list-voices", "--list-audio-devices",
-                 "--audio-device", "--verbose", "--quiet", "--debug"):
+                 "--audio-device", "--verbose", "--quiet", "--debug", "--file", "--format", "--temperature", "--top-p",
+                 "--top-k", "--version", "thinker"):
         assert word in result.stdout
     assert result.stderr == ""
     assert elapsed < 5, f"--help took {elapsed:.1f} s"
@@ -71,7 +79,8 @@ def test_chat_help_is_instant(run_chat):
     start = time.perf_counter()
     result = run_chat("--help", timeout=60)
     assert result.returncode == 0, result.stderr
-    for word in ("omni-chat", "--model", "--voice", "--mute", "--system", "--history-file", "--no-history"):
+    for word in ("omni-chat", "--model", "--voice", "--mute", "--system", "--history-file", "--no-history", "--load",
+                 "--temperature", "--top-p", "--top-k", "--version"):
         assert word in result.stdout
     assert time.perf_counter() - start < 5
 
@@ -181,9 +190,12 @@ def test_closed_stdin_is_no_stdin(tmp_path):
 
 
 def test_prompt_longer_than_the_context(run_cli, tmp_path):
-    result = run_cli("-o", tmp_path / "x.wav", "--seed", "0", input="hello " * 5000, cwd=tmp_path)
+    # Longer than the tokenizer's own model_max_length (32768) too, where transformers used to log
+    # "Token indices sequence length is longer than..." ahead of our error.
+    result = run_cli("-o", tmp_path / "x.wav", "--seed", "0", input="hello " * 34000, cwd=tmp_path)
     assert result.returncode == 2, result.stderr
     lines = result.stderr.splitlines()
+    assert len(lines) == 2, result.stderr
     assert lines[0].startswith("note: ")  # the demo model notice
     assert lines[-1].startswith("error: prompt is ") and "the context holds" in lines[-1] and "shorten it" in lines[-1]
     assert "Traceback" not in result.stderr and result.stdout == ""
@@ -217,12 +229,58 @@ def test_omni_model_env_is_the_default(run_cli, tmp_path):
 
 
 def test_default_model_says_it_is_a_demo(run_cli, tmp_path, tiny_model_dir):
-    result = run_cli("hello", "-o", tmp_path / "x.wav", "-v", "Nobody", cwd=tmp_path)
-    assert result.returncode == 2
-    notice, error = result.stderr.splitlines()
+    result = run_cli("--list-voices", cwd=tmp_path)
+    assert (result.returncode, result.stdout) == (0, "Chelsie\nEthan\n")
+    (notice,) = result.stderr.splitlines()
     assert notice.startswith("note: ") and "random" in notice and "OMNI_MODEL" in notice
-    assert error.startswith("error: unknown voice 'Nobody'")
+
+
+def _importtime_run(*args, cwd=None, input=None):
+    """omni-say under `python -X importtime`: (CompletedProcess, the modules it imported, its other stderr)."""
+    result = subprocess.run([sys.executable, "-X", "importtime", "-m", "omni_cli.cli", *map(str, args)], env=cli_env(),
+                            cwd=cwd, capture_output=True, text=True, timeout=120,
+                            stdin=subprocess.DEVNULL if input is None else None, input=input)
+    imported = {line.split("|")[-1].strip() for line in result.stderr.splitlines() if line.startswith("import time:")}
+    rest = [line for line in result.stderr.splitlines() if not line.startswith("import time:")]
+    return result, imported, rest
+
+
+def test_unknown_voice_is_refused_before_the_model_loads(tmp_path):
+    # The default (demo) model: its voices come from spk_dict.pt, read without torch; the demo notice
+    # is left to the load that never happens.
+    start = time.perf_counter()
+    result, imported, rest = _importtime_run("hello", "-o", tmp_path / "x.wav", "-v", "Nobody", cwd=tmp_path)
+    elapsed = time.perf_counter() - start
+    assert result.returncode == 2, rest
+    assert rest == ["error: unknown voice 'Nobody': this model's voices are Chelsie, Ethan"]
+    assert "torch" not in imported and "transformers" not in imported
     assert os.listdir(tmp_path) == []
+    assert elapsed < 10, f"{elapsed:.1f} s"
+
+
+def test_list_voices_imports_no_torch(tmp_path):
+    result, imported, rest = _importtime_run("--list-voices", "-q", cwd=tmp_path)
+    assert (result.returncode, result.stdout, rest) == (0, "Chelsie\nEthan\n", [])
+    assert "zipfile" in imported  # it did read spk_dict.pt ...
+    assert not imported & {"torch", "transformers", "numpy"}  # ... without torch
+
+
+@pytest.mark.parametrize("module, name", [("omni_cli.cli", "omni-say"), ("omni_cli.chat", "omni-chat")])
+def test_version_is_instant(module, name):
+    import omni_cli
+
+    code = (
+        "import sys, runpy\n"
+        f"sys.argv = [{name!r}, '--version']\n"
+        "try:\n"
+        f"    runpy.run_module({module!r}, run_name='__main__')\n"
+        "except SystemExit as exc:\n"
+        "    print('EXIT', exc.code)\n"
+        f"print('HEAVY:' + ','.join(sorted(m for m in {HEAVY!r} if m in sys.modules)))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], env=cli_env(), capture_output=True, text=True, timeout=60)
+    assert result.stdout.splitlines() == [f"{name} {omni_cli.__version__}", "EXIT 0", "HEAVY:"], result.stderr
+    assert result.stderr == ""
 
 
 # -- no sound: errors that say what to do -------------------------------------------------------
@@ -286,16 +344,18 @@ def invoke(*args, input=None):
     return CliRunner().invoke(say_app, [str(a) for a in args], prog_name="omni-say", input=input)
 
 
-def test_flags_reach_the_assistant(fake, tmp_path):
+def test_flags_reach_the_assistant(fake, tmp_path, tiny_model_dir):
     out = tmp_path / "r.wav"
-    result = invoke("Hello", "-o", out, "-v", "ethan", "-m", "some/model", "--device", "cpu", "--dtype",
-                    "float32", "--seed", "7", "--greedy", "--max-text-tokens", "9", "--max-codes", "11")
+    # A real folder: its voices (spk_dict.pt) are checked before the (fake) load.
+    result = invoke("Hello", "-o", out, "-v", "ethan", "-m", tiny_model_dir, "--device", "cpu", "--dtype",
+                    "float32", "--seed", "7", "--greedy", "--max-text-tokens", "9", "--max-codes", "11",
+                    "--temperature", "0.7", "--top-p", "0.8", "--top-k", "20")
     assert result.exit_code == 0, result.output
     assert result.stdout == "Hi there.\n"
     assert result.stderr == f"wrote {out} (0.5 s audio)\n"
-    assert fake.load_args == ("some/model", "cpu", "float32")
-    assert fake.assistant.calls == [dict(prompt="Hello", voice="Ethan", greedy=True, seed=7,
-                                         max_text_tokens=9, max_codes=11, text_only=False)]
+    assert fake.load_args == (str(tiny_model_dir), "cpu", "float32")
+    assert fake.assistant.calls == [dict(prompt="Hello", voice="Ethan", greedy=True, seed=7, max_text_tokens=9,
+                                         max_codes=11, text_only=False, temperature=0.7, top_p=0.8, top_k=20)]
     data, rate = sf.read(out, dtype="float32")
     assert rate == 24_000 and data.shape == (12_000,)
     assert fake.sd.streams == []  # -o alone does not play
@@ -315,7 +375,8 @@ def test_defaults_play_through_the_speakers(fake, tmp_path):
     assert (result.stdout, result.stderr) == ("Hi there.\n", "")
     assert fake.load_args == (None, "auto", "auto")
     assert fake.assistant.calls[0] == dict(prompt="Hello", voice="Chelsie", greedy=False, seed=None,
-                                           max_text_tokens=None, max_codes=None, text_only=False)
+                                           max_text_tokens=None, max_codes=None, text_only=False,
+                                           temperature=None, top_p=None, top_k=None)
     (stream,) = fake.sd.streams
     assert stream.closed
     played = stream.audio
@@ -568,6 +629,7 @@ def test_real_run_default_model_greedy_and_piped_prompt(run_cli, tmp_path, tiny_
     assert result.returncode == 0, result.stderr
     lines = result.stderr.splitlines()
     assert lines[0].startswith("note: ") and lines[-1].startswith(f"wrote {out}")
+    assert sum(line.startswith("note: ") for line in lines) == 1  # the voice check before loading says nothing
     assert sf.info(out).frames > 0
 
 
@@ -622,8 +684,326 @@ def test_wav_on_stdout_through_a_pipe(tmp_path):
 
 
 def test_wav_on_stdout_to_a_closed_pipe(tmp_path):
-    result = _run_shell(f'{OMNI_SAY} -o - "hi" --seed 0 --max-codes 100 | head -c 10 > /dev/null', tmp_path)
-    assert result.returncode == 1
-    err = result.stderr.decode()
-    assert err.splitlines()[-1] == "error: stdout was closed while the WAV was being written"
-    assert "Traceback" not in err
+    # omni-say -o - x | head -c 100: as `yes | head` does, it ends quietly with 141 (128 + SIGPIPE).
+    # -q: the reply's text (on stderr with -o -) and the notes off, so stderr must hold nothing of ours.
+    result = _run_shell(f'{OMNI_SAY} -q -o - "hi" --seed 0 --max-codes 200 | head -c 100 > got.wav; '
+                        'echo "status ${PIPESTATUS[0]}" >&2', tmp_path)
+    assert result.stderr.decode().splitlines() == ["status 141"]  # no error line, no traceback
+    assert (tmp_path / "got.wav").read_bytes()[:4] == b"RIFF" and (tmp_path / "got.wav").stat().st_size == 100
+
+
+def test_text_to_a_closed_pipe_ends_quietly_and_leaves_no_file(tmp_path):
+    # omni-say long-prompt -o s.wav | head -c 5: the reader goes away while the reply's text streams. The
+    # reader here closes its end right after 5 bytes (where head exits), so the rest of the reply hits a
+    # closed pipe for certain; the speech file is dropped as for any interrupted reply.
+    proc = subprocess.Popen([sys.executable, "-m", "omni_cli.cli", "Tell me a long story", "-o", tmp_path / "s.wav",
+                             "--max-text-tokens", "200", "--max-codes", "2000"],
+                            env=cli_env(), cwd=tmp_path, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    try:
+        assert len(proc.stdout.read(5)) == 5
+        proc.stdout.close()
+        err = proc.stderr.read().decode()
+        assert proc.wait(120) == 141, err
+    finally:
+        proc.kill()
+        proc.wait()
+    assert [line for line in err.splitlines() if not line.startswith("note: ")] == []
+    assert os.listdir(tmp_path) == []
+
+
+def test_list_voices_into_a_closed_pipe(run_cli, tmp_path):
+    result = _run_shell(f'{OMNI_SAY} --list-voices -q | head -c 1; echo " status ${{PIPESTATUS[0]}}" >&2', tmp_path)
+    assert result.stdout == b"C"
+    assert result.stderr.decode().strip() in ("status 141", "status 0")  # 0 when both names fit before head left
+    assert "error" not in result.stderr.decode()
+
+
+# -- usage errors: one line, exit 2, before the model loads, for omni-say and omni-chat ----------
+
+
+def invoke_chat(*args, input=None):
+    from omni_cli.cli import chat_app
+
+    return CliRunner().invoke(chat_app, [str(a) for a in args], prog_name="omni-chat", input=input)
+
+
+USAGE_ERRORS = [
+    (["--max-codes", "-5"], "error: invalid value for '--max-codes': "),
+    (["--max-codes", "0"], "error: invalid value for '--max-codes': "),
+    (["--seed", "abc"], "error: invalid value for '--seed': "),
+    (["--temperature", "warm"], "error: invalid value for '--temperature': "),
+    (["--bogus"], "error: no such option: --bogus"),
+    (["--voice"], "error: option '--voice' requires an argument"),
+    (["--top-p", "1.5"], "error: top_p must be above 0 and at most 1 (got 1.5)"),
+    (["--top-k", "-1"], "error: top_k must be 0 (off) or more (got -1)"),
+    (["--temperature", "-0.5"], "error: temperature must be between 0 and 100 (got -0.5)"),
+]
+
+
+@pytest.mark.parametrize("args, start", USAGE_ERRORS, ids=lambda v: " ".join(v) if isinstance(v, list) else None)
+@pytest.mark.parametrize("command", ["omni-say", "omni-chat"])
+def test_usage_errors_are_one_line(fake, command, args, start):
+    result = invoke("Hello", *args) if command == "omni-say" else invoke_chat(*args, input="hi\n")
+    assert result.exit_code == 2, result.output
+    assert result.stdout == ""
+    (line,) = result.stderr.splitlines()
+    assert line.startswith(start), line
+    if not start.startswith(("error: top_", "error: temperature must")):  # click's own: point at --help
+        assert line.endswith(f"(see {command} --help)"), line
+    assert fake.load_args is None  # refused before any loading
+
+
+def test_usage_errors_of_the_real_programs(run_cli, run_chat, tmp_path):
+    """The same through `python -m` (the entry points' path), with an extra argument as well."""
+    result = run_cli("hi", "there", "-o", tmp_path / "x.wav", cwd=tmp_path)
+    assert assert_one_error_line(result, 2) == "error: got unexpected extra argument(s) (there) (see omni-say --help)"
+    result = run_chat("--max-context", "ten", cwd=tmp_path)
+    assert assert_one_error_line(result, 2).startswith("error: invalid value for '--max-context': ")
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("args, words", [
+    (["-o", "x.txt"], ["cannot write x.txt: unknown audio file extension '.txt'", ".wav", ".flac", ".opus"]),
+    (["-o", "x.wav", "--format", "aiff"], ["cannot write audio format 'aiff': supported formats are wav, flac"]),
+    (["--format", "flac"], ["--format is the format of -o FILE"]),
+    (["-o", "-", "--format", "flac"], ["-o - streams WAV only"]),
+])
+def test_bad_format_is_a_usage_error_before_loading(fake, tmp_path, monkeypatch, args, words):
+    monkeypatch.chdir(tmp_path)
+    result = invoke("Hello", *args)
+    assert result.exit_code == 2
+    assert result.stdout == "" and result.stderr.count("\n") == 1
+    for word in words:
+        assert word in result.stderr
+    assert fake.load_args is None
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("args, name, major", [(["-o", "r.flac"], "r.flac", "FLAC"), (["-o", "r.ogg"], "r.ogg", "OGG"),
+                                               (["-o", "r.opus"], "r.opus", "OGG"), (["-o", "r.mp3"], "r.mp3", "MP3"),
+                                               (["-o", "r.audio", "--format", "FLAC"], "r.audio", "FLAC"),
+                                               (["-o", "r.wav", "--format", "opus"], "r.wav", "OGG")])
+def test_output_formats(fake, tmp_path, args, name, major):
+    from omni_cli.sinks import FILE_FORMATS, writable_formats
+
+    wanted = (args[3] if "--format" in args else name.rsplit(".", 1)[1]).lower()
+    if wanted in FILE_FORMATS and wanted not in writable_formats():
+        pytest.skip(f"this libsndfile cannot write {wanted}")
+    result = invoke("Hello", *[str(tmp_path / a) if a == name else a for a in args])
+    assert result.exit_code == 0, result.output
+    assert result.stderr == f"wrote {tmp_path / name} (0.5 s audio)\n"
+    info = sf.info(tmp_path / name)
+    assert (info.format, info.samplerate, info.channels) == (major, 24_000, 1)
+    assert len(sf.read(tmp_path / name)[0]) == 12_000  # the whole reply, to the sample
+    assert os.listdir(tmp_path) == [name]
+
+
+# -- the prompt from a file ---------------------------------------------------------------------
+
+
+def test_prompt_from_a_file_then_the_argument(fake, tmp_path):
+    (tmp_path / "notes.txt").write_text("\ufeffFirst line\nsecond line\n", encoding="utf-8")
+    result = invoke("-f", tmp_path / "notes.txt", "Summarize this.", "-o", tmp_path / "r.wav", input="ignored stdin\n")
+    assert result.exit_code == 0, result.output
+    assert fake.assistant.calls[-1]["prompt"] == "First line\nsecond line\nSummarize this."
+    result = invoke("--file", "-", "-o", tmp_path / "r.wav", input="From stdin\n")
+    assert result.exit_code == 0, result.output
+    assert fake.assistant.calls[-1]["prompt"] == "From stdin"
+
+
+@pytest.mark.parametrize("content, words", [(None, ["cannot read the prompt file", "no such file"]),
+                                            (b"caf\xe9", ["the prompt file", "is not UTF-8 text (byte 0xe9 at offset 3)",
+                                                          "iconv"]),
+                                            (b" \n", ["empty prompt: the prompt file", "holds no text"]),
+                                            ("folder", ["cannot read the prompt file", "it is a folder"])])
+def test_bad_prompt_file(fake, tmp_path, content, words):
+    path = tmp_path / "prompt.txt"
+    if content == "folder":
+        path.mkdir()
+    elif content is not None:
+        path.write_bytes(content)
+    result = invoke("-f", path, "-o", tmp_path / "r.wav")
+    assert result.exit_code == 2
+    assert result.stdout == "" and result.stderr.count("\n") == 1 and result.stderr.startswith("error: ")
+    for word in words:
+        assert word in result.stderr
+    assert fake.load_args is None
+    assert "r.wav" not in os.listdir(tmp_path)
+
+
+# -- the library logs, the faces print ----------------------------------------------------------
+
+
+def test_library_notes_and_warnings_become_lines_on_stderr(fake, tmp_path, monkeypatch):
+    import omni_cli
+
+    def load(*args, **kwargs):
+        fake.load_args = args
+        logging.getLogger("omni_cli.loader").info("no model given, using the demo")
+        logging.getLogger("omni_cli.loader").warning("tiny lacks 3 weights\n(first: x): they are random")
+        return fake.assistant
+
+    monkeypatch.setattr(omni_cli, "load", load)
+    result = invoke("Hello", "-o", tmp_path / "r.wav")
+    assert result.exit_code == 0, result.output
+    assert result.stderr.splitlines() == ["note: no model given, using the demo",
+                                          "warning: tiny lacks 3 weights (first: x): they are random",
+                                          f"wrote {tmp_path / 'r.wav'} (0.5 s audio)"]
+    result = invoke("Hello", "-q", "-o", tmp_path / "r.wav")  # --quiet: notes off, warnings stay
+    assert result.stderr.splitlines() == ["warning: tiny lacks 3 weights (first: x): they are random"]
+
+
+def test_the_loader_does_not_print(tiny_model_dir, capsys, caplog):
+    from omni_cli.loader import model_voices
+
+    with caplog.at_level(logging.INFO, logger="omni_cli"):
+        assert model_voices() == ["Chelsie", "Ethan"]
+        assert model_voices(notice=False) == ["Chelsie", "Ethan"]
+    assert capsys.readouterr() == ("", "")
+    notes = [r for r in caplog.records if r.name == "omni_cli.loader"]
+    assert len(notes) == 1 and notes[0].levelno == logging.INFO and "demo model" in notes[0].getMessage()
+
+
+def test_list_voices_refuses_code_in_spk_dict(tmp_path, tiny_model_dir):
+    """spk_dict.pt is read without torch by a restricted unpickler: a file that asks for anything but
+    containers and tensors is handed to torch's own weights-only loader, which refuses it too; nothing
+    in it runs."""
+    import pickle
+    import zipfile
+
+    from omni_cli.errors import ModelError
+    from omni_cli.loader import model_voices
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {tmp_path / 'pwned'}",))
+
+    folder = _copy_of_tiny(tiny_model_dir, tmp_path / "m")
+    (folder / "spk_dict.pt").unlink()
+    with zipfile.ZipFile(folder / "spk_dict.pt", "w") as z:
+        z.writestr("spk_dict/data.pkl", pickle.dumps({"Chelsie": Evil()}))
+    with pytest.raises(ModelError, match="cannot read spk_dict.pt"):
+        model_voices(folder)
+    assert not (tmp_path / "pwned").exists()
+
+
+# -- omni-chat's new flags ----------------------------------------------------------------------
+
+
+def test_chat_flags_become_one_reply_options_and_load_resumes(fake, monkeypatch, tmp_path):
+    from omni_cli.chat import ChatRepl
+
+    seen = []
+    monkeypatch.setattr(ChatRepl, "load_transcript", lambda self, path: seen.append(("load", str(path))))
+    real_run = ChatRepl.run
+    monkeypatch.setattr(ChatRepl, "run", lambda self, read: seen.append(("run", self.options)) or real_run(self, read))
+    result = invoke_chat("--mute", "--load", tmp_path / "saved", "--temperature", "0.5", "--top-p", "0.9", "--top-k", "5",
+                         "--seed", "3", "--max-codes", "40", "-v", "ethan", input="Hello\n")
+    assert result.exit_code == 0, result.output
+    assert seen[0] == ("load", str(tmp_path / "saved"))  # before the conversation runs
+    options = seen[1][1]
+    assert (options.temperature, options.top_p, options.top_k, options.seed, options.max_codes, options.voice) == (
+        0.5, 0.9, 5, 3, 40, "Ethan")
+    call = fake.assistant.calls[0]
+    assert (call["prompt"], call["temperature"], call["top_p"], call["top_k"]) == ("Hello", 0.5, 0.9, 5)
+
+
+def test_chat_load_of_a_missing_transcript_is_one_line(fake, tmp_path):
+    result = invoke_chat("--mute", "--load", tmp_path / "nothing", input="Hello\n")
+    assert result.exit_code == 2
+    assert result.stderr.count("\n") == 1 and result.stderr.startswith("error: cannot load ")
+    assert fake.assistant.calls == []
+
+
+# -- signals: SIGTERM (kill) and SIGHUP (terminal closed) at each stage of omni-say -o FILE ------
+
+# Runs omni-say with AudioFileSink's close slowed down between finishing the file and renaming it,
+# and a marker on stderr when it gets there, so a signal can be sent right inside the final close.
+SLOW_CLOSE = r"""
+import sys, time, soundfile
+real_close = soundfile.SoundFile.close
+def slow_close(self):
+    real_close(self)
+    if str(self.name).endswith(".part"):
+        print("closing", file=sys.stderr, flush=True)
+        time.sleep(1.5)
+soundfile.SoundFile.close = slow_close
+sys.argv = ["omni-say", *sys.argv[1:]]
+from omni_cli.cli import say_main
+say_main()
+"""
+
+
+def _wait_for(stream, marker: bytes, limit: float = 120) -> bytes:
+    """Read `stream` line by line (or, for an empty marker, one byte) until `marker` shows up."""
+    seen = b""
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        chunk = stream.read(1) if not marker else stream.readline()
+        if not chunk:
+            raise AssertionError(f"ended before {marker!r}: {seen!r}")
+        seen += chunk
+        if not marker or marker in chunk:
+            return seen
+    raise AssertionError(f"no {marker!r} within {limit} s")
+
+
+@pytest.mark.parametrize("stage, signum", [("loading", signal.SIGTERM), ("loading", signal.SIGHUP),
+                                           ("generating", signal.SIGTERM), ("generating", signal.SIGHUP),
+                                           ("closing", signal.SIGTERM)])
+def test_signal_leaves_no_file_or_a_whole_one(tmp_path, stage, signum):
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    out = out_dir / "reply.wav"
+    # No -m: the default model, whose notice is logged when the load starts (after torch is imported).
+    args = ["Tell me a long story", "-o", out, "--seed", "0", "--max-text-tokens", "40"]
+    if stage == "closing":
+        cmd = [sys.executable, "-c", SLOW_CLOSE, *map(str, args), "--max-codes", "30"]
+    else:
+        cmd = [sys.executable, "-m", "omni_cli.cli", *map(str, args), "--max-codes", "3000"]
+    proc = subprocess.Popen(cmd, env=cli_env(), cwd=tmp_path, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        if stage == "loading":
+            _wait_for(proc.stderr, b"note: no model given")
+        elif stage == "generating":
+            _wait_for(proc.stdout, b"")  # the reply's first text: generation is under way
+        else:
+            _wait_for(proc.stderr, b"closing")
+        proc.send_signal(signum)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    err = err.decode()
+    assert proc.returncode == 128 + signum, err
+    assert "Traceback" not in err and "error" not in err
+    assert err.splitlines()[-1] == f"terminated (signal {signum})"
+    left = os.listdir(out_dir)
+    if stage == "closing" and left:  # the file was finished before the signal: it stays, whole
+        assert left == ["reply.wav"]
+        assert 0 < sf.info(out).frames == len(sf.read(out)[0])
+    else:
+        assert left == []  # nothing, and above all no .part
+
+
+def test_omni_chat_killed_in_a_long_reply_exits_143(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-m", "omni_cli.chat", "--mute", "--max-text-tokens", "3000"],
+                            env=cli_env(), cwd=tmp_path, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        proc.stdin.write(b"Tell me a very long story\n")
+        proc.stdin.flush()  # stdin stays open: the chat would wait for the next line, not end
+        _wait_for(proc.stdout, b"")
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    err = err.decode()
+    assert proc.returncode == 143, err
+    assert "Traceback" not in err and "error" not in err
+    assert os.listdir(tmp_path) == []
