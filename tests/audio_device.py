@@ -20,6 +20,7 @@ import shutil
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -115,6 +116,53 @@ def trim_silence(x: np.ndarray) -> np.ndarray:
     """Without the exact zeros at both ends (the silence a stream plays before and after the reply)."""
     nz = np.flatnonzero(x)
     return x[nz[0]:nz[-1] + 1] if nz.size else x[:0]
+
+
+@dataclass
+class Heard:
+    """What a listener got from a device's output, told apart from the silence around and inside it."""
+
+    samples: np.ndarray  # the sound, in order, without any silence (exact zeros) that was played
+    gaps: int  # silent stretches between two samples of sound: each one a break a person hears
+    gap_samples: int  # samples of silence in those gaps
+    gap_lengths: list[int]
+
+
+def heard(played: np.ndarray) -> Heard:
+    """Split what a device played into the sound and the silent gaps inside it.
+
+    A speaker fills exact zeros before the reply (start-up buffer), after it (the rest of the last
+    buffer, an idle stream) and wherever it ran dry in between (an underrun). Speech, even noise out of
+    a vocoder, has no run of exact float zeros, so every zero inside the sound is inserted silence:
+    comparing `samples` with the reply's audio checks that every sample played, once, in order, and
+    `gaps` is what the speaker should have counted as underruns. (A caller checks that its reply has no
+    exact zeros of its own, which would break that premise: `assert_no_zeros`.)
+    """
+    played = np.asarray(played)
+    at = np.flatnonzero(played)
+    if at.size == 0:
+        return Heard(played[:0], 0, 0, [])
+    between = np.diff(at) - 1  # zeros between consecutive samples of sound
+    lengths = [int(n) for n in between[between > 0]]
+    return Heard(played[at], len(lengths), int(sum(lengths)), lengths)
+
+
+def assert_no_zeros(reply: np.ndarray, what: str = "the reply") -> None:
+    zeros = reply.size - np.count_nonzero(reply)
+    assert zeros == 0, f"{what} has {zeros} exact zero samples: silence inserted by underruns cannot be told from them"
+
+
+def assert_underruns_reported(sound: Heard, stats: dict, rate: int = RATE) -> None:
+    """The speaker's underrun count and silence equal the gaps found in what the device played.
+
+    PortAudio may itself fill a buffer the callback was late for (it then flags `output_underflow`,
+    counted as `device_underflows`): only then may there be more gaps than the speaker counted.
+    """
+    detail = f"gaps in the sound {sound.gap_lengths} samples; the speaker said {stats}"
+    extra = stats.get("device_underflows", 0)
+    assert stats["underruns"] <= sound.gaps <= stats["underruns"] + extra, detail
+    if sound.gaps == stats["underruns"]:
+        assert round(stats["underrun_seconds"] * rate) == sound.gap_samples, detail
 
 
 def _required() -> bool:
