@@ -667,28 +667,54 @@ class SpeakerSink(_SinkBase):
     """Plays the reply through a sound device as it is produced.
 
     A PortAudio callback stream pulls fixed-size buffers from a FIFO of the written blocks (a block
-    may be split across callbacks). The callback only copies: it plays silence until `prebuffer`
-    seconds are queued (or the reply has ended), and when the FIFO runs dry mid-reply it fills
-    silence and counts an underrun. `close()` marks the end of input; the callback then plays out
+    may be split across callbacks). The callback only copies: it plays silence until the start-up
+    buffer is full (the adaptive start below, or the reply has ended), and when the FIFO runs dry
+    mid-reply it fills silence; a dry spell that the reply's sound then resumes after is one
+    underrun (`underruns`, `underrun_frames`: the silent gaps a listener hears inside the reply; a
+    spell the end of input follows is only the reply's end). `close()` marks the end of input; the callback then plays out
     what is left and raises `CallbackStop`, PortAudio calls `finished_callback` once the last buffer
     has been played, and that sets the event `close()` waits on. `abort()` stops the sound at once
     (Pa_AbortStream) and may be called from any thread, e.g. a Ctrl-C handler; later `write()`s are
     dropped, and the stopped stream is closed at the next `open()` (closing can wait on the driver).
+
+    Adaptive start: playback starts at the first `write()` after which the queued audio B covers
+    what playing through needs, `B >= clamp(max(horizon * (1 - rate), next_wait), prebuffer, max_prebuffer)`:
+    - `rate`: seconds of audio produced per second since `start()` (when the producer began), from
+      the blocks' arrival times; below 1 the producer is slower than the device. Audio made at `rate`
+      and played at 1 falls behind by (1 - rate) s per second played, so a reply that goes on for
+      `horizon` more seconds needs `horizon * (1 - rate)` in hand to never run dry. The sink does not
+      know the reply's length: `horizon` is a typical spoken reply's (3 s); a longer one from a producer
+      that stays slower than real time can still run dry later (no finite buffer saves it).
+    - `next_wait`: how long the next block may take, from the last wait between blocks, grown as the
+      last block grew over the one before (at most doubled). Producers deliver in bursts: a chunked
+      vocoder's blocks grow (0.04, 0.48, 0.96, ... s) and each takes its length times the real-time
+      factor to make, so a producer faster than real time on average (rate above 1) can still keep
+      the device waiting for a block longer than what it has queued.
+    - `prebuffer` (floor): jitter room even for a fast producer; `max_prebuffer` (cap): the most it
+      waits for. The end of input (`close()`) starts playback whatever is queued.
+    A fast producer thus starts at the floor; one only just faster than real time starts later and
+    plays through. `stats` says when and why: `start_wait` (seconds from the first block to the start),
+    `start_reason` ("buffer filled": the floor; "production rate" / "block gaps": the term that asked
+    for more; "reply ended"), `start_buffered` / `start_needed` (seconds), `production_rate`.
 
     The device is checked in the constructor (sounddevice imported here, lazily), so a missing
     PortAudio or sound card is reported before a model is loaded. `backend` replaces the
     sounddevice module (tests pass a fake with OutputStream, CallbackStop and query_devices).
     """
 
-    def __init__(self, device: str | int | None = None, *, prebuffer: float = 0.2, latency: Any = "high",
-                 blocksize: int = 0, hint: str = PLAY_HINT, backend: Any = None) -> None:
+    def __init__(self, device: str | int | None = None, *, prebuffer: float = 0.2, max_prebuffer: float = 4.0,
+                 horizon: float = 3.0, latency: Any = "high", blocksize: int = 0, hint: str = PLAY_HINT,
+                 backend: Any = None) -> None:
         super().__init__()
         self._sd = backend if backend is not None else import_sounddevice(hint)
         self.hint = hint
         # The chosen device: index, name, hostapi, channels, samplerate, default.
         self.device = find_output_device(device, self._sd, hint)
-        # Seconds of audio queued before playback starts (the start-up buffer).
+        # The adaptive start (see the class docstring): the least and the most audio (seconds) queued
+        # before playback starts, and the reply length (seconds to come) the producer's rate is judged over.
         self.prebuffer = float(prebuffer)
+        self.max_prebuffer = max(float(max_prebuffer), self.prebuffer)
+        self.horizon = float(horizon)
         # PortAudio's suggested latency ("low", "high" or seconds) and frames per callback (0 = its choice).
         self.latency = latency
         self.blocksize = int(blocksize)
@@ -698,7 +724,10 @@ class SpeakerSink(_SinkBase):
         self._queued = 0  # samples in the FIFO
         self._primed = False  # the start-up buffer is full (or the input ended): play from the FIFO
         self._eof = False  # close() was called: no more input
-        self._starving = False  # the FIFO ran dry and has not been refilled yet
+        self._starving = False  # the FIFO ran dry and no sound has been played since
+        self._dry_frames = 0  # silence of the current dry spell: an underrun once the sound resumes
+        self._arrivals: list[tuple[float, int]] = []  # (perf_counter, samples) of the last two writes
+        self._longest_wait = 0.0  # longest time between two writes so far (seconds)
         self._stream: Any = None
         self._stream_rate: int | None = None
         # Set when the stream has stopped: played out, aborted, or died.
@@ -714,6 +743,14 @@ class SpeakerSink(_SinkBase):
         self.max_queued = 0
         # time.perf_counter() of start(), of the first audible buffer, of abort(); None until then.
         self.start_time: float | None = None
+        self.first_write_time: float | None = None
+        self.play_time: float | None = None  # when the start-up buffer was judged full
+        # Why playback started then, how much was queued and asked for, and the producer's rate (audio
+        # seconds per second) at that moment; None until it started.
+        self.start_reason: str | None = None
+        self.start_buffered: float | None = None
+        self.start_needed: float | None = None
+        self.production_rate: float | None = None
         self.first_sound_time: float | None = None
         self.abort_time: float | None = None
         # time.perf_counter() when abort() had stopped the stream (the sound is off from then on).
@@ -782,18 +819,21 @@ class SpeakerSink(_SinkBase):
                     self._head = 0
             self._queued -= n
             self.played += n
-            if n and self.first_sound_time is None:
-                self.first_sound_time = time.perf_counter()
+            if n:
+                if self.first_sound_time is None:
+                    self.first_sound_time = time.perf_counter()
+                if self._starving:  # the sound resumes after a dry spell: a gap inside the reply
+                    self.underruns += 1
+                    self.underrun_frames += self._dry_frames
+                    self._starving = False
+                    self._dry_frames = 0
             if n < frames:
                 out[n:] = 0
                 if self._eof:
                     raise self._sd.CallbackStop  # this buffer still plays; then finished_callback
-                if not self._starving:
-                    self.underruns += 1
-                    self._starving = True
-                self.underrun_frames += frames - n
-            else:
-                self._starving = False
+                # Counted when the sound resumes: a spell that the end of input follows is no gap.
+                self._starving = True
+                self._dry_frames += frames - n
 
     def _on_finished(self) -> None:
         self.finished.set()
@@ -806,15 +846,51 @@ class SpeakerSink(_SinkBase):
         if self.finished.is_set():
             raise AudioDeviceError(f"the audio device '{self.device['name']}' stopped playing (was it unplugged?); {self.hint}")
         arr = as_block(block).copy()
+        now = time.perf_counter()
         with self._lock:
             if self.aborted:
                 return
             self._fifo.append(arr)
             self._queued += arr.shape[0]
             self.max_queued = max(self.max_queued, self._queued)
-            if not self._primed and self._queued >= self.prebuffer * self.sample_rate:
-                self._primed = True
-        self.samples += int(arr.shape[0])
+            self.samples += int(arr.shape[0])
+            self._note_arrival(now, int(arr.shape[0]))
+            if not self._primed:
+                needed, reason = self._start_needed(now)
+                if self._queued >= needed * self.sample_rate:
+                    self._prime(now, reason, needed)
+
+    def _note_arrival(self, now: float, samples: int) -> None:
+        if self.first_write_time is None:
+            self.first_write_time = now
+        if self._arrivals:
+            self._longest_wait = max(self._longest_wait, now - self._arrivals[-1][0])
+        self._arrivals = (self._arrivals + [(now, samples)])[-2:]
+
+    def _start_needed(self, now: float) -> tuple[float, str]:
+        """Seconds of audio to queue before playing, and which term asks for them (class docstring)."""
+        rate = self.production_rate = self.samples / self.sample_rate / max(now - (self.start_time or now), 1e-6)
+        by_rate = self.horizon * (1.0 - rate)
+        next_wait = 0.0
+        if len(self._arrivals) == 2:
+            (t0, n0), (t1, n1) = self._arrivals
+            next_wait = max(self._longest_wait, (t1 - t0) * min(2.0, max(1.0, n1 / max(n0, 1))))
+        needed, reason = self.prebuffer, "buffer filled"
+        if by_rate > needed:
+            needed, reason = by_rate, "production rate"
+        if next_wait > needed:
+            needed, reason = next_wait, "block gaps"
+        if needed > self.max_prebuffer:
+            needed, reason = self.max_prebuffer, reason + " (capped)"
+        return needed, reason
+
+    def _prime(self, now: float, reason: str, needed: float) -> None:
+        """Start playing from the FIFO (the callback reads `_primed`); the caller holds the lock."""
+        self._primed = True
+        self.play_time = now
+        self.start_reason = reason
+        self.start_needed = needed
+        self.start_buffered = self._queued / self.sample_rate
 
     def close(self) -> None:
         """Play out what is queued and wait (on the finished event) until the device has played it."""
@@ -823,9 +899,14 @@ class SpeakerSink(_SinkBase):
         if not self.started:
             self.closed = True
             return
-        # No lock here: a Ctrl-C handler may call abort() on this thread at any moment.
+        # No lock here: a Ctrl-C handler may call abort() on this thread at any moment, and abort()
+        # takes the lock. Unprimed, the callback only reads `_primed`, so the fields are set first.
         self._eof = True
-        self._primed = True
+        if not self._primed:
+            self.play_time = time.perf_counter()
+            self.start_reason = "reply ended"
+            self.start_buffered = self._queued / self.sample_rate
+            self._primed = True
         latency = getattr(self._stream, "latency", 0.0) or 0.0
         timeout = self._queued / self.sample_rate + float(latency) + 5.0
         try:
@@ -863,7 +944,9 @@ class SpeakerSink(_SinkBase):
 
     @property
     def stats(self) -> dict:
-        """Playback figures: underruns, underrun_seconds, device_underflows, played_seconds, max_queued_seconds."""
+        """Playback figures: underruns, underrun_seconds, device_underflows, played_seconds, max_queued_seconds;
+        start_delay (start() to the first sound); the adaptive start: start_wait (first block to the
+        start), start_reason, start_buffered, start_needed, production_rate (see the class docstring)."""
         rate = self.sample_rate or SAMPLE_RATE
         return {
             "underruns": self.underruns,
@@ -873,6 +956,12 @@ class SpeakerSink(_SinkBase):
             "max_queued_seconds": self.max_queued / rate,
             "start_delay": (self.first_sound_time - self.start_time)
             if self.first_sound_time is not None and self.start_time is not None else None,
+            "start_wait": (self.play_time - self.first_write_time)
+            if self.play_time is not None and self.first_write_time is not None else None,
+            "start_reason": self.start_reason,
+            "start_buffered": self.start_buffered,
+            "start_needed": self.start_needed,
+            "production_rate": self.production_rate,
         }
 
 

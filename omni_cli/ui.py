@@ -86,6 +86,14 @@ def timing_lines(stats: dict, playback: dict | None = None, played: bool = False
     ]
     if playback and playback.get("start_delay") is not None:
         rows.append(("time to first sound", _fmt_seconds(playback["start_delay"])))
+    if playback and playback.get("start_reason"):
+        # The speaker's adaptive start: how long it held the first audio back, and why.
+        queued = playback.get("start_buffered")
+        detail = playback["start_reason"] + (f", {queued:.2f} s queued" if queued is not None else "")
+        rate = playback.get("production_rate")
+        if rate is not None and rate < 100:  # above that, the first block came at once: no estimate yet
+            detail += f", audio made at {rate:.2f}x real time"
+        rows.append(("playback waited", f"{_fmt_seconds(playback.get('start_wait'))} ({detail})"))
     audio = stats.get("audio_seconds") or 0.0
     # "audio_done": when the last audio block was handed over (set by the CLI); the engine's total_time
     # also counts the wait for the speaker to play out, which is not generation time.
