@@ -23,6 +23,8 @@ from typing import Optional
 
 import typer
 
+from .cli import VersionOpt  # imports neither torch nor numpy
+
 PRESETS = {
     # True sizes of Qwen2.5-Omni-7B (see shared notes).
     "qwen2.5-omni-7b": dict(
@@ -415,6 +417,7 @@ def main(
     variants: bool = typer.Option(False, "--variants", help="time each decode-step variant (eager, fused, graphs, graphs+compile)"),
     schedules: bool = typer.Option(False, "--schedules", help="time the vocoder's steady chunk sizes side by side"),
     as_json: bool = typer.Option(False, "--json", help="print JSON instead of a table"),
+    version: VersionOpt = False,
 ) -> None:
     """Benchmark one reply at forced lengths on random weights."""
     import torch

@@ -113,7 +113,7 @@ ModelOpt = Annotated[Optional[str], typer.Option(
     "--model", "-m", metavar="FOLDER|HUB_ID", show_default=False,
     help="Model folder or hub id (e.g. Qwen/Qwen2.5-Omni-7B). Default: $OMNI_MODEL, else the built-in "
     "tiny random-weight demo model.")]
-VoiceOpt = Annotated[str, typer.Option("--voice", "-v", metavar="NAME", help="Voice from the model's spk_dict.pt (Qwen2.5-Omni: Chelsie, Ethan).")]
+VoiceOpt = Annotated[Optional[str], typer.Option("--voice", "-v", metavar="NAME", show_default=False, help="Voice from the model's spk_dict.pt (Qwen2.5-Omni: Chelsie, the default, or Ethan); see --list-voices.")]
 DeviceOpt = Annotated[str, typer.Option("--device", metavar="DEVICE", help="auto, cpu, cuda, cuda:N, npu, mps.")]
 DtypeOpt = Annotated[str, typer.Option("--dtype", metavar="DTYPE", help="auto (bfloat16 on accelerators, float32 on CPU), float32, bfloat16, float16.")]
 GraphsOpt = Annotated[bool, typer.Option("--graphs/--no-graphs", help="CUDA graphs and compiled decode steps on a GPU (a no-op on CPU); --no-graphs runs them eagerly, as does OMNI_NO_GRAPHS=1.")]
@@ -328,6 +328,20 @@ def _load(model, device, dtype, err, quiet: bool = False, **runtime):
         return omni_cli.load(model, device=device, dtype=dtype, **kwargs)
 
 
+def _checked_voice(options, model):
+    """`options` with its voice checked against the model's spk_dict.pt before the model loads (an
+    unknown voice is a usage error in a fraction of a second, not after loading); None stays None: the
+    model's default voice."""
+    if options.voice is None:
+        return options
+    from dataclasses import replace
+
+    from .loader import check_voice, model_voices
+
+    # The load that follows gives the demo notice; said twice it would be noise.
+    return replace(options, voice=check_voice(model_voices(model, notice=False), options.voice))
+
+
 def _list_devices() -> None:
     from .sinks import output_devices
 
@@ -371,10 +385,20 @@ class _TextOut:
     """Where the reply's text streams: stdout, or stderr when stdout carries the WAV, or nowhere."""
 
     def __init__(self, stream) -> None:
+        from .ui import StreamWrapper, terminal_width
+
         self.stream = stream
         self.written = False
+        # On a terminal, words wrap at its width as they stream; a pipe or a file gets the text as is.
+        width = terminal_width(stream) if stream is not None else None
+        self.wrapper = StreamWrapper(width) if width else None
 
     def write(self, text: str) -> None:
+        if self.wrapper is not None:
+            text = self.wrapper.feed(text)
+        self._write(text)
+
+    def _write(self, text: str) -> None:
         if self.stream is None or not text:
             return
         try:
@@ -386,8 +410,10 @@ class _TextOut:
         self.written = True
 
     def end(self) -> None:
+        if self.wrapper is not None:
+            self._write(self.wrapper.end())
         if self.stream is not None and self.written:
-            self.write("\n")
+            self._write("\n")
 
 
 def _silence_stdout() -> None:
@@ -422,7 +448,7 @@ def say(
         "--format", metavar="FORMAT", show_default=False,
         help=f"The audio format of -o FILE whatever its extension: {FORMAT_NAMES}.")] = None,
     play: Annotated[bool, typer.Option("--play", help="Play through the speakers too when -o is given.")] = False,
-    voice: VoiceOpt = "Chelsie",
+    voice: VoiceOpt = None,
     model: ModelOpt = None,
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "auto",
@@ -482,12 +508,7 @@ def say(
         if play:
             outputs.speaker = SpeakerSink(audio_device)
         if not text_only:
-            from dataclasses import replace
-
-            from .loader import check_voice, model_voices
-
-            # The load that follows gives the demo notice; said twice it would be noise.
-            options = replace(options, voice=check_voice(model_voices(model, notice=False), voice))
+            options = _checked_voice(options, model)
         _, err = _consoles()
         assistant = _load(model, device, dtype, err, quiet=quiet, **({} if graphs else {"graphs": False}))
         if to_stdout:
@@ -569,7 +590,7 @@ def _say_once(assistant, text: str, options, outputs: _Outputs, wav_file, text_o
 @chat_app.command(cls=_OneLineErrors)
 def chat(
     model: ModelOpt = None,
-    voice: VoiceOpt = "Chelsie",
+    voice: VoiceOpt = None,
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "auto",
     graphs: GraphsOpt = True,
@@ -612,20 +633,16 @@ def chat(
 
         if not mute:
             SpeakerSink(audio_device, hint=CHAT_PLAY_HINT)  # PortAudio and a device, before loading
+        options = _checked_voice(options, model)
         out, err = _consoles()
         assistant = _load(model, device, dtype, err, max_context=max_context, **({} if graphs else {"graphs": False}))
-        from .loader import check_voice
-
-        voice = check_voice(assistant.voices, voice) if assistant.has_audio else voice
 
         def speaker():
             sink = SpeakerSink(audio_device, hint=CHAT_PLAY_HINT)
             sink.open(assistant.sample_rate)
             return sink
 
-        from dataclasses import replace
-
-        repl = ChatRepl(assistant, out, err, options=replace(options, voice=voice), muted=mute, system=system,
+        repl = ChatRepl(assistant, out, err, options=options, muted=mute, system=system,
                         speaker=speaker, verbose=verbose, debug=debug)
         if load is not None:
             repl.load_transcript(load)  # an OmniError (one line, exit 2) for a file that is not a transcript

@@ -1007,3 +1007,30 @@ def test_omni_chat_killed_in_a_long_reply_exits_143(tmp_path):
     assert proc.returncode == 143, err
     assert "Traceback" not in err and "error" not in err
     assert os.listdir(tmp_path) == []
+
+
+def test_omni_say_wraps_streamed_words_at_the_terminal_width(monkeypatch):
+    """On a terminal, omni-say's text wraps between words as it streams (pieces split inside words);
+    a pipe or a file gets the text unchanged."""
+    import io
+
+    from omni_cli import cli, ui
+
+    text = "the quick brown fox jumps over the lazy dog and keeps on running far away"
+    pieces = [text[i:i + 3] for i in range(0, len(text), 3)]  # token-like pieces that cut words
+    monkeypatch.setattr(ui, "terminal_width", lambda stream: 20)
+    out = cli._TextOut(io.StringIO())
+    for piece in pieces:
+        out.write(piece)
+    out.end()
+    lines = out.stream.getvalue().split("\n")
+    assert lines[-1] == "" and all(len(line) <= 20 for line in lines)
+    assert " ".join(lines).split() == text.split()  # every word whole, in order
+    assert len(lines) > 3
+
+    monkeypatch.setattr(ui, "terminal_width", lambda stream: None)
+    plain = cli._TextOut(io.StringIO())
+    for piece in pieces:
+        plain.write(piece)
+    plain.end()
+    assert plain.stream.getvalue() == text + "\n"

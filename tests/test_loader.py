@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import shutil
 from pathlib import Path
 
@@ -139,14 +140,17 @@ def test_omni_model_env_missing(tmp_path, monkeypatch):
         resolve_model(None)
 
 
-def test_default_is_the_tiny_demo_with_one_notice(tiny_model_dir, monkeypatch, capsys):
+def test_default_is_the_tiny_demo_with_one_notice(tiny_model_dir, monkeypatch, capsys, caplog):
+    """The library says it through logging, once, and prints nothing itself (the CLI shows it as note:)."""
     monkeypatch.delenv("OMNI_MODEL", raising=False)
-    path, is_demo = resolve_model(None)
+    with caplog.at_level(logging.INFO, logger="omni_cli.loader"):
+        path, is_demo = resolve_model(None)
     assert path == tiny_model_dir.resolve()
     assert is_demo is True
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1
-    assert "random" in err and "OMNI_MODEL" in err and "-m" in err
+    notices = [r.getMessage() for r in caplog.records if r.name == "omni_cli.loader"]
+    assert len(notices) == 1
+    assert "random" in notices[0] and "OMNI_MODEL" in notices[0] and "-m" in notices[0]
+    assert capsys.readouterr().err == ""
 
 
 def test_the_tiny_model_named_by_any_path_is_the_demo(tiny_model_dir, tmp_path, monkeypatch):
