@@ -493,16 +493,33 @@ def test_verbose_timing_block(fake):
 
 
 def test_verbose_counts_underruns_of_a_slow_producer(fake):
-    # 1 s of audio in 10 blocks of 0.1 s, one every 0.25 s, into a device paced at real time.
+    # 1.5 s of audio in 5 blocks of 0.3 s, one every 0.6 s, into a device paced at real time. The first
+    # block fills the start-up buffer before any rate can be measured, so playback starts at once and
+    # then runs dry before each of the four later blocks: the gaps a listener hears are reported.
     fake.sd = FakeSoundDevice(speed=1.0)
-    fake.assistant = FakeAssistant(seconds=1.0, blocks=10, block_delay=0.25)
+    fake.assistant = FakeAssistant(seconds=1.5, blocks=5, block_delay=0.6)
     result = invoke("Hello", "--verbose")
     assert result.exit_code == 0, result.output
     line = next(l for l in result.stderr.splitlines() if l.startswith("underruns"))
     count = int(line.split()[1])
     assert count >= 3, result.stderr
     silence_ms = int(line.split("(")[1].split()[0])
-    assert 500 <= silence_ms <= 2500, line
+    assert 600 <= silence_ms <= 2500, line
+    waited = next(l for l in result.stderr.splitlines() if l.startswith("playback waited"))
+    assert "buffer filled" in waited, waited
+
+
+def test_verbose_says_playback_waited_for_a_producer_slower_than_real_time(fake):
+    # 1 s of audio in 10 blocks of 0.1 s, one every 0.25 s (real-time factor 2.5): the adaptive start
+    # waits for the whole reply instead of breaking it up, and --verbose says so.
+    fake.sd = FakeSoundDevice(speed=1.0)
+    fake.assistant = FakeAssistant(seconds=1.0, blocks=10, block_delay=0.25)
+    result = invoke("Hello", "--verbose")
+    assert result.exit_code == 0, result.output
+    lines = result.stderr.splitlines()
+    assert next(l for l in lines if l.startswith("underruns")).split()[1] == "0", result.stderr
+    waited = next(l for l in lines if l.startswith("playback waited"))
+    assert "reply ended" in waited, waited
 
 
 def test_quiet(fake, tmp_path):
