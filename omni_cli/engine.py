@@ -4,6 +4,8 @@ Schedule. The thinker prefills the prompt and samples reply token 0. Thinker ste
 (giving its reply vector R[j-1]) and samples token j. Talker step k needs R[k], so it runs right after
 thinker step k+1: codec codes, and so audio, exist long before the text is finished. Once the text has
 ended, the talker is fed the text-EOS embedding once, then text-pad, until it samples a codec EOS.
+On a CPU, where the engine and the vocoder share the cores, the engine pauses once the talker has made
+the codes the first chunk needs, until that first audio exists (`FIRST_AUDIO_HOLD`).
 
 Threads. The engine thread issues steps and never reads a device value. Each sampled id goes through
 the async output boundary (`boundary.py`) to the producer thread, which notices text EOS and codec EOS
@@ -37,6 +39,7 @@ from .talker import Talker
 from .thinker import Thinker
 
 AUDIO_CODE_LIMIT = 8192  # only codes below this are audio (token2wav's embedding has 8193 rows)
+FIRST_AUDIO_HOLD = 1.0  # longest the engine thread waits for the first audio on a CPU (seconds)
 
 
 # --- events a turn yields ---------------------------------------------------------------------
@@ -238,6 +241,13 @@ class _Turn:
         self.eos_ids = [] if req.force_lengths else engine.eos_ids  # EOS ids that end the text
         self.clock = _StepClock(engine.device, req.step_events)
         self.sink: SinkThread | None = None  # the request's sink, owned by its own thread (run())
+        # On a CPU the engine and vocoder threads share the same cores, so steps the talker makes
+        # beyond what the first chunk needs only slow that chunk down (one core, built-in model:
+        # first audio ~225 -> ~165 ms). The engine thread therefore waits, once, at `hold_at` codes
+        # (set by the vocoder thread on a CPU) until the first audio exists. On an accelerator the
+        # steps are only issued by the CPU and the vocoder has its own stream: no hold.
+        self.first_audio = threading.Event()
+        self.hold_at: int | None = None
 
     # -- orchestration (caller's thread) ------------------------------------------------------
     def run(self) -> Iterator[TextDelta | AudioBlock | Done]:
@@ -277,12 +287,14 @@ class _Turn:
 
     def _shutdown(self) -> None:
         self.stop.set()
+        self.first_audio.set()  # a held engine thread goes on to see the stop
         self.boundary.cancel()
         self.codes_ch.cancel()
         self.events.cancel()
 
     def _fail(self, exc: BaseException) -> None:
         self.stop.set()
+        self.first_audio.set()
         self.boundary.cancel()
         self.codes_ch.cancel()
         self.events.fail(exc)
@@ -353,6 +365,9 @@ class _Turn:
         code = None
         t_thinker = t_talker = 0.0
         while not self.stop.is_set():
+            if self.hold_at is not None and k >= self.hold_at:
+                self.first_audio.wait(FIRST_AUDIO_HOLD)  # bounded: a chunk that never comes costs little
+                self.hold_at = None
             text_end = st.text_end
             if j < self.n_max and (text_end is None or j < text_end):
                 out.wait_for("text", j, self.stop)
@@ -472,13 +487,19 @@ class _Turn:
             return
         out = _BlocksToTurn(self)
         self.state.vocoder_chunks = voc.chunk_log  # read after the turn, for the stats
-        vocoder_worker(voc, self.codes_ch, out)  # returns after close() or fail(); never raises
+        if self.e.device.type == "cpu":
+            self.hold_at = voc.codes_for_first_audio
+        try:
+            vocoder_worker(voc, self.codes_ch, out)  # returns after close() or fail(); never raises
+        finally:
+            self.first_audio.set()  # no audio at all (an empty reply): nothing to hold for
         if not out.failed:
             self._worker_done()
 
     def _on_block(self, block: np.ndarray) -> None:
         now = time.perf_counter()
         self.state.times.setdefault("first_audio", now)
+        self.first_audio.set()
         self.state.times["last_audio"] = now
         self._pcm.append(block)
         if self.sink is not None:

@@ -126,6 +126,11 @@ class StreamingVocoder:
         self.generator = generator
         self.reset()
 
+    @property
+    def codes_for_first_audio(self) -> int:
+        """How many codes the first chunk waits for: the chunk itself and the DiT's look-ahead."""
+        return (self.first_chunk_frames + self.future_frames) // self.repeats
+
     # -- per voice and per utterance state -------------------------------------------------------
     @torch.inference_mode()
     def _voice_conditioning(self, cond: torch.Tensor, ref_mel: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -186,3 +186,34 @@ def test_streamed_reply_audio_matches_whole_utterance_decoding(assistant):
     err = reply.audio - whole
     snr = 10 * np.log10(np.sum(whole.astype(np.float64) ** 2) / max(np.sum(err.astype(np.float64) ** 2), 1e-30))
     assert np.abs(err).max() <= 1e-3 and snr >= 70, (np.abs(err).max(), snr)
+
+
+def test_on_a_cpu_the_engine_waits_for_the_first_chunk_instead_of_competing_with_it(assistant, monkeypatch):
+    """The engine and vocoder threads share the CPU: once the talker has made the codes the first chunk
+    needs, it waits for the first audio rather than running ahead and slowing that chunk down."""
+    from omni_cli import vocoder as vocoder_mod
+
+    steps: list[float] = []
+    real_decode = Talker.decode_one
+    real_push = vocoder_mod.StreamingVocoder.push
+
+    def decode_one(self, *args, **kwargs):
+        steps.append(time.perf_counter())
+        return real_decode(self, *args, **kwargs)
+
+    def slow_push(self, codes):
+        blocks = real_push(self, codes)
+        if blocks and not getattr(self, "_slowed", False):
+            self._slowed = True
+            time.sleep(0.3)  # a slow first chunk: an engine that did not wait would run far ahead
+        return blocks
+
+    monkeypatch.setattr(Talker, "decode_one", decode_one)
+    monkeypatch.setattr(vocoder_mod.StreamingVocoder, "push", slow_push)
+    sink = RecordingSink()
+    reply = assistant.say(PROMPT, greedy=True, max_text_tokens=8, max_codes=120, sink=sink)
+    first_audio = sink.first_block_time
+    need = (24 + 24) // 2  # the tiny DiT: a first chunk of one block (24 frames) + one block look-ahead
+    made_before = sum(t < first_audio for t in steps) + 1  # + the talker prefill (step 0)
+    assert need <= made_before <= need + 1
+    assert len(reply.codes) == 120  # and then it goes on to the end
