@@ -465,6 +465,12 @@ def load_model(model: str | os.PathLike | None = None, device: str = "auto", dty
     speakers = _load_speakers(path / "spk_dict.pt", name)
     # What Qwen2_5OmniForConditionalGeneration.from_pretrained does after loading (load_speakers).
     omni.speaker_map = dict(speakers)
+    if is_demo and torch_device.type == "cpu" and torch.get_num_threads() > 1:
+        # The demo model's operations are far too small to gain from a second thread, and each one
+        # waits for all its threads: with another program busy on a core, a two-thread vocoder chunk
+        # took 6x as long (64 s against 11 s for a test's worth of windows on 2 cores). One thread.
+        log.debug("the built-in demo model runs on one CPU thread (was %d)", torch.get_num_threads())
+        torch.set_num_threads(1)
 
     return LoadedModel(
         model=omni,

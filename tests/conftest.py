@@ -21,6 +21,15 @@ import pytest
 # process and (a handler resets to the default at exec) for every program the tests start.
 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
+# Likewise SIGHUP under nohup: the programs rightly keep an ignored SIGHUP ignored, and the tests that
+# close the "terminal" on them would see nothing.
+if hasattr(signal, "SIGHUP") and signal.getsignal(signal.SIGHUP) is signal.SIG_IGN:
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
+
+# One intra-op thread for torch in the tests and the programs they start: every model here is tiny,
+# too small to gain from a second thread, and an operation waits for all its threads, so with another
+# process busy on one of two cores a second thread made the vocoder tests 6x slower (11 s -> 64 s).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 # Before anything imports huggingface_hub (it reads this once, at import).
 os.environ["HF_HUB_OFFLINE"] = "1"

@@ -290,3 +290,18 @@ def test_corrupt_weights(tiny_model_dir, tmp_path, damage, capsys):
         load_model(str(folder), device="cpu")
     assert "broken" in one_line(err.value)
     assert capsys.readouterr().err == ""  # nothing from transformers on stderr
+
+
+def test_the_demo_model_runs_on_one_cpu_thread():
+    """Its operations are too small for a second thread, which only makes them wait on a busy machine."""
+    import subprocess
+    import sys
+
+    from conftest import cli_env
+
+    script = ("import torch, omni_cli; before = torch.get_num_threads(); omni_cli.load(device='cpu'); "
+              "print(before, torch.get_num_threads())")
+    out = subprocess.run([sys.executable, "-c", script], env=cli_env(OMP_NUM_THREADS="2"), capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["2", "1"]
