@@ -345,14 +345,14 @@ def _shape_outputs(model) -> None:
     lm_head = model.thinker.lm_head.weight  # [vocab, hidden]
     endoftext, im_end = token_id("<|endoftext|>"), token_id("<|im_end|>")
     lm_head[endoftext:] = 0.0  # specials, tts/voice ids and unused rows never appear as text
-    lm_head[_unprintable_byte_ids()] = 0.0  # lone bytes that would print as control chars or U+FFFD
-    lm_head[im_end] = _stop_row(lm_head, 11) * _TEXT_STOP_SCALE  # a chat reply ends with <|im_end|> only
+    lm_head[unprintable_byte_ids(_bpe()[0])] = 0.0  # lone bytes that would print as control chars or U+FFFD
+    lm_head[im_end] = stop_row(lm_head, 11) * _TEXT_STOP_SCALE  # a chat reply ends with <|im_end|> only
 
     codec_head = model.talker.codec_head.weight  # [8448, talker_hidden]
     codec_head[AUDIO_CODES:] = 0.0  # ids >= 8192 would overflow token2wav's code embedding
     talker = model.config.talker_config
-    codec_head[talker.tts_codec_end_token_id] = _stop_row(codec_head, 17) * _CODEC_STOP_SCALE
-    codec_head[talker.tts_codec_pad_token_id] = _stop_row(codec_head, 19)
+    codec_head[talker.tts_codec_end_token_id] = stop_row(codec_head, 17) * _CODEC_STOP_SCALE
+    codec_head[talker.tts_codec_pad_token_id] = stop_row(codec_head, 19)
 
     vocoder = model.token2wav.code2wav_bigvgan_model
     for name, param in vocoder.named_parameters():
@@ -361,16 +361,16 @@ def _shape_outputs(model) -> None:
     vocoder.conv_post.weight.mul_(_WAVE_SCALE)
 
 
-def _unprintable_byte_ids() -> list[int]:
-    """Ids of single-byte tokens other than printable ASCII, space and newline."""
-    vocab, _ = _bpe()
+def unprintable_byte_ids(vocab: dict[str, int]) -> list[int]:
+    """Ids in a byte-level BPE `vocab` of the single-byte tokens other than printable ASCII, space and
+    newline (a head that never emits them prints no control characters or U+FFFD)."""
     byte_map = _bytes_to_unicode()
     keep = set(range(0x20, 0x7F)) | {0x0A}
     return sorted(vocab[byte_map[b]] for b in range(256) if b not in keep)
 
 
-def _stop_row(weight, seed: int):
-    """A fresh row with the same scale as the head's ordinary rows."""
+def stop_row(weight, seed: int):
+    """A fresh row with the same scale as the head `weight`'s ordinary rows."""
     import torch
 
     gen = torch.Generator().manual_seed(seed)
@@ -509,14 +509,15 @@ def _pretokenize(text: str) -> list[str]:
     return [piece for piece, _ in pre.pre_tokenize_str(text)]
 
 
-@functools.lru_cache(maxsize=1)
-def _bpe() -> tuple[dict[str, int], tuple[tuple[str, str], ...]]:
-    """A deterministic byte-level BPE of BPE_SIZE entries trained on `_CORPUS` (pure Python)."""
+@functools.lru_cache(maxsize=4)
+def train_bpe(corpus: str, size: int) -> tuple[dict[str, int], tuple[tuple[str, str], ...]]:
+    """A deterministic byte-level BPE of `size` entries trained on `corpus` (pure Python). Shared by the
+    tiny checkpoints of both families (scripts/make_tiny_qwen3_omni.py trains on its own corpus)."""
     byte_map = _bytes_to_unicode()
     order = sorted(range(256), key=lambda b: (ord(byte_map[b]) >= 256, ord(byte_map[b])))
     vocab = {byte_map[b]: i for i, b in enumerate(order)}
     counts: dict[tuple[str, ...], int] = {}
-    for piece in _pretokenize(_CORPUS):
+    for piece in _pretokenize(corpus):
         counts[tuple(piece)] = counts.get(tuple(piece), 0) + 1
     words = [list(w) for w in sorted(counts)]
     freq = [counts[tuple(w)] for w in words]
@@ -524,9 +525,9 @@ def _bpe() -> tuple[dict[str, int], tuple[tuple[str, str], ...]]:
     for w, n in zip(words, freq):
         _count_pairs(pairs, w, n)
     merges: list[tuple[str, str]] = []
-    while len(vocab) < BPE_SIZE:
+    while len(vocab) < size:
         if not pairs:
-            raise RuntimeError("tiny BPE corpus too small for BPE_SIZE")
+            raise RuntimeError("tiny BPE corpus too small for the vocabulary size")
         best = min(pairs, key=lambda p: (-pairs[p], p))  # most frequent; ties: smallest pair
         merges.append(best)
         vocab["".join(best)] = len(vocab)
@@ -538,6 +539,11 @@ def _bpe() -> tuple[dict[str, int], tuple[tuple[str, str], ...]]:
                     _count_pairs(pairs, merged, n)
                     words[i] = merged
     return vocab, tuple(merges)
+
+
+def _bpe() -> tuple[dict[str, int], tuple[tuple[str, str], ...]]:
+    """The Qwen2.5 tiny model's BPE: BPE_SIZE entries trained on `_CORPUS`."""
+    return train_bpe(_CORPUS, BPE_SIZE)
 
 
 def _count_pairs(pairs: dict[tuple[str, str], int], word: list[str], n: int) -> None:
@@ -586,14 +592,13 @@ CHAT_TEMPLATE = (
 )
 
 
-def _backend_tokenizer():
-    """The `tokenizers.Tokenizer`: Qwen2's pipeline over the tiny BPE, specials appended in real order."""
+def _backend_tokenizer(vocab: dict[str, int], merges, special_tokens) -> Any:
+    """The `tokenizers.Tokenizer`: Qwen2's pipeline over a tiny BPE, specials appended in real order."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers
     from tokenizers.models import BPE
 
     from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
-    vocab, merges = _bpe()
     tok = Tokenizer(
         BPE(
             vocab=dict(vocab),
@@ -614,34 +619,43 @@ def _backend_tokenizer():
         ]
     )
     tok.decoder = decoders.ByteLevel()
-    for name, special in SPECIAL_TOKENS:
+    for name, special in special_tokens:
         token = AddedToken(name, special=special, normalized=False)
         (tok.add_special_tokens if special else tok.add_tokens)([token])
     return tok
 
 
-def make_tokenizer():
-    """The tiny `Qwen2TokenizerFast`: trained BPE + the real special tokens, names and chat template."""
+def qwen2_tokenizer(bpe, special_tokens, chat_template: str, model_specific: dict[str, str],
+                    model_max_length: int):
+    """A tiny `Qwen2TokenizerFast` (the class both Qwen-Omni families use): the trained `bpe` (vocab,
+    merges), then `special_tokens` ((name, special) in id order, the first being <|endoftext|>, ids
+    from the BPE's size on), the family's names for its multimodal tokens and its chat template."""
     from transformers import Qwen2TokenizerFast
 
+    vocab, merges = bpe
     tok = Qwen2TokenizerFast(
-        tokenizer_object=_backend_tokenizer(),
+        tokenizer_object=_backend_tokenizer(vocab, merges, special_tokens),
         unk_token=None,
         bos_token=None,
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
-        extra_special_tokens=[n for n, special in SPECIAL_TOKENS[1:] if special],
-        model_max_length=32768,
-        chat_template=CHAT_TEMPLATE,
+        extra_special_tokens=[n for n, special in special_tokens[1:] if special],
+        model_max_length=model_max_length,
+        chat_template=chat_template,
         errors="replace",
         split_special_tokens=False,
-        **_MODEL_SPECIFIC_TOKENS,
+        **model_specific,
     )
-    for name, _ in SPECIAL_TOKENS:
+    for i, (name, _) in enumerate(special_tokens):
         got = tok.convert_tokens_to_ids(name)
-        if got != token_id(name):
-            raise RuntimeError(f"tiny tokenizer: {name} got id {got}, expected {token_id(name)}")
+        if got != len(vocab) + i:
+            raise RuntimeError(f"tiny tokenizer: {name} got id {got}, expected {len(vocab) + i}")
     return tok
+
+
+def make_tokenizer():
+    """The tiny `Qwen2TokenizerFast`: trained BPE + the real special tokens, names and chat template."""
+    return qwen2_tokenizer(_bpe(), SPECIAL_TOKENS, CHAT_TEMPLATE, _MODEL_SPECIFIC_TOKENS, 32768)
 
 
 # --- files ----------------------------------------------------------------------------------------
@@ -682,22 +696,22 @@ def save_checkpoint(folder: str | Path, config=None, seed: int = 0) -> Path:
     torch.save(model.speaker_map, folder / "spk_dict.pt")
     tokenizer = make_tokenizer()
     tokenizer.save_pretrained(folder)
-    _save_legacy_tokenizer_files(folder, tokenizer)
+    save_legacy_tokenizer_files(folder, tokenizer, _bpe(), SPECIAL_TOKENS)
     text = json.dumps(PREPROCESSOR_CONFIG, indent=2, sort_keys=True) + "\n"
     (folder / "preprocessor_config.json").write_text(text, encoding="utf-8")
     return folder
 
 
-def _save_legacy_tokenizer_files(folder: Path, tokenizer) -> None:
+def save_legacy_tokenizer_files(folder: Path, tokenizer, bpe, special_tokens) -> None:
     """vocab.json, merges.txt and special_tokens_map.json, which real Qwen folders carry beside tokenizer.json."""
-    vocab, merges = _bpe()
+    vocab, merges = bpe
     (folder / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False), encoding="utf-8")
     lines = ["#version: 0.2"] + [f"{a} {b}" for a, b in merges]
     (folder / "merges.txt").write_text("\n".join(lines) + "\n", encoding="utf-8")
     special = {
         "eos_token": tokenizer.eos_token,
         "pad_token": tokenizer.pad_token,
-        "additional_special_tokens": [n for n, special in SPECIAL_TOKENS[1:] if special],
+        "additional_special_tokens": [n for n, special in special_tokens[1:] if special],
     }
     text = json.dumps(special, indent=2, ensure_ascii=False) + "\n"
     (folder / "special_tokens_map.json").write_text(text, encoding="utf-8")

@@ -45,10 +45,12 @@ if str(ROOT) not in sys.path:
 
 from omni_cli.tiny import (  # noqa: E402  (the project's tokenizer helpers; nothing Qwen2.5-specific)
     _CORPUS,
-    _bytes_to_unicode,
-    _count_pairs,
-    _merge_word,
-    _pretokenize,
+    folder_size,
+    qwen2_tokenizer,
+    save_legacy_tokenizer_files,
+    stop_row,
+    train_bpe,
+    unprintable_byte_ids,
 )
 
 DEFAULT_OUT = ROOT / "assets" / "tiny-qwen3-omni"
@@ -387,39 +389,23 @@ def _fill_all(model, seed: int) -> None:
             param.copy_(torch.randn(param.shape, generator=gen) / param[0].numel() ** 0.5)
 
 
-def _stop_row(width: int, seed: int):
-    """A fresh row with the same scale as a head's ordinary rows."""
-    import torch
-
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randn(width, generator=gen) / width**0.5
-
-
 def _shape_outputs(model) -> None:
     """Heads emit only sensible ids (stop rows possible but rare); code2wav gives quiet, unclipped noise."""
     lm_head = model.thinker.lm_head.weight  # [vocab, hidden]
     endoftext, im_end = token_id("<|endoftext|>"), token_id("<|im_end|>")
     lm_head[endoftext:] = 0.0  # specials and unused rows never appear as text
-    lm_head[_unprintable_byte_ids()] = 0.0  # lone bytes that would print as control chars or U+FFFD
-    lm_head[im_end] = _stop_row(lm_head.shape[1], 11) * _TEXT_STOP_SCALE
+    lm_head[unprintable_byte_ids(_bpe()[0])] = 0.0  # lone bytes that would print as control chars or U+FFFD
+    lm_head[im_end] = stop_row(lm_head, 11) * _TEXT_STOP_SCALE
 
     codec_head = model.talker.codec_head.weight  # [3072, talker_hidden]
     codec_head[CODEBOOK_SIZE:] = 0.0  # control ids: suppressed by generate anyway, never favoured here
-    codec_head[CODEC_EOS] = _stop_row(codec_head.shape[1], 17) * _CODEC_STOP_SCALE
+    codec_head[CODEC_EOS] = stop_row(codec_head, 17) * _CODEC_STOP_SCALE
 
     code2wav = model.code2wav
     for name, param in code2wav.decoder.named_parameters():
         if name.endswith(".conv2.conv.weight"):  # the 1x1 convolution closing each residual unit
             param.mul_(_RESIDUAL_SCALE)
     code2wav.decoder[-1].conv.weight.mul_(_WAVE_SCALE)
-
-
-def _unprintable_byte_ids() -> list[int]:
-    """Ids of single-byte tokens other than printable ASCII, space and newline."""
-    vocab, _ = _bpe()
-    byte_map = _bytes_to_unicode()
-    keep = set(range(0x20, 0x7F)) | {0x0A}
-    return sorted(vocab[byte_map[b]] for b in range(256) if b not in keep)
 
 
 def build_tiny_qwen3_model(seed: int = 0, config=None):
@@ -464,36 +450,12 @@ _QWEN3_CORPUS = _CORPUS + _ROLE_LINES
 
 @functools.lru_cache(maxsize=1)
 def _bpe() -> tuple[dict[str, int], tuple[tuple[str, str], ...]]:
-    """A deterministic byte-level BPE of BPE_SIZE entries trained on the corpus (pure Python)."""
-    byte_map = _bytes_to_unicode()
-    order = sorted(range(256), key=lambda b: (ord(byte_map[b]) >= 256, ord(byte_map[b])))
-    vocab = {byte_map[b]: i for i, b in enumerate(order)}
-    counts: dict[tuple[str, ...], int] = {}
-    for piece in _pretokenize(_QWEN3_CORPUS):
-        counts[tuple(piece)] = counts.get(tuple(piece), 0) + 1
-    words = [list(w) for w in sorted(counts)]
-    freq = [counts[tuple(w)] for w in words]
-    pairs: dict[tuple[str, str], int] = {}
-    for w, n in zip(words, freq):
-        _count_pairs(pairs, w, n)
-    merges: list[tuple[str, str]] = []
-    while len(vocab) < BPE_SIZE:
-        if not pairs:
-            raise RuntimeError("tiny BPE corpus too small for BPE_SIZE")
-        best = min(pairs, key=lambda p: (-pairs[p], p))  # most frequent; ties: smallest pair
-        merges.append(best)
-        vocab["".join(best)] = len(vocab)
-        for i, (w, n) in enumerate(zip(words, freq)):
-            if best[0] in w and best[1] in w:
-                merged = _merge_word(w, best)
-                if merged != w:
-                    _count_pairs(pairs, w, -n)
-                    _count_pairs(pairs, merged, n)
-                    words[i] = merged
+    """The tiny Qwen3-Omni BPE: BPE_SIZE entries trained on the project's corpus plus the role lines."""
+    vocab, merges = train_bpe(_QWEN3_CORPUS, BPE_SIZE)
     for role in ("system", "user", "assistant"):
         if role not in vocab:
             raise RuntimeError(f"tiny BPE: role word {role!r} is not a single token")
-    return vocab, tuple(merges)
+    return vocab, merges
 
 
 # Our own Jinja chat template in the Qwen3-Omni prompt form (no default system turn is added).
@@ -517,62 +479,9 @@ CHAT_TEMPLATE = (
 )
 
 
-def _backend_tokenizer():
-    """The `tokenizers.Tokenizer`: Qwen2's pipeline over the tiny BPE, specials appended in real order."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers
-    from tokenizers.models import BPE
-
-    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
-
-    vocab, merges = _bpe()
-    tok = Tokenizer(
-        BPE(
-            vocab=dict(vocab),
-            merges=list(merges),
-            dropout=None,
-            unk_token=None,
-            continuing_subword_prefix="",
-            end_of_word_suffix="",
-            fuse_unk=False,
-            byte_fallback=False,
-        )
-    )
-    tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
-    )
-    tok.decoder = decoders.ByteLevel()
-    for name, special in SPECIAL_TOKENS:
-        token = AddedToken(name, special=special, normalized=False)
-        (tok.add_special_tokens if special else tok.add_tokens)([token])
-    return tok
-
-
 def make_tokenizer():
     """The tiny `Qwen2TokenizerFast`: trained BPE + Qwen3-Omni's special tokens, names and chat template."""
-    from transformers import Qwen2TokenizerFast
-
-    tok = Qwen2TokenizerFast(
-        tokenizer_object=_backend_tokenizer(),
-        unk_token=None,
-        bos_token=None,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        extra_special_tokens=[n for n, special in SPECIAL_TOKENS[1:] if special],
-        model_max_length=65536,
-        chat_template=CHAT_TEMPLATE,
-        errors="replace",
-        split_special_tokens=False,
-        **_MODEL_SPECIFIC_TOKENS,
-    )
-    for name, _ in SPECIAL_TOKENS:
-        got = tok.convert_tokens_to_ids(name)
-        if got != token_id(name):
-            raise RuntimeError(f"tiny tokenizer: {name} got id {got}, expected {token_id(name)}")
-    return tok
+    return qwen2_tokenizer(_bpe(), SPECIAL_TOKENS, CHAT_TEMPLATE, _MODEL_SPECIFIC_TOKENS, 65536)
 
 
 # --- files ----------------------------------------------------------------------------------------
@@ -602,30 +511,10 @@ def save_checkpoint(folder: str | Path, seed: int = 0) -> Path:
     model.save_pretrained(folder, safe_serialization=True)
     tokenizer = make_tokenizer()
     tokenizer.save_pretrained(folder)
-    _save_legacy_tokenizer_files(folder, tokenizer)
+    save_legacy_tokenizer_files(folder, tokenizer, _bpe(), SPECIAL_TOKENS)
     text = json.dumps(PREPROCESSOR_CONFIG, indent=2, sort_keys=True) + "\n"
     (folder / "preprocessor_config.json").write_text(text, encoding="utf-8")
     return folder
-
-
-def _save_legacy_tokenizer_files(folder: Path, tokenizer) -> None:
-    """vocab.json, merges.txt and special_tokens_map.json, which real Qwen folders carry beside tokenizer.json."""
-    vocab, merges = _bpe()
-    (folder / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False), encoding="utf-8")
-    lines = ["#version: 0.2"] + [f"{a} {b}" for a, b in merges]
-    (folder / "merges.txt").write_text("\n".join(lines) + "\n", encoding="utf-8")
-    special = {
-        "eos_token": tokenizer.eos_token,
-        "pad_token": tokenizer.pad_token,
-        "additional_special_tokens": [n for n, special in SPECIAL_TOKENS[1:] if special],
-    }
-    text = json.dumps(special, indent=2, ensure_ascii=False) + "\n"
-    (folder / "special_tokens_map.json").write_text(text, encoding="utf-8")
-
-
-def folder_size(folder: str | Path) -> int:
-    """Total bytes of the files under a folder."""
-    return sum(p.stat().st_size for p in Path(folder).rglob("*") if p.is_file())
 
 
 def main(argv: list[str]) -> int:
