@@ -23,7 +23,7 @@ from typing import Optional
 
 import typer
 
-from .cli import VersionOpt  # imports neither torch nor numpy
+from .cli import VersionOpt, _OneLineErrors  # imports neither torch nor numpy
 
 PRESETS = {
     # True sizes of Qwen2.5-Omni-7B (see shared notes).
@@ -400,7 +400,7 @@ def _pick_preset(preset: str | None, device) -> str:
     return preset
 
 
-@app.command()
+@app.command(cls=_OneLineErrors)
 def main(
     preset: Optional[str] = typer.Option(None, "--preset", show_default=False,
                                          help=f"{' | '.join(PRESETS)} (default: {DEFAULT_PRESET} on an accelerator, "
@@ -472,15 +472,9 @@ def bench_app(argv: list[str] | None = None) -> None:
     from .errors import OmniError, known_failure
 
     try:
-        from typer._click.exceptions import ClickException  # newer typer releases carry their own click
-    except ImportError:
-        from click.exceptions import ClickException
-
-    try:
-        # standalone_mode=False: click raises its usage errors instead of printing typer's boxed block.
+        # Not standalone: the command (cli._OneLineErrors, as omni-say's) prints click's usage errors
+        # as one line and returns their code, and our own errors come out here.
         code = app(args=argv, prog_name="omni-bench", standalone_mode=False)
-    except ClickException as exc:  # usage errors (exit code 2) and click's few others
-        _fail(exc.format_message(), exc.exit_code)
     except OmniError as exc:
         _fail(str(exc), exc.exit_code)
     except Exception as exc:
@@ -488,7 +482,7 @@ def bench_app(argv: list[str] | None = None) -> None:
             raise
         _fail("out of device memory: try a smaller --preset, fewer --codes or --text-tokens, or --dtype bfloat16", 1)
     else:
-        # Not standalone, click returns an Exit's code (130 after Ctrl-C) instead of exiting.
+        # Not standalone, the command returns its exit code (2 for a usage error, 130 after Ctrl-C).
         if isinstance(code, int) and code:
             raise SystemExit(code)
 
