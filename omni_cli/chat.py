@@ -99,7 +99,7 @@ class ChatRepl:
         self.chat = assistant.conversation(system)
         options = options or ReplyOptions()
         if options.voice is None and assistant.has_audio:
-            options = replace(options, voice=getattr(assistant, "default_voice", None) or assistant.voices[0])
+            options = replace(options, voice=assistant.default_voice)
         self.options = options
         self.muted = muted or not assistant.has_audio
         self.speaker = speaker

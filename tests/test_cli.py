@@ -966,6 +966,20 @@ def _wait_for(stream, marker: bytes, limit: float = 120) -> bytes:
     raise AssertionError(f"no {marker!r} within {limit} s")
 
 
+def _signal_after(proc, ready, signum) -> str:
+    """Wait for `ready()` (a marker from the program), send `signum`, wait for the program to end (60 s
+    at most; it is killed if anything fails); its stderr."""
+    try:
+        ready()
+        proc.send_signal(signum)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return err.decode()
+
+
 @pytest.mark.parametrize("stage, signum", [("loading", signal.SIGTERM), ("loading", signal.SIGHUP),
                                            ("generating", signal.SIGTERM), ("generating", signal.SIGHUP),
                                            ("closing", signal.SIGTERM)])
@@ -981,20 +995,10 @@ def test_signal_leaves_no_file_or_a_whole_one(tmp_path, stage, signum):
         cmd = [sys.executable, "-m", "omni_cli.cli", *map(str, args), "--max-codes", "3000"]
     proc = subprocess.Popen(cmd, env=cli_env(), cwd=tmp_path, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, start_new_session=True)
-    try:
-        if stage == "loading":
-            _wait_for(proc.stderr, b"note: no model given")
-        elif stage == "generating":
-            _wait_for(proc.stdout, b"")  # the reply's first text: generation is under way
-        else:
-            _wait_for(proc.stderr, b"closing")
-        proc.send_signal(signum)
-        _, err = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    err = err.decode()
+    stream, marker = {"loading": (proc.stderr, b"note: no model given"),
+                      "generating": (proc.stdout, b""),  # the reply's first text: generation is under way
+                      "closing": (proc.stderr, b"closing")}[stage]
+    err = _signal_after(proc, lambda: _wait_for(stream, marker), signum)
     assert proc.returncode == 128 + signum, err
     assert "Traceback" not in err and "error" not in err
     assert err.splitlines()[-1] == f"terminated (signal {signum})"
@@ -1010,17 +1014,13 @@ def test_omni_chat_killed_in_a_long_reply_exits_143(tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "omni_cli.chat", "--mute", "--max-text-tokens", "3000"],
                             env=cli_env(), cwd=tmp_path, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, start_new_session=True)
-    try:
+
+    def ready():
         proc.stdin.write(b"Tell me a very long story\n")
         proc.stdin.flush()  # stdin stays open: the chat would wait for the next line, not end
         _wait_for(proc.stdout, b"")
-        proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    err = err.decode()
+
+    err = _signal_after(proc, ready, signal.SIGTERM)
     assert proc.returncode == 143, err
     assert "Traceback" not in err and "error" not in err
     assert os.listdir(tmp_path) == []
