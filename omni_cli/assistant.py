@@ -21,7 +21,7 @@ import logging
 from typing import Iterator
 
 from .config import SAMPLE_RATE, TALKER_DEFAULTS, ReplyOptions, RuntimeOptions, SamplingOptions
-from .engine import AudioBlock, Done, Engine, Reply, TextDelta, TurnRequest, fresh_seed
+from .runtime.engine import AudioBlock, Done, Engine, Reply, TextDelta, TurnRequest, fresh_seed
 from .errors import UsageError
 from .prompt import DEFAULT_SYSTEM, Conversation, check_prompt, fit
 

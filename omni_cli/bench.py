@@ -140,7 +140,7 @@ def _ours(model, prompt_ids, text_tokens, codes, device, graphs: bool, runs: int
     import torch
 
     from .config import TALKER_DEFAULTS, SamplingOptions
-    from .engine import Engine, TurnRequest
+    from .runtime.engine import Engine, TurnRequest
 
     eos = [151645, 151643]
     t0 = time.perf_counter()
@@ -161,7 +161,7 @@ SCHEDULES = {"chunk48": 48, "chunk96": 96, "chunk192": 192}  # the vocoder's ste
 
 def _schedules(model, prompt_ids, text_tokens, codes, device, runs: int) -> dict:
     """Each vocoder schedule on one engine, one after the other in this process (side by side)."""
-    from .engine import Engine
+    from .runtime.engine import Engine
 
     engine = Engine(model, _BenchTokenizer(), model.speaker_map, eos_ids=[151645, 151643],
                     max_context=max(1024, len(prompt_ids) + text_tokens + 8), max_codes=codes)
@@ -180,7 +180,7 @@ def _measure(engine, prompt_ids, text_tokens, codes, device, runs: int) -> dict:
     import torch
 
     from .config import TALKER_DEFAULTS, SamplingOptions
-    from .engine import TurnRequest
+    from .runtime.engine import TurnRequest
 
     thinker = SamplingOptions(do_sample=True, temperature=0.7, top_k=20, top_p=0.8, repetition_penalty=1.05)
     results = []

@@ -551,7 +551,7 @@ class ChatRepl:
     def _save_wav(self, path: Path) -> float:
         import numpy as np
 
-        from .sinks import WavSink
+        from .audio.sinks import WavSink
 
         rate = self.assistant.sample_rate
         with WavSink(path) as sink:  # checks the folder first; the file appears whole or not at all

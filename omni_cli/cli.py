@@ -343,7 +343,7 @@ def _checked_voice(options, model):
 
 
 def _list_devices() -> None:
-    from .sinks import output_devices
+    from .audio.sinks import output_devices
 
     devices = output_devices()
     if not devices:
@@ -502,7 +502,7 @@ def say(
 
         # Outputs and voice first: a bad path or format, a missing sound device or an unknown voice
         # should not cost a minute of loading.
-        from .sinks import AudioFileSink, SpeakerSink
+        from .audio.sinks import AudioFileSink, SpeakerSink
 
         outputs.file = AudioFileSink(output, format) if output is not None and not to_stdout else None
         if play:
@@ -548,7 +548,7 @@ class _Outputs:
 def _say_once(assistant, text: str, options, outputs: _Outputs, wav_file, text_out: _TextOut, interrupt):
     """One reply: text to `text_out`, speech to `outputs` (and, for -o -, a WAV stream on `wav_file`)."""
     from .assistant import AudioBlock, Done, TextDelta
-    from .sinks import TeeSink, WavStreamSink
+    from .audio.sinks import TeeSink, WavStreamSink
     from .ui import AudioClock, stop_on_interrupt
 
     if wav_file is not None:
@@ -629,7 +629,7 @@ def chat(
         options = ReplyOptions(voice=voice, seed=seed, greedy=greedy, max_text_tokens=max_text_tokens,
                                max_codes=max_codes, temperature=temperature, top_p=top_p, top_k=top_k).check()
         from .chat import CHAT_PLAY_HINT, ChatRepl, line_reader
-        from .sinks import SpeakerSink
+        from .audio.sinks import SpeakerSink
 
         if not mute:
             SpeakerSink(audio_device, hint=CHAT_PLAY_HINT)  # PortAudio and a device, before loading

@@ -20,10 +20,10 @@ import torch
 
 from omni_cli.bench import _BenchTokenizer, build_model
 from omni_cli.config import TALKER_DEFAULTS, SamplingOptions
-from omni_cli.engine import Engine
-from omni_cli.sampling import select
-from omni_cli import vocoder as vocoder_mod
-from omni_cli.vocoder import StreamingVocoder, dit_forward
+from omni_cli.runtime.engine import Engine
+from omni_cli.runtime.sampling import select
+from omni_cli.models.qwen2_5_omni import vocoder as vocoder_mod
+from omni_cli.models.qwen2_5_omni.vocoder import StreamingVocoder, dit_forward
 
 DEV = torch.device("cuda")
 
@@ -256,7 +256,7 @@ def prefill_threads(engine: Engine, report: dict) -> None:
 
     import contextlib
 
-    from omni_cli import decoder
+    from omni_cli.runtime import decoder
 
     scoped = decoder._prefill_attention
     for cudnn in (True, False):

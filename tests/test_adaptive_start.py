@@ -16,7 +16,7 @@ import time
 import numpy as np
 
 from audio_device import FakeSoundDevice, assert_underruns_reported, heard
-from omni_cli.sinks import SpeakerSink
+from omni_cli.audio.sinks import SpeakerSink
 
 SR = 24_000
 SCHEDULE = [0.04, 0.48] + [0.96] * 3  # seconds of audio per block: the vocoder's growing chunks, 3.4 s

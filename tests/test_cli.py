@@ -51,7 +51,7 @@ def test_help_is_instant_and_exits_0(run_cli):
 
 def test_importing_the_cli_imports_no_torch():
     code = (
-        "import sys, omni_cli, omni_cli.cli, omni_cli.config, omni_cli.errors, omni_cli.sinks, omni_cli.loader, "
+        "import sys, omni_cli, omni_cli.cli, omni_cli.config, omni_cli.errors, omni_cli.audio.sinks, omni_cli.loader, "
         "omni_cli.ui, omni_cli.chat\n"
         f"print(','.join(sorted(m for m in {HEAVY!r} if m in sys.modules)))"
     )
@@ -324,7 +324,7 @@ def test_list_audio_devices_without_portaudio(run_cli, no_portaudio):
 @pytest.fixture
 def fake(monkeypatch):
     import omni_cli
-    import omni_cli.sinks
+    import omni_cli.audio.sinks
 
     state = SimpleNamespace(assistant=FakeAssistant(), load_args=None, sd=FakeSoundDevice(speed=20.0))
 
@@ -334,7 +334,7 @@ def fake(monkeypatch):
         return state.assistant
 
     monkeypatch.setattr(omni_cli, "load", load)
-    monkeypatch.setattr(omni_cli.sinks, "import_sounddevice", lambda hint=None: state.sd)
+    monkeypatch.setattr(omni_cli.audio.sinks, "import_sounddevice", lambda hint=None: state.sd)
     return state
 
 
@@ -435,7 +435,7 @@ def test_list_audio_devices(fake):
 
 @pytest.mark.parametrize("spec, index", [("2", 2), ("usb", 2), ("Fake Speakers", 0), ("speak", 0)])
 def test_audio_device_by_index_or_name(fake, spec, index):
-    from omni_cli.sinks import SpeakerSink
+    from omni_cli.audio.sinks import SpeakerSink
 
     seen = []
     real_open = SpeakerSink.open
@@ -802,7 +802,7 @@ def test_bad_format_is_a_usage_error_before_loading(fake, tmp_path, monkeypatch,
                                                (["-o", "r.audio", "--format", "FLAC"], "r.audio", "FLAC"),
                                                (["-o", "r.wav", "--format", "opus"], "r.wav", "OGG")])
 def test_output_formats(fake, tmp_path, args, name, major):
-    from omni_cli.sinks import FILE_FORMATS, writable_formats
+    from omni_cli.audio.sinks import FILE_FORMATS, writable_formats
 
     wanted = (args[3] if "--format" in args else name.rsplit(".", 1)[1]).lower()
     if wanted in FILE_FORMATS and wanted not in writable_formats():
@@ -1031,7 +1031,9 @@ def test_omni_say_wraps_streamed_words_at_the_terminal_width(monkeypatch):
     a pipe or a file gets the text unchanged."""
     import io
 
-    from omni_cli import cli, ui
+    from omni_cli import cli
+
+    from omni_cli import ui
 
     text = "the quick brown fox jumps over the lazy dog and keeps on running far away"
     pieces = [text[i:i + 3] for i in range(0, len(text), 3)]  # token-like pieces that cut words

@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 import torch
 
-from omni_cli import engine as engine_mod
+from omni_cli.runtime import engine as engine_mod
 from omni_cli.assistant import Assistant
 from omni_cli.errors import UsageError
-from omni_cli.sinks import RecordingSink
-from omni_cli.talker import Talker
+from omni_cli.audio.sinks import RecordingSink
+from omni_cli.models.qwen2_5_omni.talker import Talker
 
 PROMPT = "Say something nice."
 
@@ -76,7 +76,7 @@ def test_codec_eos_stops_the_turn_and_overshoot_is_discarded(assistant, monkeypa
 
 def test_an_empty_reply_ends_cleanly_with_no_audio(assistant, monkeypatch):
     # The thinker's first token is EOS: nothing to say, no code reaches the vocoder.
-    from omni_cli.thinker import Thinker
+    from omni_cli.models.qwen2_5_omni.thinker import Thinker
 
     eos = assistant.engine.eos_ids[0]
     original = Thinker.prefill
@@ -116,7 +116,7 @@ def test_a_worker_failure_is_raised_by_say_and_no_thread_survives(assistant, mon
         raise Boom(where)
 
     if where == "vocoder":
-        from omni_cli import vocoder
+        from omni_cli.models.qwen2_5_omni import vocoder
 
         monkeypatch.setattr(vocoder.StreamingVocoder, "push", boom)
     elif where == "producer":
@@ -176,7 +176,7 @@ def test_kv_cache_is_reused_not_reallocated(assistant):
 def test_streamed_reply_audio_matches_whole_utterance_decoding(assistant):
     """The reply's audio (decoded chunk by chunk while the talker ran) against token2wav on all of its
     codes at once, with the same starting noise: same length, within the stated bound."""
-    from omni_cli.vocoder import StreamingVocoder
+    from omni_cli.models.qwen2_5_omni.vocoder import StreamingVocoder
 
     reply = assistant.say(PROMPT, seed=5, max_text_tokens=8, max_codes=150)
     spk = assistant.loaded.speakers["Chelsie"]
@@ -191,7 +191,7 @@ def test_streamed_reply_audio_matches_whole_utterance_decoding(assistant):
 def test_on_a_cpu_the_engine_waits_for_the_first_chunk_instead_of_competing_with_it(assistant, monkeypatch):
     """The engine and vocoder threads share the CPU: once the talker has made the codes the first chunk
     needs, it waits for the first audio rather than running ahead and slowing that chunk down."""
-    from omni_cli import vocoder as vocoder_mod
+    from omni_cli.models.qwen2_5_omni import vocoder as vocoder_mod
 
     steps: list[float] = []
     real_decode = Talker.decode_one

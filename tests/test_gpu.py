@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from omni_cli.config import TALKER_DEFAULTS, SamplingOptions
-from omni_cli.engine import Done, Engine, TurnRequest, configure_cuda
+from omni_cli.runtime.engine import Done, Engine, TurnRequest, configure_cuda
 
 from hf_reference import reference_generate
 
@@ -113,7 +113,7 @@ def test_true_size_graphed_equals_eager_equals_transformers_over_200_steps(big_m
 
 def run_recording(engine: Engine, ids, n_text, n_codes, into: list):
     """`run` with forced lengths, keeping a copy of the talker's logits at every step."""
-    from omni_cli import engine as engine_mod
+    from omni_cli.runtime import engine as engine_mod
 
     original = engine_mod.select
 
@@ -130,7 +130,7 @@ def run_recording(engine: Engine, ids, n_text, n_codes, into: list):
 
 
 def test_talker_loop_runs_under_sync_debug_error(big_model, monkeypatch):
-    from omni_cli import engine as engine_mod
+    from omni_cli.runtime import engine as engine_mod
 
     def no_vocoder(self):  # the vocoder thread copies audio to the host by design; leave it out here
         for _ in self.codes_ch:

@@ -115,7 +115,7 @@ def test_fused_decode_step_gives_the_same_tokens_and_codes(assistant):
     """The fixed-shape decode step (fused QKV / gate-up, RoPE table, masked span) that the engine runs
     by default (and CUDA graphs replay) must pick exactly what the library's own layers pick, step by
     step (the default engine is checked against transformers above)."""
-    from omni_cli.engine import Engine
+    from omni_cli.runtime.engine import Engine
 
     assert assistant.engine.talker.fused is not None and assistant.engine.thinker.fused is not None
     prompt = "Hello there! What is the weather like today?"

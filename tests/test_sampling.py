@@ -1,4 +1,4 @@
-"""The sampled path against transformers: omni_cli.sampling's filtered distribution is the one
+"""The sampled path against transformers: omni_cli.runtime.sampling's filtered distribution is the one
 transformers' own logits processors and warpers give on the same logits, and the exponential-race draw
 samples from it.
 
@@ -21,7 +21,7 @@ from transformers import GenerationConfig
 from transformers.generation.utils import GenerationMixin
 
 from omni_cli.config import TALKER_DEFAULTS, SamplingOptions
-from omni_cli.sampling import distribution, draw, race_winner, select
+from omni_cli.runtime.sampling import distribution, draw, race_winner, select
 
 THINKER_LIKE = SamplingOptions(do_sample=True, temperature=0.7, top_k=20, top_p=0.8, repetition_penalty=1.05)
 

@@ -12,8 +12,8 @@ import pytest
 
 from omni_cli.assistant import Assistant
 from omni_cli.errors import OutputError
-from omni_cli.sink_thread import SinkThread
-from omni_cli.sinks import WavSink
+from omni_cli.audio.sink_thread import SinkThread
+from omni_cli.audio.sinks import WavSink
 
 
 class SpySink:

@@ -19,7 +19,7 @@ import soundfile as sf
 
 from audio_device import FakeSoundDevice
 from omni_cli.errors import AudioDeviceError, OutputError, UsageError
-from omni_cli.sinks import (NullSink, RecordingSink, Sink, SpeakerSink, TeeSink, WavSink, WavStreamSink,
+from omni_cli.audio.sinks import (NullSink, RecordingSink, Sink, SpeakerSink, TeeSink, WavSink, WavStreamSink,
                             find_output_device, output_devices, wav_header)
 
 SR = 24_000
@@ -243,7 +243,7 @@ def _tone(seconds: float = 1.3) -> np.ndarray:
                                                   ("speech.ogg", "OGG", "VORBIS"), ("speech.OPUS", "OGG", "OPUS"),
                                                   ("speech.mp3", "MP3", "MPEG_LAYER_III")])
 def test_file_format_by_extension_reads_back(tmp_path, name, major, subtype):
-    from omni_cli.sinks import FILE_FORMATS, AudioFileSink, writable_formats
+    from omni_cli.audio.sinks import FILE_FORMATS, AudioFileSink, writable_formats
 
     fmt = next(k for k, v in FILE_FORMATS.items() if v[:2] == (major, subtype))
     if fmt not in writable_formats():
@@ -268,7 +268,7 @@ def test_file_format_by_extension_reads_back(tmp_path, name, major, subtype):
 
 
 def test_format_overrides_the_extension(tmp_path):
-    from omni_cli.sinks import AudioFileSink
+    from omni_cli.audio.sinks import AudioFileSink
 
     path = tmp_path / "speech.bin"
     with AudioFileSink(path, format="FLAC") as sink:
@@ -290,7 +290,7 @@ def test_format_overrides_the_extension(tmp_path):
                                                                      ".opus", "--format"]),
                                               ("speech.wav", "aiff", ["'aiff'", "wav, flac, ogg, opus"])])
 def test_unknown_format_is_a_usage_error_and_makes_nothing(tmp_path, name, fmt, words):
-    from omni_cli.sinks import AudioFileSink
+    from omni_cli.audio.sinks import AudioFileSink
 
     with pytest.raises(UsageError) as err:
         AudioFileSink(tmp_path / name, format=fmt)
@@ -302,7 +302,7 @@ def test_unknown_format_is_a_usage_error_and_makes_nothing(tmp_path, name, fmt, 
 
 
 def test_a_format_this_libsndfile_lacks(tmp_path, monkeypatch):
-    from omni_cli.sinks import AudioFileSink
+    from omni_cli.audio.sinks import AudioFileSink
 
     real = sf.available_subtypes
     monkeypatch.setattr(sf, "available_subtypes", lambda fmt=None: {} if fmt == "MP3" else real(fmt))
@@ -314,7 +314,7 @@ def test_a_format_this_libsndfile_lacks(tmp_path, monkeypatch):
 
 
 def test_opus_refuses_a_rate_it_cannot_carry(tmp_path):
-    from omni_cli.sinks import AudioFileSink, writable_formats
+    from omni_cli.audio.sinks import AudioFileSink, writable_formats
 
     if "opus" not in writable_formats():
         pytest.skip("no Opus here")
@@ -327,7 +327,7 @@ def test_opus_refuses_a_rate_it_cannot_carry(tmp_path):
 def test_an_interrupt_right_after_a_temp_file_is_made_leaves_nothing(tmp_path, monkeypatch):
     """Ctrl-C (or SIGTERM) can land between creating a temp file and remembering it: the names are
     chosen first, so the probe and the .part are removed all the same."""
-    import omni_cli.sinks as sinks
+    import omni_cli.audio.sinks as sinks
 
     real = sinks._create_exclusive
 

@@ -221,7 +221,7 @@ def test_vocoder_keeps_the_real_window_and_hop(config):
 
     from transformers import Qwen2_5OmniForConditionalGeneration
 
-    from omni_cli.vocoder import StreamingVocoder
+    from omni_cli.models.qwen2_5_omni.vocoder import StreamingVocoder
 
     dit, bigvgan = config.token2wav_config.dit_config, config.token2wav_config.bigvgan_config
     assert (dit.block_size, dit.repeats, dit.mel_dim) == (24, 2, 80)

@@ -1,4 +1,4 @@
-"""Streaming token2wav (omni_cli.vocoder) against the whole-utterance decode and transformers' token2wav.
+"""Streaming token2wav (omni_cli.models.qwen2_5_omni.vocoder) against the whole-utterance decode and transformers' token2wav.
 
 The model is a tiny Qwen2_5OmniToken2WavModel built here with seeded random weights. transformers'
 own init (std 0.02) makes a DiT that barely mixes frames and a BigVGAN that outputs ~1e-8, which would
@@ -21,8 +21,8 @@ import torch
 from transformers import Qwen2_5OmniToken2WavConfig
 from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import Qwen2_5OmniToken2WavModel
 
-from omni_cli.channel import Cancelled, Channel
-from omni_cli.vocoder import END, StreamingVocoder, vocoder_worker
+from omni_cli.runtime.channel import Cancelled, Channel
+from omni_cli.models.qwen2_5_omni.vocoder import END, StreamingVocoder, vocoder_worker
 
 SEED = 1234
 MAX_CODES = 160
@@ -363,7 +363,7 @@ def test_warmup_codes_reach_every_window_an_utterance_uses(token2wav, voice, chu
     # The engine captures the windows' CUDA graphs by streaming `warmup_codes`; a window it missed
     # would run eagerly (slowly) in every reply. Compare with utterances of many lengths: every DiT
     # window length, and every BigVGAN span before the last (the last one's length varies).
-    from omni_cli.vocoder import warmup_codes
+    from omni_cli.models.qwen2_5_omni.vocoder import warmup_codes
 
     def windows(codes):
         vocoder = StreamingVocoder(token2wav, *voice, max_codes=len(codes), generator=SEED,

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from .config import SamplingOptions
+from ..config import SamplingOptions
 
 
 def repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:

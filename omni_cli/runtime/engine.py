@@ -31,12 +31,12 @@ import torch
 
 from .boundary import AsyncOutput
 from .channel import Channel
-from .config import CODES_PER_SECOND, SAMPLE_RATE, SamplingOptions
+from ..config import CODES_PER_SECOND, SAMPLE_RATE, SamplingOptions
 from .kv_cache import StaticKVCache
 from .sampling import mark_seen, select
-from .sink_thread import SinkThread
-from .talker import Talker
-from .thinker import Thinker
+from ..audio.sink_thread import SinkThread
+from ..models.qwen2_5_omni.talker import Talker
+from ..models.qwen2_5_omni.thinker import Thinker
 
 AUDIO_CODE_LIMIT = 8192  # only codes below this are audio (token2wav's embedding has 8193 rows)
 FIRST_AUDIO_HOLD = 1.0  # longest the engine thread waits for the first audio on a CPU (seconds)
@@ -177,7 +177,7 @@ class Engine:
         of `vocoder_chunk_codes`, call again: the windows have other lengths)."""
         if self.device.type != "cuda" or not self.has_talker or not self.graphs:
             return  # without graphs the vocoder's windows run eagerly too (a window without a graph does)
-        from .vocoder import StreamingVocoder, warmup_codes
+        from ..models.qwen2_5_omni.vocoder import StreamingVocoder, warmup_codes
 
         codes = warmup_codes(self.vocoder_chunk_codes)
         for spk in self.speakers.values():
@@ -475,7 +475,7 @@ class _Turn:
 
     # -- vocoder thread: codes → PCM → sink ------------------------------------------------------
     def _vocoder_main(self) -> None:
-        from .vocoder import StreamingVocoder, vocoder_worker
+        from ..models.qwen2_5_omni.vocoder import StreamingVocoder, vocoder_worker
 
         try:
             spk = self.e.speakers[self.req.voice]

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from .decoder import forward_layers
-from .kv_cache import StaticKVCache
+from ...runtime.decoder import forward_layers
+from ...runtime.kv_cache import StaticKVCache
 
 
 class Talker:
@@ -36,8 +36,8 @@ class Talker:
 
     def enable_fast_decode(self, graphs: bool, compile: bool = False) -> None:
         """Decode through the fused fixed-shape step (`fused.py`), replayed as CUDA graphs when possible."""
-        from .fused import FusedDecoder
-        from .graphs import StepGraphs
+        from ...runtime.fused import FusedDecoder
+        from ...runtime.graphs import StepGraphs
 
         dev = self.cache.keys[0].device
         width = self.proj.in_features

@@ -27,7 +27,7 @@ from __future__ import annotations
 import threading
 from typing import Any, Callable
 
-from .channel import Cancelled, Channel
+from ..runtime.channel import Cancelled, Channel
 
 # How long abort() waits for the owner thread to have aborted the sink (a write blocked on a stalled
 # pipe can hold it; then the caller goes on and the daemon thread finishes the abort when it can).

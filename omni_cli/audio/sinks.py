@@ -37,8 +37,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO, Protocol, Sequence, runtime_checkable
 
-from .config import SAMPLE_RATE
-from .errors import AudioDeviceError, OutputError, UsageError
+from ..config import SAMPLE_RATE
+from ..errors import AudioDeviceError, OutputError, UsageError
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     import numpy as np

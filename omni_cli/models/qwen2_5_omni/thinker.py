@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .decoder import forward_layers
-from .kv_cache import StaticKVCache
+from ...runtime.decoder import forward_layers
+from ...runtime.kv_cache import StaticKVCache
 
 
 @dataclass
@@ -34,8 +34,8 @@ class Thinker:
 
     def enable_fast_decode(self, graphs: bool, compile: bool = False) -> None:
         """Decode through the fused fixed-shape step (`fused.py`), replayed as CUDA graphs when possible."""
-        from .fused import FusedDecoder
-        from .graphs import StepGraphs
+        from ...runtime.fused import FusedDecoder
+        from ...runtime.graphs import StepGraphs
 
         dev = self.cache.keys[0].device
         self.fused = FusedDecoder(self.model, self.cache, compile=compile)

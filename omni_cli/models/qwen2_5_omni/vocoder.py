@@ -37,7 +37,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from .channel import Cancelled, Channel
+from ...runtime.channel import Cancelled, Channel
 
 AUDIO_CODES = 8192  # talker ids below this are audio; the rest (pad, bos, eos, ...) are control
 END = None  # an item that ends the codes stream early; closing the channel is just as good
@@ -431,7 +431,7 @@ class _WindowGraphs:
     """
 
     def __init__(self, device: torch.device) -> None:
-        from .graphs import capture_stream, graphs_wanted
+        from ...runtime.graphs import capture_stream, graphs_wanted
 
         self.enabled = graphs_wanted(True, device)
         self.device = device
@@ -448,7 +448,7 @@ class _WindowGraphs:
         (a 120-frame window's graph: 130 → 83 ms on an H200, measured with static shapes). One compile
         serves every window length (dynamic shapes); outside captures, and with `OMNI_NO_COMPILE=1`, the
         plain function runs."""
-        from .graphs import compile_fn, compile_wanted
+        from ...runtime.graphs import compile_fn, compile_wanted
 
         if self._compiled is None:
             self._compiled = dit_forward
