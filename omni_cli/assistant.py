@@ -10,7 +10,7 @@
     chat = assistant.conversation()             # multi-turn: history kept between calls
     chat.say("Hi"); chat.say("And then?")
 
-It turns requests into `engine.TurnRequest`s (prompt ids, sampling settings, limits) and validates them
+It turns requests into `runtime.events.TurnRequest`s (prompt ids, sampling settings, limits) and validates them
 (empty prompt, unknown voice, context overflow) with errors a person can act on. It knows nothing of
 terminals, files or sound devices: audio goes to whatever sink the caller passes.
 """
@@ -20,19 +20,21 @@ from __future__ import annotations
 import logging
 from typing import Iterator
 
-from .config import SAMPLE_RATE, TALKER_DEFAULTS, ReplyOptions, RuntimeOptions, SamplingOptions
-from .runtime.engine import AudioBlock, Done, Engine, Reply, TextDelta, TurnRequest, fresh_seed
+from .config import ReplyOptions, RuntimeOptions, SamplingOptions
 from .errors import UsageError
-from .prompt import DEFAULT_SYSTEM, Conversation, check_prompt, fit
+from .prompt import Conversation, check_prompt, fit
+from .runtime.engine import Engine, fresh_seed
+from .runtime.events import AudioBlock, Done, Reply, TextDelta, TurnRequest
 
 __all__ = ["Assistant", "Chat", "Reply", "ReplyOptions", "TextDelta", "AudioBlock", "Done"]
 
 log = logging.getLogger(__name__)
 
-# Reply limits when the caller gives none. The demo model never stops by itself (random weights), so
-# it gets short ones: a whole demo reply takes seconds on one CPU core.
-DEFAULT_LIMITS = {"text": 1024, "codes": 4096}
-DEMO_LIMITS = {"text": 24, "codes": 150}
+# Reply limits when the caller gives none, in seconds of audio for the talker (a family's codes per
+# second turn them into steps). The demo model never stops by itself (random weights), so it gets
+# short ones: a whole demo reply takes seconds on one CPU core.
+DEFAULT_LIMITS = {"text": 1024, "seconds": 4096 / 50}
+DEMO_LIMITS = {"text": 24, "seconds": 3.0}
 
 
 def thinker_sampling(generation_config) -> SamplingOptions:
@@ -64,21 +66,19 @@ def eos_ids(generation_config, tokenizer) -> list[int]:
 class Assistant:
     def __init__(self, loaded, *, max_context: int = 4096, max_codes: int | None = None, graphs: bool = True) -> None:
         self.loaded = loaded
+        self.family = loaded.family
         self.is_demo = loaded.is_demo
         self.name = loaded.name
-        self.sample_rate = SAMPLE_RATE
-        self.limits = DEMO_LIMITS if loaded.is_demo else DEFAULT_LIMITS
+        limits = DEMO_LIMITS if loaded.is_demo else DEFAULT_LIMITS
+        per_second = self.family.CODES_PER_SECOND
+        self.limits = {"text": limits["text"], "codes": round(limits["seconds"] * per_second)}
         self.thinker_sampling = thinker_sampling(loaded.generation_config)
+        self.talker_sampling = self.family.talker_sampling()
         self.max_context = max_context
-        self.engine = Engine(
-            loaded.model,
-            loaded.tokenizer,
-            loaded.speakers,
-            eos_ids=eos_ids(loaded.generation_config, loaded.tokenizer),
-            max_context=max_context,
-            max_codes=max_codes or DEFAULT_LIMITS["codes"],
-            graphs=graphs,
-        )
+        steps = self.family.build_steps(loaded.model, loaded.speakers, max_context=max_context, graphs=graphs,
+                                        max_codes=max_codes or round(DEFAULT_LIMITS["seconds"] * per_second))
+        self.sample_rate = steps.sample_rate
+        self.engine = Engine(steps, loaded.tokenizer, eos_ids=eos_ids(loaded.generation_config, loaded.tokenizer))
         # CUDA graphs and compiled kernels: made while loading, so turns only replay them.
         self.engine.warmup()
 
@@ -100,8 +100,18 @@ class Assistant:
     def has_audio(self) -> bool:
         return self.engine.has_talker
 
+    @property
+    def default_system(self) -> str:
+        """The system prompt a conversation gets when none is given (the family's)."""
+        return self.family.DEFAULT_SYSTEM
+
+    @property
+    def speaks_only_under_default_system(self) -> bool:
+        """Qwen2.5-Omni's talker speaks reliably only under its default system prompt."""
+        return bool(getattr(self.family, "NEEDS_DEFAULT_SYSTEM", False))
+
     def conversation(self, system: str | None = None) -> "Chat":
-        return Chat(self, Conversation(system=DEFAULT_SYSTEM if system is None else system))
+        return Chat(self, Conversation(system=self.default_system if system is None else system))
 
     # ------------------------------------------------------------------------------------------
     def say(self, prompt: str, options: ReplyOptions | None = None, *, sink=None,
@@ -140,9 +150,15 @@ class Assistant:
 
     @property
     def default_voice(self) -> str:
-        """The voice a reply gets when none is asked for: Chelsie when the model has it, else its first."""
+        """The voice a reply gets when none is asked for: the family's default (Qwen2.5-Omni: Chelsie,
+        Qwen3-Omni: Ethan) when the model has it, else its first."""
+        from .loader import check_voice
+
         voices = self.voices
-        return "Chelsie" if "Chelsie" in voices or not voices else voices[0]
+        try:
+            return check_voice(voices, self.family.DEFAULT_VOICE)
+        except UsageError:
+            return voices[0] if voices else self.family.DEFAULT_VOICE
 
     def _request(self, prompt, opts: ReplyOptions, sink, conversation):
         from .loader import check_voice
@@ -157,13 +173,14 @@ class Assistant:
         n_codes = self._limit(opts.max_codes, "codes")
         if n_codes > self.engine.max_codes:
             raise UsageError(f"max_codes {n_codes} is above this session's limit of {self.engine.max_codes}")
-        conv = Conversation(conversation.system, list(conversation.turns)) if conversation else Conversation()
+        conv = (Conversation(conversation.system, list(conversation.turns)) if conversation
+                else Conversation(system=self.default_system))
         ids, dropped = fit(self.loaded.tokenizer, conv, prompt, self.max_context - n_text)
         if dropped:
             # INFO: expected behaviour worth a note (the faces print INFO as `note: ...`), not a fault.
             log.info("dropped the oldest %d exchange(s) to fit the context", dropped)
         tsamp = opts.thinker_sampling(self.thinker_sampling)
-        ksamp = TALKER_DEFAULTS.greedy() if opts.greedy else TALKER_DEFAULTS
+        ksamp = self.talker_sampling.greedy() if opts.greedy else self.talker_sampling
         req = TurnRequest(
             input_ids=ids, voice=voice, thinker=tsamp, talker=ksamp, max_text_tokens=n_text,
             max_codes=n_codes, seed=fresh_seed() if opts.seed is None else int(opts.seed), text_only=text_only,

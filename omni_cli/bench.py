@@ -139,15 +139,15 @@ VARIANTS = {
 def _ours(model, prompt_ids, text_tokens, codes, device, graphs: bool, runs: int, variant: str | None = None) -> dict:
     import torch
 
-    from .config import TALKER_DEFAULTS, SamplingOptions
-    from .runtime.engine import Engine, TurnRequest
+    from .models.qwen2_5_omni.steps import Qwen25Steps
+    from .runtime.engine import Engine
 
     eos = [151645, 151643]
     t0 = time.perf_counter()
     fast, graphs, compile = VARIANTS[variant] if variant else (None, graphs, None)
-    engine = Engine(model, _BenchTokenizer(), model.speaker_map, eos_ids=eos,
-                    max_context=max(1024, len(prompt_ids) + text_tokens + 8), max_codes=codes,
-                    fast_decode=fast, graphs=graphs, compile=compile)
+    steps = Qwen25Steps(model, model.speaker_map, max_context=max(1024, len(prompt_ids) + text_tokens + 8),
+                        max_codes=codes, fast_decode=fast, graphs=graphs, compile=compile)
+    engine = Engine(steps, _BenchTokenizer(), eos_ids=eos)
     engine.warmup()
     setup = time.perf_counter() - t0
     progress(f"engine ready in {setup:.1f} s (graphs captured, layers compiled)")
@@ -161,15 +161,17 @@ SCHEDULES = {"chunk48": 48, "chunk96": 96, "chunk192": 192}  # the vocoder's ste
 
 def _schedules(model, prompt_ids, text_tokens, codes, device, runs: int) -> dict:
     """Each vocoder schedule on one engine, one after the other in this process (side by side)."""
+    from .models.qwen2_5_omni.steps import Qwen25Steps
     from .runtime.engine import Engine
 
-    engine = Engine(model, _BenchTokenizer(), model.speaker_map, eos_ids=[151645, 151643],
-                    max_context=max(1024, len(prompt_ids) + text_tokens + 8), max_codes=codes)
+    steps = Qwen25Steps(model, model.speaker_map, max_context=max(1024, len(prompt_ids) + text_tokens + 8),
+                        max_codes=codes)
+    engine = Engine(steps, _BenchTokenizer(), eos_ids=[151645, 151643])
     engine.warmup()
     table = {}
     for name, chunk in SCHEDULES.items():
-        engine.vocoder_chunk_codes = chunk
-        engine.warmup_vocoder()  # windows of this chunk size (captured once, kept on the model)
+        steps.vocoder_chunk_codes = chunk
+        steps.warmup_vocoder()  # windows of this chunk size (captured once, kept on the model)
         progress(f"schedule {name}")
         table[name] = _measure(engine, prompt_ids, text_tokens, codes, device, runs)
     return table
@@ -179,8 +181,9 @@ def _measure(engine, prompt_ids, text_tokens, codes, device, runs: int) -> dict:
     """`runs` timed replies (after one warm-up reply) on a ready engine; medians of the stats."""
     import torch
 
-    from .config import TALKER_DEFAULTS, SamplingOptions
-    from .runtime.engine import TurnRequest
+    from .config import SamplingOptions
+    from .models.qwen2_5_omni import TALKER_SAMPLING as TALKER_DEFAULTS
+    from .runtime.events import TurnRequest
 
     thinker = SamplingOptions(do_sample=True, temperature=0.7, top_k=20, top_p=0.8, repetition_penalty=1.05)
     results = []

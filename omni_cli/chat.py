@@ -354,16 +354,15 @@ class ChatRepl:
         self.say("unmuted: replies are spoken")
 
     def cmd_system(self, arg: str) -> None:
-        from .prompt import DEFAULT_SYSTEM
-
         history = self.chat.history
         if not arg:
             self.say(f"system: {history.system}")
             return
-        history.system = DEFAULT_SYSTEM if arg.lower() == "default" else check_text(arg, "the system prompt")
+        default = self.assistant.default_system
+        history.system = default if arg.lower() == "default" else check_text(arg, "the system prompt")
         self.say("system prompt set")
-        if history.system != DEFAULT_SYSTEM and not self.muted:
-            self.say("note: Qwen2.5-Omni speaks reliably only under its default system prompt (/system default)")
+        if history.system != default and not self.muted and self.assistant.speaks_only_under_default_system:
+            self.say("note: this model speaks reliably only under its default system prompt (/system default)")
 
     # -- settings --------------------------------------------------------------------------------
     def cmd_set(self, arg: str) -> None:

@@ -113,7 +113,7 @@ ModelOpt = Annotated[Optional[str], typer.Option(
     "--model", "-m", metavar="FOLDER|HUB_ID", show_default=False,
     help="Model folder or hub id (e.g. Qwen/Qwen2.5-Omni-7B). Default: $OMNI_MODEL, else the built-in "
     "tiny random-weight demo model.")]
-VoiceOpt = Annotated[Optional[str], typer.Option("--voice", "-v", metavar="NAME", show_default=False, help="Voice from the model's spk_dict.pt (Qwen2.5-Omni: Chelsie, the default, or Ethan); see --list-voices.")]
+VoiceOpt = Annotated[Optional[str], typer.Option("--voice", "-v", metavar="NAME", show_default=False, help="A voice of the model (Qwen2.5-Omni: Chelsie, the default, or Ethan; Qwen3-Omni: Ethan, the default, Chelsie or Aiden); see --list-voices.")]
 DeviceOpt = Annotated[str, typer.Option("--device", metavar="DEVICE", help="auto, cpu, cuda, cuda:N, npu, mps.")]
 DtypeOpt = Annotated[str, typer.Option("--dtype", metavar="DTYPE", help="auto (bfloat16 on accelerators, float32 on CPU), float32, bfloat16, float16.")]
 GraphsOpt = Annotated[bool, typer.Option("--graphs/--no-graphs", help="CUDA graphs and compiled decode steps on a GPU (a no-op on CPU); --no-graphs runs them eagerly, as does OMNI_NO_GRAPHS=1.")]

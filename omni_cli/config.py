@@ -9,8 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-SAMPLE_RATE = 24_000  # Qwen2.5-Omni's token2wav speaks at 24 kHz mono
-CODES_PER_SECOND = 50  # one talker code is 20 ms of audio
+SAMPLE_RATE = 24_000  # both families' vocoders speak at 24 kHz mono
 
 
 @dataclass(frozen=True)
@@ -32,10 +31,6 @@ class SamplingOptions:
         return replace(self, do_sample=False)
 
 
-# The reference's talker settings (transformers' Qwen2_5OmniForConditionalGeneration.generate).
-TALKER_DEFAULTS = SamplingOptions(do_sample=True, temperature=0.9, top_k=40, top_p=0.8, repetition_penalty=1.05)
-
-
 @dataclass(frozen=True)
 class RuntimeOptions:
     """How the engine runs on the device."""
@@ -48,8 +43,9 @@ class RuntimeOptions:
     graphs: bool = True
     # Longest prompt + reply text the thinker's static KV cache is sized for (tokens).
     max_context: int = 4096
-    # Longest reply audio the talker's cache and the vocoder's noise are sized for (50 codes = 1 s).
-    max_codes: int = 4096
+    # Longest reply audio the talker's cache and the vocoder are sized for, in talker steps (Qwen2.5-Omni:
+    # 50 codes = 1 s; Qwen3-Omni: 12.5 frames = 1 s); None = the family's default (about 82 s).
+    max_codes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -57,13 +53,15 @@ class ReplyOptions:
     """What one reply is asked for: the one object the CLI and the REPL build from their flags and hand
     to `Assistant.stream(prompt, options)` (keyword arguments there override single fields)."""
 
-    # A voice of the model (its spk_dict.pt); None = the model's default voice.
+    # A voice of the model (Qwen2.5-Omni: its spk_dict.pt; Qwen3-Omni: its config's speaker map);
+    # None = the model's default voice.
     voice: str | None = None
     # Greedy decoding for thinker and talker (overrides the sampling fields below).
     greedy: bool = False
     # Seed for sampling and the vocoder's noise; None = a fresh random seed per reply.
     seed: int | None = None
-    # Caps on the reply's text tokens and speech codes; None = the model's defaults.
+    # Caps on the reply's text tokens and talker steps (codes; frames for Qwen3-Omni); None = the
+    # model's defaults.
     max_text_tokens: int | None = None
     max_codes: int | None = None
     # Text only: no talker, no vocoder.

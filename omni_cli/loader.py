@@ -1,17 +1,18 @@
-"""Find and load a Qwen2.5-Omni checkpoint; pick the device and dtype it runs in.
+"""Find and load a checkpoint of a supported family; pick the device and dtype it runs in.
 
-This is the only module that knows the checkpoint layout: a folder with `config.json`
-(model_type "qwen2_5_omni"), the weights, the tokenizer files, `generation_config.json` (the thinker's
-sampling defaults; optional) and `spk_dict.pt` (the voices: name -> {bos_token, cond, ref_mel}).
 A model is named by a local folder, a Hugging Face hub id (looked up in the local hub cache first,
 downloaded otherwise), `$OMNI_MODEL`, or nothing at all: then the built-in tiny random-weight model
-that ships with a source checkout is used, with a one-line notice on stderr.
+that ships with a source checkout is used, with a one-line notice. A folder holds `config.json`, whose
+`model_type` names the family (`omni_cli/models/`), the weights, the tokenizer files, optionally
+`generation_config.json` (the thinker's sampling defaults), and what the family needs beside them
+(Qwen2.5-Omni: `spk_dict.pt`, the voices).
 
 Every failure a person can fix is raised as a one-line `ModelError` / `UsageError` / `OmniError`.
-It does not know how a reply is generated (engine), how prompts are built (prompt) or where audio goes
-(sinks). torch, transformers and huggingface_hub are imported inside the functions that need them, so
-importing this module stays cheap. It never prints: notices go to the `omni_cli.loader` logger (INFO:
-the demo model, a download; WARNING: weights left random), and the faces decide what a person sees.
+It does not know a family's weights layout or voices (models/<family>/), how a reply is generated
+(runtime/), how prompts are built (prompt) or where audio goes (audio/). torch, transformers and
+huggingface_hub are imported inside the functions that need them, so importing this module stays
+cheap. It never prints: notices go to the `omni_cli.loader` logger (INFO: the demo model, a download;
+WARNING: weights left random), and the faces decide what a person sees.
 """
 
 from __future__ import annotations
@@ -20,12 +21,11 @@ import contextlib
 import json
 import logging
 import os
-import pickle
 import re
 import warnings
-import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
 from .errors import ModelError, OmniError, UsageError
@@ -40,12 +40,6 @@ TINY_MODEL_DIR = Path(__file__).resolve().parent.parent / "assets" / "tiny-qwen2
 
 # The environment variable that names the default model (a folder or a hub id).
 MODEL_ENV = "OMNI_MODEL"
-
-# `config.json`'s model_type for the one family this loader accepts.
-MODEL_TYPE = "qwen2_5_omni"
-
-# What a voice entry in spk_dict.pt carries.
-SPEAKER_KEYS = ("bos_token", "cond", "ref_mel")
 
 _WEIGHT_FILES = (
     "model.safetensors",
@@ -86,7 +80,7 @@ def resolve_model(model: str | os.PathLike | None) -> tuple[Path, bool]:
     """Where the checkpoint named by `model` lives, and whether it is the built-in demo model.
 
     None means `$OMNI_MODEL` if set, else the built-in tiny model (with a one-line notice, logged).
-    A local folder is checked (config.json of a Qwen2.5-Omni model, spk_dict.pt); anything shaped like
+    A local folder is checked (config.json of a supported family, its parts); anything shaped like
     `owner/name` that is not an existing path is a hub id: the local hub cache first, then a download.
     """
     path, is_demo, _name = _resolve(model)
@@ -133,11 +127,12 @@ def _is_tiny(folder: Path) -> bool:
 
 
 class IncompleteModel(ModelError):
-    """A Qwen2.5-Omni folder that lacks weights, tokenizer or voices (a partial download, say)."""
+    """A model folder that lacks weights, tokenizer or voices (a partial download, say)."""
 
 
-def missing_parts(folder: Path) -> list[str]:
-    """What a Qwen2.5-Omni folder lacks of weights, tokenizer and voices (config.json is checked apart)."""
+def missing_parts(folder: Path, family: ModuleType | None = None) -> list[str]:
+    """What a model folder lacks of weights, tokenizer and what its family needs beside them
+    (config.json is checked apart)."""
     missing = []
     if not any((folder / name).is_file() for name in _WEIGHT_FILES):
         missing.append("weights (model.safetensors)")
@@ -146,13 +141,13 @@ def missing_parts(folder: Path) -> list[str]:
     )
     if not has_tokenizer:
         missing.append("tokenizer (tokenizer.json)")
-    if not (folder / "spk_dict.pt").is_file():
-        missing.append("spk_dict.pt (the voices)")
+    if family is not None:
+        missing += family.missing_parts(folder)
     return missing
 
 
 def _check_folder(path: Path, label: str | None = None) -> Path:
-    """The folder, resolved, if it holds a Qwen2.5-Omni checkpoint; else a one-line ModelError."""
+    """The folder, resolved, if it holds a checkpoint of a supported family; else a one-line ModelError."""
     label = label or str(path)
     if not path.exists():
         raise ModelError(f"model folder {label} does not exist")
@@ -164,15 +159,24 @@ def _check_folder(path: Path, label: str | None = None) -> Path:
     try:
         config = json.loads(config_file.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise ModelError(f"{label}/config.json cannot be read: {_one_line(exc)}") from exc
-    model_type = config.get("model_type") if isinstance(config, dict) else None
-    if model_type != MODEL_TYPE:
-        what = f"a {model_type} model" if model_type else "not a model with a model_type"
-        raise ModelError(f"{label} is {what}, not Qwen2.5-Omni")
-    missing = missing_parts(path)
+        raise ModelError(f"{label}/config.json cannot be read: {one_line(exc)}") from exc
+    fam = family_of(config, label)
+    missing = missing_parts(path, fam)
     if missing:
-        raise IncompleteModel(f"{label} has no {' and no '.join(missing)}: not a complete Qwen2.5-Omni checkpoint")
+        raise IncompleteModel(f"{label} has no {' and no '.join(missing)}: not a complete {fam.TITLE} checkpoint")
     return path.resolve()
+
+
+def family_of(config: Any, label: str) -> ModuleType:
+    """The family package (omni_cli/models/) of a decoded config.json."""
+    from .models import family
+
+    return family(config.get("model_type") if isinstance(config, dict) else None, label)
+
+
+def read_family(folder: Path) -> ModuleType:
+    """The family of a folder `_check_folder` accepted."""
+    return family_of(json.loads((folder / "config.json").read_text(encoding="utf-8")), str(folder))
 
 
 def _from_hub(repo_id: str) -> Path:
@@ -213,7 +217,7 @@ def _from_hub(repo_id: str) -> Path:
             "`hf auth login`); pass a model folder or a hub id such as Qwen/Qwen2.5-Omni-7B"
         ) from exc
     except Exception as exc:
-        reason = _one_line(str(exc).splitlines()[0] if str(exc) else exc, limit=120)
+        reason = one_line(str(exc).splitlines()[0] if str(exc) else exc, limit=120)
         raise ModelError(
             f"model {repo_id} is neither a local folder nor in the Hugging Face cache, and downloading it "
             f"failed ({reason}): {hint}"
@@ -339,12 +343,13 @@ def check_voice(speakers: Mapping[str, Any] | Iterable[str], voice: str) -> str:
 class LoadedModel:
     """A checkpoint on its device, with what the engine needs beside the weights."""
 
-    # Qwen2_5OmniForConditionalGeneration in eval mode: thinker + talker in `dtype` on `device`,
-    # token2wav in float32 on `device`.
+    # The family's *ForConditionalGeneration in eval mode on `device`: LLMs in `dtype`, the vocoder
+    # as the family runs it (Qwen2.5-Omni's token2wav in float32).
     model: Any
     # The checkpoint's tokenizer (AutoTokenizer from the folder).
     tokenizer: Any
-    # Voices from spk_dict.pt: name -> {"bos_token": int, "cond": Tensor 1x192, "ref_mel": Tensor 1xTx80}.
+    # Voices: name -> what the family's talker needs for it (Qwen2.5-Omni: spk_dict.pt's entries
+    # {"bos_token", "cond", "ref_mel"}; Qwen3-Omni: the codec id from the config's speaker map).
     speakers: dict
     # The thinker's generation defaults (generation_config.json; library defaults if absent).
     generation_config: Any
@@ -357,6 +362,8 @@ class LoadedModel:
     is_demo: bool
     # Short display name: the hub id, or the folder's name.
     name: str
+    # The family package (omni_cli/models/<family>/).
+    family: Any = None
 
     @property
     def voices(self) -> list[str]:
@@ -383,7 +390,8 @@ def _quiet_transformers():
             hf_logging.enable_progress_bar()
 
 
-def _one_line(exc: BaseException, limit: int = 300) -> str:
+def one_line(exc: BaseException, limit: int = 300) -> str:
+    """An exception's message on one line, shortened to `limit` characters."""
     text = " ".join(str(exc).split())
     if len(text) > limit:
         text = text[: limit - 3] + "..."
@@ -399,53 +407,25 @@ def _is_oom(exc: BaseException) -> bool:
 
 
 def load_model(model: str | os.PathLike | None = None, device: str = "auto", dtype: str = "auto") -> LoadedModel:
-    """Resolve, check and load a Qwen2.5-Omni checkpoint onto a device (see `LoadedModel`)."""
+    """Resolve, check and load a checkpoint of a supported family onto a device (see `LoadedModel`)."""
     torch_device = pick_device(device)
     torch_dtype = pick_dtype(dtype, torch_device)
     path, is_demo, name = _resolve(model)
+    fam = read_family(path)
 
     import torch
 
-    with _quiet_transformers() as transformers:
-        from transformers import AutoTokenizer, GenerationConfig, Qwen2_5OmniForConditionalGeneration
+    with _quiet_transformers():
+        from transformers import AutoTokenizer, GenerationConfig
 
-        try:
-            # The base class's from_pretrained, as Qwen2_5OmniForConditionalGeneration.from_pretrained calls
-            # it, but asking for the loading report (the subclass's override cannot return it); the voices
-            # are loaded below, as the override would.
-            omni, info = super(Qwen2_5OmniForConditionalGeneration, Qwen2_5OmniForConditionalGeneration).from_pretrained(
-                str(path), dtype=torch_dtype, local_files_only=True, output_loading_info=True
-            )
-        except KeyboardInterrupt:
-            raise
-        except Exception as exc:
-            if _is_oom(exc):
-                raise OmniError(f"out of memory loading {name}: try --dtype bfloat16 or a smaller model") from exc
-            raise ModelError(f"cannot load the weights of {name} ({path}): {_one_line(exc)}") from exc
-        missing = sorted(info.get("missing_keys") or ())
-        if missing:
-            # transformers left these random; its own warning is silenced above, so say it here.
-            log.warning("%s lacks %d weights (first: %s): they are random", name, len(missing), missing[0])
-
-        try:
-            omni.to(torch_device)
-            if getattr(omni, "has_talker", False):
-                omni.token2wav.float()
-            omni.eval()
-        except Exception as exc:
-            if _is_oom(exc):
-                _free(torch_device)
-                raise OmniError(
-                    f"out of GPU memory loading {name}: try --dtype bfloat16 or a smaller model"
-                ) from exc
-            raise
-
+        omni, speakers = fam.load(path, torch_device, torch_dtype, name)
+        omni.eval()
         try:
             tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
         except KeyboardInterrupt:
             raise
         except Exception as exc:
-            raise ModelError(f"cannot load the tokenizer of {name} ({path}): {_one_line(exc)}") from exc
+            raise ModelError(f"cannot load the tokenizer of {name} ({path}): {one_line(exc)}") from exc
         # The tokenizer's model_max_length only makes it log "Token indices sequence length is longer
         # than the specified maximum..." for a long prompt, ahead of our own one-line error: what fits
         # is decided by the context check (prompt.fit), so lift the tokenizer's limit (to the value
@@ -458,13 +438,10 @@ def load_model(model: str | os.PathLike | None = None, device: str = "auto", dty
             try:
                 generation_config = GenerationConfig.from_pretrained(str(path), local_files_only=True)
             except Exception as exc:
-                raise ModelError(f"{name}: bad generation_config.json: {_one_line(exc)}") from exc
+                raise ModelError(f"{name}: bad generation_config.json: {one_line(exc)}") from exc
         else:
             generation_config = GenerationConfig()
 
-    speakers = _load_speakers(path / "spk_dict.pt", name)
-    # What Qwen2_5OmniForConditionalGeneration.from_pretrained does after loading (load_speakers).
-    omni.speaker_map = dict(speakers)
     if is_demo and torch_device.type == "cpu" and torch.get_num_threads() > 1:
         # The demo model's operations are far too small to gain from a second thread, and each one
         # waits for all its threads: with another program busy on a core, a two-thread vocoder chunk
@@ -482,96 +459,45 @@ def load_model(model: str | os.PathLike | None = None, device: str = "auto", dty
         dtype=torch_dtype,
         is_demo=is_demo,
         name=name,
+        family=fam,
     )
 
 
-def _load_speakers(file: Path, name: str) -> dict:
-    import torch
-
+def from_pretrained(cls, path: Path, dtype, name: str):
+    """`cls.from_pretrained(path)` in `dtype` from local files, with one-line errors, and a warning for
+    weights the folder lacks (transformers' own is silenced by `_quiet_transformers`)."""
     try:
-        data = torch.load(file, weights_only=True, map_location="cpu")
+        model, info = cls.from_pretrained(str(path), dtype=dtype, local_files_only=True, output_loading_info=True)
+    except KeyboardInterrupt:
+        raise
     except Exception as exc:
-        raise ModelError(f"{name}: cannot read spk_dict.pt: {_one_line(exc)}") from exc
-    _check_speakers(data, name)
-    return data
+        if _is_oom(exc):
+            raise OmniError(f"out of memory loading {name}: try --dtype bfloat16 or a smaller model") from exc
+        raise ModelError(f"cannot load the weights of {name} ({path}): {one_line(exc)}") from exc
+    missing = sorted(info.get("missing_keys") or ())
+    if missing:
+        log.warning("%s lacks %d weights (first: %s): they are random", name, len(missing), missing[0])
+    return model
 
 
-def _check_speakers(data: Any, name: str) -> None:
-    """A ModelError unless `data` is a non-empty dict of voice name -> entry with SPEAKER_KEYS."""
-    if not isinstance(data, dict):
-        raise ModelError(f"{name}: spk_dict.pt is not a dict of voices")
-    for voice, entry in data.items():
-        if not isinstance(entry, Mapping) or any(k not in entry for k in SPEAKER_KEYS):
-            raise ModelError(f"{name}: spk_dict.pt entry '{voice}' lacks one of {', '.join(SPEAKER_KEYS)}")
-    if not data:
-        raise ModelError(f"{name}: spk_dict.pt has no voices")
+def to_device(model, place, device, name: str) -> None:
+    """`place(model)` (moves it to `device`), with out-of-memory as a one-line error."""
+    try:
+        place(model)
+    except Exception as exc:
+        if _is_oom(exc):
+            _free(device)
+            raise OmniError(f"out of GPU memory loading {name}: try --dtype bfloat16 or a smaller model") from exc
+        raise
 
 
 def model_voices(model: str | os.PathLike | None = None, notice: bool = True) -> list[str]:
-    """The voice names of a checkpoint, from its spk_dict.pt alone: no weights are loaded and torch is
-    not imported (what `omni-say --list-voices` prints, and what the CLI checks `-v` against before
-    loading). Same resolution and errors as `load_model`; `notice=False` leaves the demo notice to the
-    load that follows."""
+    """The voice names of a checkpoint without loading its weights or importing torch (what
+    `omni-say --list-voices` prints, and what the CLI checks `-v` against before loading). Same
+    resolution and errors as `load_model`; `notice=False` leaves the demo notice to the load that
+    follows."""
     path, _is_demo, name = _resolve(model, notice=notice)
-    file = path / "spk_dict.pt"
-    try:
-        data = _read_torch_pickle_shallow(file)
-    except _NotShallow:
-        # Not the zip format torch has written since 1.6 (or something our reader refuses): let torch
-        # read it, at the price of importing torch.
-        return list(_load_speakers(file, name))
-    except Exception as exc:  # a damaged file: unpickling bad bytes can raise nearly anything
-        raise ModelError(f"{name}: cannot read spk_dict.pt: {_one_line(exc)}") from exc
-    _check_speakers(data, name)
-    return list(data)
-
-
-class _NotShallow(Exception):
-    """spk_dict.pt is not something `_read_torch_pickle_shallow` reads; torch.load may."""
-
-
-class _TensorStub:
-    """Stands for a tensor in a shallowly read checkpoint: the structure is kept, the data never read."""
-
-
-def _tensor_stub(*_args) -> _TensorStub:
-    return _TensorStub()
-
-
-class _ShallowUnpickler(pickle.Unpickler):
-    """Reads the object tree of a torch zip checkpoint with every tensor replaced by `_TensorStub`.
-
-    Safer than torch.load and free of torch: only plain containers and torch's tensor-rebuilding names
-    are resolved (to stubs); any other global refuses the file, so no code from it ever runs. Storages
-    (persistent ids) become stubs, so the tensor data in the zip is not even read."""
-
-    _REBUILD = {"_rebuild_tensor", "_rebuild_tensor_v2", "_rebuild_parameter", "_rebuild_parameter_with_state"}
-
-    def find_class(self, module: str, name: str):
-        if (module, name) == ("collections", "OrderedDict"):
-            import collections
-
-            return collections.OrderedDict
-        if module == "torch._utils" and name in self._REBUILD:
-            return _tensor_stub
-        if module == "torch" and name.endswith("Storage"):
-            return _TensorStub  # only ever passed around inside a persistent id
-        raise _NotShallow(f"{module}.{name}")
-
-    def persistent_load(self, pid):
-        return _TensorStub()
-
-
-def _read_torch_pickle_shallow(file: Path) -> Any:
-    """The object saved in a torch zip checkpoint (`torch.save`), tensors as `_TensorStub`s."""
-    if not zipfile.is_zipfile(file):
-        raise _NotShallow("not a zip checkpoint")
-    with zipfile.ZipFile(file) as archive:
-        pickles = [n for n in archive.namelist() if n.endswith("/data.pkl") or n == "data.pkl"]
-        if len(pickles) != 1:
-            raise _NotShallow("no single data.pkl")
-        with archive.open(pickles[0]) as stream:
-            return _ShallowUnpickler(stream).load()
+    return read_family(path).voices(path, name)
 
 
 def _free(device: "torch.device") -> None:

@@ -28,11 +28,10 @@ from .errors import UsageError
 # The version of the transcript JSON this code writes; it reads this one and files without the field.
 TRANSCRIPT_FORMAT = 1
 
-# Qwen2.5-Omni speaks only under this system prompt (the model card asks for it for audio output).
-DEFAULT_SYSTEM = (
-    "You are Qwen, a virtual human developed by the Qwen Team, Alibaba Group, capable of perceiving "
-    "auditory and visual inputs, as well as generating text and speech."
-)
+# The default model's system prompt (Qwen2.5-Omni speaks only under it): what a `Conversation` made
+# without one gets, and what a transcript that names none had. A model's own default is the
+# assistant's `default_system` (its family's).
+from .models.qwen2_5_omni import DEFAULT_SYSTEM  # noqa: E402 - a constant, no torch
 
 
 @dataclass

@@ -19,7 +19,9 @@ import time
 import torch
 
 from omni_cli.bench import _BenchTokenizer, build_model
-from omni_cli.config import TALKER_DEFAULTS, SamplingOptions
+from omni_cli.config import SamplingOptions
+from omni_cli.models.qwen2_5_omni import TALKER_SAMPLING as TALKER_DEFAULTS
+from omni_cli.models.qwen2_5_omni.steps import Qwen25Steps
 from omni_cli.runtime.engine import Engine
 from omni_cli.runtime.sampling import select
 from omni_cli.models.qwen2_5_omni import vocoder as vocoder_mod
@@ -68,7 +70,7 @@ def kernels(fn, top: int = 12) -> dict:
 
 def steps(engine: Engine, report: dict) -> None:
     """Decode steps alone: graph replay, the compiled step launched eagerly, sampling, prefill."""
-    th, tk = engine.thinker, engine.talker
+    th, tk = engine.steps.thinker, engine.steps.talker
     th.cache.length = tk.cache.length = 100
     out = {}
     with torch.inference_mode():
@@ -202,7 +204,7 @@ def _dit_args(voc, code, noise, blocks):
 def beside(engine: Engine, report: dict) -> None:
     """The steady DiT window replayed on a side stream from a thread while the talker graph replays."""
     dit_graph, _ = report.pop("_graphs")
-    tk = engine.talker
+    tk = engine.steps.talker
     tk.cache.length = 100
     out = {}
     side = torch.cuda.Stream(DEV)
@@ -243,7 +245,7 @@ def beside(engine: Engine, report: dict) -> None:
 def prefill_threads(engine: Engine, report: dict) -> None:
     """Thinker prefill wall time (synchronised) in fresh threads, with and without cuDNN's attention
     (which keeps its per-shape plans per host thread): two prompt lengths per thread."""
-    th = engine.thinker
+    th = engine.steps.thinker
     out = {}
 
     def one(n: int) -> float:
@@ -282,7 +284,8 @@ def main() -> None:
     report: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
     t = time.perf_counter()
     model = build_model("qwen2.5-omni-7b", DEV, torch.bfloat16)
-    engine = Engine(model, _BenchTokenizer(), model.speaker_map, eos_ids=[151645], max_context=1024, max_codes=768)
+    engine = Engine(Qwen25Steps(model, model.speaker_map, max_context=1024, max_codes=768), _BenchTokenizer(),
+                    eos_ids=[151645])
     if wanted != {"prefill"}:
         engine.warmup()
     report["setup_s"] = time.perf_counter() - t

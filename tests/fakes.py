@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from omni_cli.errors import UsageError
+from omni_cli.prompt import DEFAULT_SYSTEM
 
 
 class FakeAssistant:
@@ -32,6 +33,8 @@ class FakeAssistant:
         self.calls = []
 
     default_voice = "Chelsie"
+    speaks_only_under_default_system = True
+    default_system = DEFAULT_SYSTEM
 
     def stream(self, prompt, options=None, *, sink=None, conversation=None, **fields):
         from dataclasses import asdict
@@ -80,6 +83,6 @@ class FakeAssistant:
 
     def conversation(self, system=None):
         from omni_cli.assistant import Chat
-        from omni_cli.prompt import DEFAULT_SYSTEM, Conversation
+        from omni_cli.prompt import Conversation
 
-        return Chat(self, Conversation(system=DEFAULT_SYSTEM if system is None else system))
+        return Chat(self, Conversation(system=self.default_system if system is None else system))

@@ -125,7 +125,7 @@ def bad_input_cases():
     return [
         ("missing-model-folder", lambda d, tiny: ["-m", d / "nope"], 1, ["does not exist", "nope"]),
         ("folder-without-config", lambda d, tiny: ["-m", _folder(d / "empty")], 1, ["no config.json"]),
-        ("not-omni", lambda d, tiny: ["-m", _llama(d / "llama")], 1, ["llama", "not Qwen2.5-Omni"]),
+        ("not-omni", lambda d, tiny: ["-m", _llama(d / "llama")], 1, ["llama", "not Qwen2.5-Omni", "Qwen3-Omni"]),
         ("corrupt-config", lambda d, tiny: ["-m", _copy_of_tiny(tiny, d / "c", **{"config.json": b"{not json"})], 1,
          ["config.json cannot be read"]),
         ("corrupt-weights", lambda d, tiny: ["-m", _copy_of_tiny(tiny, d / "w", **{"model.safetensors": b"\0garbage" * 64})], 1,

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from omni_cli.runtime import engine as engine_mod
+from omni_cli.runtime import turn as turn_mod
 from omni_cli.assistant import Assistant
 from omni_cli.errors import UsageError
 from omni_cli.audio.sinks import RecordingSink
@@ -120,14 +121,14 @@ def test_a_worker_failure_is_raised_by_say_and_no_thread_survives(assistant, mon
 
         monkeypatch.setattr(vocoder.StreamingVocoder, "push", boom)
     elif where == "producer":
-        original = engine_mod._Turn._handle
+        original = turn_mod.Turn._handle
 
         def handle(self, kind, index, value):
             if kind == "code" and index == 5:
                 boom()
             return original(self, kind, index, value)
 
-        monkeypatch.setattr(engine_mod._Turn, "_handle", handle)
+        monkeypatch.setattr(turn_mod.Turn, "_handle", handle)
     else:
         monkeypatch.setattr(Talker, "decode_one", boom)
     sink = RecordingSink()
@@ -167,9 +168,9 @@ def test_bad_requests_are_usage_errors(assistant, kwargs, message):
 
 
 def test_kv_cache_is_reused_not_reallocated(assistant):
-    keys = assistant.engine.thinker.cache.keys[0]
+    keys = assistant.engine.steps.thinker.cache.keys[0]
     assistant.say(PROMPT, greedy=True, max_text_tokens=4, max_codes=10)
-    assert assistant.engine.thinker.cache.keys[0] is keys
+    assert assistant.engine.steps.thinker.cache.keys[0] is keys
     assert isinstance(keys, torch.Tensor) and keys.shape[2] == assistant.max_context
 
 

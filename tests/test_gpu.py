@@ -7,7 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from omni_cli.config import TALKER_DEFAULTS, SamplingOptions
+from omni_cli.config import SamplingOptions
+from omni_cli.models.qwen2_5_omni import TALKER_SAMPLING as TALKER_DEFAULTS
+from omni_cli.models.qwen2_5_omni.steps import Qwen25Steps
 from omni_cli.runtime.engine import Done, Engine, TurnRequest, configure_cuda
 
 from hf_reference import reference_generate
@@ -37,10 +39,10 @@ def reference(model, ids, n_text, n_codes, eos, forced=False):
 
 
 def engines(model, eos, max_codes):
-    eager = Engine(model, _Tok(), model.speaker_map, eos_ids=eos, max_context=1024, max_codes=max_codes,
-                   fast_decode=False)
-    graphed = Engine(model, _Tok(), model.speaker_map, eos_ids=eos, max_context=1024, max_codes=max_codes,
-                     fast_decode=True, graphs=True)
+    eager = Engine(Qwen25Steps(model, model.speaker_map, max_context=1024, max_codes=max_codes, fast_decode=False),
+                   _Tok(), eos_ids=eos)
+    graphed = Engine(Qwen25Steps(model, model.speaker_map, max_context=1024, max_codes=max_codes, fast_decode=True,
+                                 graphs=True), _Tok(), eos_ids=eos)
     graphed.warmup()
     return eager, graphed
 
@@ -113,12 +115,12 @@ def test_true_size_graphed_equals_eager_equals_transformers_over_200_steps(big_m
 
 def run_recording(engine: Engine, ids, n_text, n_codes, into: list):
     """`run` with forced lengths, keeping a copy of the talker's logits at every step."""
-    from omni_cli.runtime import engine as engine_mod
+    from omni_cli.models.qwen2_5_omni import steps as engine_mod  # where the talker's codes are picked
 
     original = engine_mod.select
 
     def spy(logits, opts, *args, **kwargs):
-        if logits.shape[-1] == engine.talker.codec_head.out_features:
+        if logits.shape[-1] == engine.steps.talker.codec_head.out_features:
             into.append(logits.detach().float().cpu())  # a host copy: fine outside the timed path
         return original(logits, opts, *args, **kwargs)
 
@@ -130,15 +132,15 @@ def run_recording(engine: Engine, ids, n_text, n_codes, into: list):
 
 
 def test_talker_loop_runs_under_sync_debug_error(big_model, monkeypatch):
-    from omni_cli.runtime import engine as engine_mod
+    from omni_cli.runtime import turn as turn_mod
 
     def no_vocoder(self):  # the vocoder thread copies audio to the host by design; leave it out here
         for _ in self.codes_ch:
             pass
         self._worker_done()
 
-    monkeypatch.setattr(engine_mod._Turn, "_vocoder_main", no_vocoder)
-    eng = Engine(big_model, _Tok(), big_model.speaker_map, eos_ids=[151645], max_context=1024, max_codes=256)
+    monkeypatch.setattr(turn_mod.Turn, "_vocoder_main", no_vocoder)
+    eng = Engine(Qwen25Steps(big_model, big_model.speaker_map, max_context=1024, max_codes=256), _Tok(), eos_ids=[151645])
     eng.warmup()
     ids = list(range(1000, 1060))
     reply = run(eng, ids, 16, 200, force_lengths=True, sync_debug=True)

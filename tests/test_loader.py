@@ -44,7 +44,8 @@ def test_not_an_omni_config(fake_model):
     folder = fake_model("llama", model_type="llama")
     with pytest.raises(ModelError) as err:
         resolve_model(str(folder))
-    assert one_line(err.value) == f"{folder} is a llama model, not Qwen2.5-Omni"
+    assert one_line(err.value) == (f"{folder} is a llama model, not Qwen2.5-Omni (qwen2_5_omni) or Qwen3-Omni "
+                                   "(qwen3_omni_moe): omni-cli runs those two families")
 
 
 def test_bad_config_json(tmp_path):

@@ -16,6 +16,7 @@ import torch
 
 from omni_cli import tiny
 from omni_cli.assistant import Assistant
+from omni_cli.models import qwen2_5_omni
 from omni_cli.prompt import Conversation, build_ids
 
 from hf_reference import reference_generate
@@ -41,7 +42,7 @@ OTHER_CONFIGS = {
 def _assistant_for(model) -> Assistant:
     loaded = SimpleNamespace(
         model=model, tokenizer=tiny.make_tokenizer(), speakers=model.speaker_map,
-        generation_config=tiny.make_generation_config(), is_demo=True, name="tiny-test",
+        generation_config=tiny.make_generation_config(), is_demo=True, name="tiny-test", family=qwen2_5_omni,
     )
     return Assistant(loaded, max_context=512, max_codes=512)
 
@@ -115,17 +116,18 @@ def test_fused_decode_step_gives_the_same_tokens_and_codes(assistant):
     """The fixed-shape decode step (fused QKV / gate-up, RoPE table, masked span) that the engine runs
     by default (and CUDA graphs replay) must pick exactly what the library's own layers pick, step by
     step (the default engine is checked against transformers above)."""
+    from omni_cli.models.qwen2_5_omni.steps import Qwen25Steps
     from omni_cli.runtime.engine import Engine
 
-    assert assistant.engine.talker.fused is not None and assistant.engine.thinker.fused is not None
+    assert assistant.engine.steps.talker.fused is not None and assistant.engine.steps.thinker.fused is not None
     prompt = "Hello there! What is the weather like today?"
     fused = assistant.say(prompt, greedy=True, max_text_tokens=N_TEXT, max_codes=N_CODES)
     layers = Assistant.__new__(Assistant)
     layers.__dict__.update(assistant.__dict__)
-    layers.engine = Engine(assistant.loaded.model, assistant.loaded.tokenizer, assistant.loaded.speakers,
-                           eos_ids=assistant.engine.eos_ids, max_context=assistant.max_context,
-                           max_codes=assistant.engine.max_codes, fast_decode=False)
-    assert layers.engine.talker.fused is None and layers.engine.thinker.fused is None
+    steps = Qwen25Steps(assistant.loaded.model, assistant.loaded.speakers, max_context=assistant.max_context,
+                        max_codes=assistant.engine.max_codes, fast_decode=False)
+    layers.engine = Engine(steps, assistant.loaded.tokenizer, eos_ids=assistant.engine.eos_ids)
+    assert steps.talker.fused is None and steps.thinker.fused is None
     again = layers.say(prompt, greedy=True, max_text_tokens=N_TEXT, max_codes=N_CODES)
     assert again.text_ids == fused.text_ids
     assert again.codes == fused.codes

@@ -20,7 +20,8 @@ import torch
 from transformers import GenerationConfig
 from transformers.generation.utils import GenerationMixin
 
-from omni_cli.config import TALKER_DEFAULTS, SamplingOptions
+from omni_cli.config import SamplingOptions
+from omni_cli.models.qwen2_5_omni import TALKER_SAMPLING as TALKER_DEFAULTS
 from omni_cli.runtime.sampling import distribution, draw, race_winner, select
 
 THINKER_LIKE = SamplingOptions(do_sample=True, temperature=0.7, top_k=20, top_p=0.8, repetition_penalty=1.05)

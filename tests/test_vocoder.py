@@ -22,7 +22,8 @@ from transformers import Qwen2_5OmniToken2WavConfig
 from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import Qwen2_5OmniToken2WavModel
 
 from omni_cli.runtime.channel import Cancelled, Channel
-from omni_cli.models.qwen2_5_omni.vocoder import END, StreamingVocoder, vocoder_worker
+from omni_cli.models.qwen2_5_omni.vocoder import StreamingVocoder
+from omni_cli.runtime.vocoder_worker import END, vocoder_worker
 
 SEED = 1234
 MAX_CODES = 160

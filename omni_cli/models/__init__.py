@@ -1,0 +1,32 @@
+"""The model families omni_cli runs, one folder each, found by `config.json`'s `model_type`.
+
+    qwen2_5_omni/   Qwen2.5-Omni (3B, 7B)          model_type "qwen2_5_omni"
+    qwen3_omni/     Qwen3-Omni-30B-A3B             model_type "qwen3_omni_moe"
+
+A family's package (its `__init__`) is cheap to import (no torch): it says what a complete folder
+holds, lists voices without loading weights, and loads a checkpoint into the `ModelSteps` the runtime
+calls (models/base.py). Nothing else in omni_cli names a family.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+from ..errors import ModelError
+
+# model_type -> the family's package (relative to this one)
+FAMILIES = {
+    "qwen2_5_omni": "qwen2_5_omni",
+    "qwen3_omni_moe": "qwen3_omni",
+}
+
+
+def family(model_type: str | None, label: str = "the model") -> ModuleType:
+    """The family package for a config.json `model_type`; a one-line ModelError for anything else."""
+    name = FAMILIES.get(model_type or "")
+    if name is None:
+        what = f"a {model_type} model" if model_type else "not a model with a model_type"
+        raise ModelError(f"{label} is {what}, not Qwen2.5-Omni (qwen2_5_omni) or Qwen3-Omni (qwen3_omni_moe): "
+                         "omni-cli runs those two families")
+    return importlib.import_module(f".{name}", __name__)

@@ -21,12 +21,16 @@ from .channel import Channel
 
 
 class AsyncOutput:
-    def __init__(self, device: torch.device, capacity: dict[str, int], max_lag: int = 4) -> None:
+    def __init__(self, device: torch.device, capacity: dict[str, int | tuple[int, int]], max_lag: int = 4) -> None:
+        """`capacity`: per kind of ids, the number of steps, or (steps, ids a step) when a step samples
+        several ids at once (a Qwen3-Omni talker frame: 16); the handler then gets a list per step."""
         self.device = device
         self.accelerated = device.type not in ("cpu", "meta")
         pin = self.accelerated and device.type == "cuda"
+        shapes = {k: (v, 1) if isinstance(v, int) else tuple(v) for k, v in capacity.items()}
+        self.width = {k: w for k, (_n, w) in shapes.items()}
         # One host slot per future step, per stream of ids ("text", "code").
-        self.host = {k: torch.zeros(n, dtype=torch.long, pin_memory=pin) for k, n in capacity.items()}
+        self.host = {k: torch.zeros(n, w, dtype=torch.long, pin_memory=pin) for k, (n, w) in shapes.items()}
         self.stream = torch.Stream(device=device) if self.accelerated else None
         self.pending: Channel = Channel(name="boundary")
         self.max_lag = max_lag
@@ -36,8 +40,8 @@ class AsyncOutput:
 
     # -- engine side (hot loop: no host sync) ---------------------------------------------------
     def push(self, kind: str, index: int, value: torch.Tensor) -> None:
-        """Queue the copy of `value` ([1] long on device) into host slot `index` of `kind`."""
-        slot = self.host[kind][index : index + 1]
+        """Queue the copy of `value` ([1] long on device, or [width]) into host slot `index` of `kind`."""
+        slot = self.host[kind][index]
         if self.stream is None:
             slot.copy_(value)
             self.pending.put((kind, index, None))
@@ -74,12 +78,14 @@ class AsyncOutput:
 
     # -- producer side --------------------------------------------------------------------------
     def drain(self, handle: Callable[[str, int, int], None]) -> None:
-        """Producer thread body: for each pushed step, wait for its copy and call handle(kind, index, id)."""
+        """Producer thread body: for each pushed step, wait for its copy and call handle(kind, index, id)
+        (an int, or a list of `width` ids)."""
         try:
             for kind, index, event in self.pending:
                 if event is not None:
                     event.synchronize()
-                handle(kind, index, int(self.host[kind][index]))
+                row = self.host[kind][index]
+                handle(kind, index, int(row[0]) if self.width[kind] == 1 else row.tolist())
                 with self._cond:
                     self._done[kind] = index
                     self._cond.notify_all()

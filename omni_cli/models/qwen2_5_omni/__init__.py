@@ -1,0 +1,57 @@
+"""Qwen2.5-Omni (3B, 7B): model_type "qwen2_5_omni".
+
+What the loader and the API ask of this family (no torch at import): what a complete folder holds
+(weights, tokenizer, `spk_dict.pt` with the voices), the voices without loading weights, the defaults
+of a reply, and `load` / `build_steps` (checkpoint.py, steps.py), which import torch when called.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ...config import SamplingOptions
+
+MODEL_TYPE = "qwen2_5_omni"
+TITLE = "Qwen2.5-Omni"
+EXAMPLE_HUB_ID = "Qwen/Qwen2.5-Omni-7B"
+
+# The model card asks for this system prompt for audio output: the talker speaks only under it.
+DEFAULT_SYSTEM = (
+    "You are Qwen, a virtual human developed by the Qwen Team, Alibaba Group, capable of perceiving "
+    "auditory and visual inputs, as well as generating text and speech."
+)
+NEEDS_DEFAULT_SYSTEM = True  # the talker speaks reliably only under it
+DEFAULT_VOICE = "Chelsie"
+CODES_PER_SECOND = 50  # talker steps (codes) per second of audio
+
+
+def missing_parts(folder: Path) -> list[str]:
+    """What this family needs beyond weights and tokenizer: the voices."""
+    return [] if (folder / "spk_dict.pt").is_file() else ["spk_dict.pt (the voices)"]
+
+
+def voices(folder: Path, name: str) -> list[str]:
+    from .checkpoint import voice_names
+
+    return voice_names(folder, name)
+
+
+def load(path: Path, device, dtype, name: str):
+    """(model, voices) on `device`: see checkpoint.load."""
+    from .checkpoint import load as _load
+
+    return _load(path, device, dtype, name)
+
+
+def build_steps(model, voices: dict, *, max_context: int, max_codes: int, graphs: bool):
+    from .steps import Qwen25Steps
+
+    return Qwen25Steps(model, voices, max_context=max_context, max_codes=max_codes, graphs=graphs)
+
+
+# The reference's talker settings (transformers' Qwen2_5OmniForConditionalGeneration.generate).
+TALKER_SAMPLING = SamplingOptions(do_sample=True, temperature=0.9, top_k=40, top_p=0.8, repetition_penalty=1.05)
+
+
+def talker_sampling() -> SamplingOptions:
+    return TALKER_SAMPLING

@@ -20,9 +20,6 @@ seed, `decode_whole` is transformers' `token2wav(code, conditioning, reference_m
 audio is not bit-equal to the whole decode: the ODE carries information across the window edges over
 its 36 evaluations, which a fixed window cuts off. The tests state the measured difference.
 
-`vocoder_worker` is the body of the vocoder thread: codes channel in, PCM channel out, errors carried
-to the consumer.
-
 It deliberately does not know where codes come from (talker, file, test), where audio goes (speaker,
 WAV, null), how a checkpoint is laid out, or Qwen3-Omni's code2wav. It uses transformers' modules
 for the model and runs its own loop around them.
@@ -30,17 +27,14 @@ for the model and runs its own loop around them.
 
 from __future__ import annotations
 
-import contextlib
 import time
 from typing import Callable, Sequence
 
 import numpy as np
 import torch
 
-from ...runtime.channel import Cancelled, Channel
 
 AUDIO_CODES = 8192  # talker ids below this are audio; the rest (pad, bos, eos, ...) are control
-END = None  # an item that ends the codes stream early; closing the channel is just as good
 
 
 class StreamingVocoder:
@@ -125,6 +119,11 @@ class StreamingVocoder:
             generator = torch.Generator().manual_seed(generator)
         self.generator = generator
         self.reset()
+
+    @property
+    def log_units_per_code(self) -> int:
+        """`chunk_log` counts mel frames: this many a code."""
+        return self.repeats
 
     @property
     def codes_for_first_audio(self) -> int:
@@ -512,41 +511,6 @@ def _or_plain(compiled: Callable, plain: Callable) -> Callable:
     return call
 
 
-def vocoder_worker(
-    vocoder: StreamingVocoder,
-    codes: Channel,
-    pcm: Channel,
-    on_block: Callable[[np.ndarray, float], None] | None = None,
-) -> None:
-    """Body of the vocoder thread: lists of codes in, float32 PCM blocks out, then `pcm.close()`.
-
-    An error (in the vocoder, or one the codes channel carries from the engine) ends `pcm` with
-    `fail(exc)`, so the consumer raises it; the codes channel is cancelled so the engine stops too.
-    If the consumer cancels `pcm`, the worker stops quietly and cancels `codes`.
-    `on_block(block, t)` sees each block with its `time.perf_counter()` time before it is handed on.
-    """
-
-    def emit(blocks: list[np.ndarray]) -> None:
-        for block in blocks:
-            if on_block is not None:
-                on_block(block, time.perf_counter())
-            pcm.put(block)
-
-    try:
-        with _side_stream(vocoder.device):
-            for item in codes:
-                if item is END:
-                    break
-                emit(vocoder.push(item))
-            emit(vocoder.finish())
-        pcm.close()
-    except Cancelled:
-        codes.cancel()
-    except BaseException as exc:  # noqa: BLE001 - every failure must reach the consumer
-        codes.cancel()
-        pcm.fail(exc)
-
-
 def warmup_codes(codes_per_chunk: int, block_codes: int = 12) -> list[int]:
     """Audio codes enough for a vocoder with padded windows to run every DiT window length it has and
     the BigVGAN span of a steady chunk: the growing chunks (12, 24, ...), one steady chunk with its
@@ -555,16 +519,3 @@ def warmup_codes(codes_per_chunk: int, block_codes: int = 12) -> list[int]:
     while size < codes_per_chunk:
         n, size = n + size, 2 * size
     return [100 + i % 4000 for i in range(n + codes_per_chunk + 2 * block_codes)]
-
-
-def _side_stream(device: torch.device):
-    """On an accelerator, run the vocoder on its own stream so it overlaps the engine's work.
-
-    A no-op on CPU (and wherever `torch.Stream` is missing). The new stream first waits for the
-    current one, so the noise and voice tensors made at construction are ready.
-    """
-    if device.type == "cpu" or not hasattr(torch, "Stream"):
-        return contextlib.nullcontext()
-    stream = torch.Stream(device=device)
-    stream.wait_stream(torch.accelerator.current_stream(device))
-    return stream

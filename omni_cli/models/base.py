@@ -1,0 +1,94 @@
+"""The one small interface between a model family and the family-free runtime.
+
+A family folder (`qwen2_5_omni/`, `qwen3_omni/`) knows its checkpoint, its prompt and its steps; the
+runtime (`omni_cli/runtime/`) knows the turn: threads, the async output boundary, the decode schedule,
+sampling and stats. They meet here:
+
+- `Family`: what the loader and the API ask of a family before and while loading (its `model_type`,
+  the checks of a folder, the voices, how to load it, the defaults a reply gets).
+- `ModelSteps`: what the runtime's schedule calls during a turn, all on device tensors and without a
+  host sync: thinker `prefill` / `decode_one`, the talker's text entry for each reply token
+  (`reply_vector`, `text_eos_vec`, `text_pad_vec`), a per-turn `TalkerTurn` whose `prefill` / `step`
+  return the sampled ids of one talker step (1 id for Qwen2.5-Omni, a 16-id frame for Qwen3-Omni),
+  and a streaming vocoder for the audio.
+
+The schedule is the same for every family: thinker step j feeds reply token j-1 (giving its text entry
+R[j-1]) and samples token j; talker step k is fed R[k], or the text-EOS entry at the index of the
+text's end (EOS, or the last token when the text stops by length), or text-pad after it.
+
+It holds no code that runs: Protocols only (documentation the type checker can read).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol, Sequence
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    import numpy as np
+    import torch
+
+    from ..config import SamplingOptions
+
+
+class ThinkerOutput(Protocol):
+    embeds: "torch.Tensor"  # [1, n, W] input embeddings of the fed tokens
+    hidden: "torch.Tensor"  # [1, n, W] last hidden state
+    logits: "torch.Tensor"  # [1, vocab] float32 logits of the next token
+
+
+class Vocoder(Protocol):
+    """Streams one utterance's audio: codes (ints, or 16-id frames) in, final float32 PCM blocks out."""
+
+    device: "torch.device"
+    codes_for_first_audio: int  # talker steps the first block needs
+    chunk_log: list  # per decode call: (units made final, seconds); units per code: `log_units_per_code`
+    log_units_per_code: int
+
+    def push(self, codes: Sequence[Any]) -> "list[np.ndarray]": ...
+
+    def finish(self) -> "list[np.ndarray]": ...
+
+
+class TalkerTurn(Protocol):
+    """One turn's talker: sampling state (repetition-penalty masks, suppressed ids) made in `begin`."""
+
+    def prefill(self, prompt: ThinkerOutput, first_vec: "torch.Tensor") -> "torch.Tensor": ...
+
+    def step(self, ids: "torch.Tensor", vec: "torch.Tensor") -> "torch.Tensor": ...
+
+
+class ModelSteps(Protocol):
+    device: "torch.device"
+    has_talker: bool
+    text_vocab: int  # rows of the thinker's lm_head
+    frame_width: int  # ids a talker step samples: 1 or 16 (codebook 0 first)
+    codes_per_second: float  # talker steps per second of audio
+    sample_rate: int
+    stop_codes: tuple[int, ...]  # codebook-0 ids that end the speech (the step's ids are dropped)
+    audio_limit: int  # codebook-0 ids below this are audio; others are kept in the reply but not voiced
+    text_eos_vec: "torch.Tensor"  # [1, 1, D]
+    text_pad_vec: "torch.Tensor"  # [1, 1, D]
+
+    def prefill(self, input_ids: "torch.Tensor") -> ThinkerOutput: ...
+
+    def decode_one(self, token: "torch.Tensor") -> ThinkerOutput: ...
+
+    def reply_vector(self, out: ThinkerOutput) -> "torch.Tensor": ...
+
+    def talker_turn(self, prompt_ids: list[int], voice: str, sampling: "SamplingOptions", generator,
+                    force_audio: bool) -> TalkerTurn: ...
+
+    def vocoder(self, voice: str, seed: int, max_codes: int) -> Vocoder: ...
+
+    def warmup(self) -> None: ...
+
+
+class Family(Protocol):
+    model_type: str  # config.json's model_type
+    title: str  # what people call it ("Qwen2.5-Omni")
+    example_hub_id: str  # for messages: "Qwen/Qwen2.5-Omni-7B"
+
+    def missing_parts(self, folder: Path) -> list[str]: ...
+
+    def voices(self, folder: Path, name: str) -> list[str]: ...  # no weights read, no torch

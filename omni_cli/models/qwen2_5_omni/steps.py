@@ -1,0 +1,157 @@
+"""Qwen2.5-Omni's steps as the runtime calls them (`ModelSteps`, models/base.py).
+
+Builds the thinker and talker over their static caches (with the fused decode step and, on CUDA, its
+graphs), says what the talker is fed for a reply token (the thinker's last hidden state plus the
+token's embedding: `reply_vector`; text-EOS and text-pad embeddings after the text), samples the
+talker's codes with the reference's rules (repetition penalty over the talker prompt's ids and the
+codes so far, codec BOS suppressed), and makes the streaming vocoder for a voice.
+
+It does not know the turn's threads, the boundary or the schedule (runtime/), nor prompts.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...runtime.kv_cache import StaticKVCache
+from ...runtime.sampling import mark_seen, select
+from .talker import Talker
+from .thinker import Thinker
+
+AUDIO_CODE_LIMIT = 8192  # only codes below this are audio (token2wav's embedding has 8193 rows)
+
+
+class Qwen25Steps:
+    frame_width = 1
+    codes_per_second = 50.0  # one code is 20 ms of audio
+    sample_rate = 24_000
+    audio_limit = AUDIO_CODE_LIMIT
+
+    def __init__(self, model, speakers: dict, *, max_context: int = 4096, max_codes: int = 4096,
+                 graphs: bool = True, fast_decode: bool | None = None, compile: bool | None = None,
+                 vocoder_chunk_codes: int = 192) -> None:
+        self.model = model
+        self.speakers = speakers
+        self.max_context = max_context
+        self.max_codes = max_codes
+        self.graphs = graphs
+        self.device = next(model.thinker.parameters()).device
+        dtype = next(model.thinker.parameters()).dtype
+        tcfg = model.config.thinker_config.text_config
+        self.thinker = Thinker(model.thinker, StaticKVCache.for_config(tcfg, max_context, device=self.device, dtype=dtype))
+        self.text_vocab = model.thinker.lm_head.out_features
+        self.has_talker = getattr(model, "has_talker", False)
+        if self.has_talker:
+            kcfg = model.config.talker_config
+            cache = StaticKVCache.for_config(kcfg, max_context + max_codes + 2, device=self.device, dtype=dtype)
+            self.talker = Talker(model.talker, cache)
+            self.stop_codes = (self.talker.codec_pad, self.talker.codec_eos)  # the reference stops on both
+            with torch.no_grad():
+                ids = torch.tensor([kcfg.tts_text_end_token_id, kcfg.tts_text_pad_token_id], device=self.device)
+                vecs = self.thinker.embed(ids)
+            self.text_eos_vec, self.text_pad_vec = vecs[0].view(1, 1, -1), vecs[1].view(1, 1, -1)
+        # The fused fixed-shape decode step: on accelerators fewer, larger kernels and CUDA graphs; on a
+        # CPU fewer, larger matmuls and less Python per step (one core, built-in model: talker
+        # 3.3 -> 2.9 ms a step, thinker 1.4 -> 1.0 ms a token, real-time factor 0.23-0.27 -> 0.20-0.22).
+        # Its picks equal the library layers' and transformers' (tests/test_parity.py checks both).
+        self.fast_decode = True if fast_decode is None else fast_decode
+        if self.device.type == "cuda":
+            from ...runtime.engine import configure_cuda
+
+            configure_cuda(float32_llm=dtype == torch.float32)
+        if self.fast_decode:
+            from ...runtime.graphs import compile_wanted
+
+            compile = compile_wanted(graphs if compile is None else compile, self.device)
+            self.thinker.enable_fast_decode(graphs, compile)
+            if self.has_talker:
+                self.talker.enable_fast_decode(graphs, compile)
+        # The vocoder's steady chunk (chunks grow 12, 24, 48, ... up to it; see vocoder.py). A DiT window
+        # has a large fixed cost (36 evaluations of small kernels), so larger chunks cost less per second
+        # of audio. Measured side by side on an H200 beside the 7B talker (omni-bench --schedules):
+        # steady 48 codes: 111 ms a chunk, 0.130 s per second of audio, real-time factor 0.239;
+        # 96: 158 ms, 0.101 s, 0.212; 192: 222 ms, 0.080 s, 0.193; first audio the same (~300-317 ms).
+        # The first chunks stay small (12, 24, ...), so short replies are unaffected.
+        self.vocoder_chunk_codes = vocoder_chunk_codes
+
+    # -- thinker -------------------------------------------------------------------------------------
+    def prefill(self, input_ids: torch.Tensor):
+        return self.thinker.prefill(input_ids)
+
+    def decode_one(self, token: torch.Tensor):
+        return self.thinker.decode_one(token)
+
+    def reply_vector(self, out) -> torch.Tensor:
+        """What the talker reads for the fed token: the thinker's hidden state plus the token's embedding."""
+        return out.hidden + out.embeds
+
+    # -- talker and vocoder --------------------------------------------------------------------------
+    def talker_turn(self, prompt_ids: list[int], voice: str, sampling, generator, force_audio: bool) -> "_TalkerTurn":
+        return _TalkerTurn(self, len(prompt_ids), voice, sampling, generator, force_audio)
+
+    def vocoder(self, voice: str, seed: int, max_codes: int):
+        from .vocoder import StreamingVocoder
+
+        spk = self.speakers[voice]
+        # The seed makes a CPU generator: the noise is drawn on the CPU, as transformers' is.
+        return StreamingVocoder(self.model.token2wav, spk["cond"], spk["ref_mel"], max_codes=max_codes,
+                                generator=seed, codes_per_chunk=self.vocoder_chunk_codes,
+                                pad_windows=None if self.graphs else False)  # no graphs: no padding
+
+    # -- warm-up -------------------------------------------------------------------------------------
+    def warmup(self) -> None:
+        """Capture the CUDA graphs (decode steps for every span bucket; the vocoder's windows for every
+        voice) and compile, on this thread, with nothing else running: turns only replay them."""
+        if self.device.type != "cuda":
+            return
+        self.thinker.capture_graphs()
+        if not self.has_talker:
+            return
+        self.talker.capture_graphs()
+        self.warmup_vocoder()
+
+    def warmup_vocoder(self) -> None:
+        """Capture the vocoder's windows for the current chunk size, for every voice (after a change
+        of `vocoder_chunk_codes`, call again: the windows have other lengths)."""
+        if self.device.type != "cuda" or not self.has_talker or not self.graphs:
+            return  # without graphs the vocoder's windows run eagerly too (a window without a graph does)
+        from .vocoder import StreamingVocoder, warmup_codes
+
+        codes = warmup_codes(self.vocoder_chunk_codes)
+        for spk in self.speakers.values():
+            voc = StreamingVocoder(self.model.token2wav, spk["cond"], spk["ref_mel"], max_codes=len(codes),
+                                   generator=0, codes_per_chunk=self.vocoder_chunk_codes)
+            voc._graphs.capturing = True
+            try:
+                with torch.inference_mode():
+                    voc.push(codes)
+                    voc.finish()
+            finally:
+                voc._graphs.capturing = False
+        torch.cuda.synchronize(self.device)
+
+
+class _TalkerTurn:
+    """One turn's talker sampling state: the repetition-penalty mask and the suppressed codes."""
+
+    def __init__(self, steps: Qwen25Steps, prompt_len: int, voice: str, sampling, generator, force_audio: bool) -> None:
+        talker, dev = steps.talker, steps.device
+        self.talker, self.sampling, self.gen = talker, sampling, generator
+        self.seen = torch.zeros(1, talker.codec_head.out_features, dtype=torch.bool, device=dev)
+        self.seen[0, talker.prompt_ids(prompt_len)] = True
+        self.suppress = torch.zeros_like(self.seen)
+        self.suppress[0, talker.codec_bos] = True
+        if force_audio:  # benchmarks: only audio codes, so the reply has exactly the asked length
+            self.suppress[0, AUDIO_CODE_LIMIT:] = True
+        self.voice_bos = steps.thinker.embed(torch.tensor([[steps.speakers[voice]["bos_token"]]], device=dev))
+
+    def _pick(self, logits: torch.Tensor) -> torch.Tensor:
+        code = select(logits, self.sampling, self.seen, self.suppress, self.gen)
+        mark_seen(self.seen, code)
+        return code
+
+    def prefill(self, prompt, first_vec: torch.Tensor) -> torch.Tensor:
+        return self._pick(self.talker.prefill(prompt.embeds, prompt.hidden, self.voice_bos, first_vec))
+
+    def step(self, code: torch.Tensor, vec: torch.Tensor) -> torch.Tensor:
+        return self._pick(self.talker.decode_one(code, vec))

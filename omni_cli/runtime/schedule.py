@@ -1,0 +1,173 @@
+"""The decode schedule: which step runs next on the engine thread, thinker and talker interleaved.
+
+The thinker prefills the prompt and samples reply token 0. Thinker step j feeds token j-1 (giving its
+text entry R[j-1]) and samples token j. Talker step k needs R[k], so it runs right after thinker step
+k+1: codes, and so audio, exist long before the text is finished. Once the text has ended, the talker
+is fed the text-EOS entry once, then text-pad, until it samples a stop code.
+
+Every sampled id goes to the async output boundary (`boundary.py`) at once; the schedule never reads a
+device value. What it knows of the host side (the text's end, the speech's end) it reads from the
+`TurnState` the producer thread keeps, with a lag of at most `max_lag` steps: until the host knows,
+the choice between R[k], text-EOS and text-pad is made on the device (`_reply_vector`).
+
+It knows no model family (it calls `ModelSteps`, models/base.py) and no thread but its own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .boundary import AsyncOutput
+from .events import TurnRequest
+from .sampling import mark_seen, select
+from .stats import StepClock, TurnState
+
+FIRST_AUDIO_HOLD = 1.0  # longest the engine thread waits for the first audio on a CPU (seconds)
+
+
+@dataclass
+class _Decode:
+    """Device tensors of one turn's decode loop (the engine thread's alone)."""
+
+    ids: torch.Tensor  # [1, L] prompt ids
+    gen: torch.Generator  # sampling randomness (seeded)
+    eos: torch.Tensor  # text EOS ids
+    seen_text: torch.Tensor  # repetition-penalty mask
+    no_eos: torch.Tensor | None = None  # forced lengths: text EOS banned
+    talker: Any = None  # the family's TalkerTurn
+    first: Any = None  # the thinker prefill's output (the prompt, for the talker prefill)
+    toks: list = field(default_factory=list)  # reply token k, on the device
+    replies: list = field(default_factory=list)  # R[k]: the talker's text entry for reply token k
+    ended_before: list = field(default_factory=list)  # [k]: a text EOS was sampled before token k
+
+
+class Schedule:
+    """The engine thread's loop for one turn."""
+
+    def __init__(self, steps, req: TurnRequest, *, eos_ids: list[int], all_eos_ids: list[int], n_max: int,
+                 audio: bool, boundary: AsyncOutput, state: TurnState, stop: threading.Event,
+                 clock: StepClock) -> None:
+        self.steps = steps
+        self.req = req
+        self.eos_ids = eos_ids  # ids that end the text ([] with forced lengths)
+        self.all_eos_ids = all_eos_ids  # the model's EOS ids (banned with forced lengths)
+        self.n_max = n_max
+        self.audio = audio
+        self.out = boundary
+        self.state = state
+        self.stop = stop
+        self.clock = clock
+        # On a CPU the engine and vocoder threads share the same cores, so steps the talker makes
+        # beyond what the first chunk needs only slow that chunk down (one core, built-in model:
+        # first audio ~225 -> ~165 ms). The engine thread therefore waits, once, at `hold_at` talker
+        # steps (set by the vocoder thread on a CPU) until the first audio exists. On an accelerator
+        # the steps are only issued by the CPU and the vocoder has its own stream: no hold.
+        self.first_audio = threading.Event()
+        self.hold_at: int | None = None
+
+    def run(self) -> None:
+        d = self._setup()
+        mark = self.clock.start()
+        first = self.steps.prefill(d.ids)
+        tok = select(first.logits, self.req.thinker, d.seen_text, d.no_eos, d.gen)
+        mark_seen(d.seen_text, tok)
+        self.out.push("text", 0, tok)
+        self.clock.end("thinker_prefill", mark)
+        self.state.times["prefill_issued"] = time.perf_counter()
+        d.first, d.toks = first, [tok]
+        with _sync_debug(self.req.sync_debug and self.steps.device.type == "cuda"):
+            self._steps(d)
+
+    def _setup(self) -> _Decode:
+        """Per-turn device state, made before the first step (the only host→device copies of the turn)."""
+        s, req = self.steps, self.req
+        dev = s.device
+        d = _Decode(ids=torch.tensor([req.input_ids], device=dev), gen=torch.Generator(device=dev), eos=torch.tensor(self.eos_ids or [-1], device=dev),
+                    seen_text=torch.zeros(1, s.text_vocab, dtype=torch.bool, device=dev))
+        d.gen.manual_seed(req.seed)
+        d.seen_text[0, d.ids[0]] = True  # the penalty counts the prompt, as transformers' does
+        if req.force_lengths:  # like transformers' min_new_tokens: EOS cannot be picked before the end
+            d.no_eos = torch.zeros_like(d.seen_text)
+            d.no_eos[0, [i for i in self.all_eos_ids if i < s.text_vocab]] = True
+        d.ended_before = [torch.zeros(1, dtype=torch.bool, device=dev)]
+        if self.audio:
+            d.talker = s.talker_turn(list(req.input_ids), req.voice, req.talker, d.gen, req.force_lengths)
+        return d
+
+    def _steps(self, d: _Decode) -> None:
+        """The hot loop: thinker step j, then talker step k as soon as its text entry exists."""
+        s, req, st, out = self.steps, self.req, self.state, self.out
+        j, k = 1, 0
+        ids = None
+        t_thinker = t_talker = 0.0
+        while not self.stop.is_set():
+            if self.hold_at is not None and k >= self.hold_at:
+                self.first_audio.wait(FIRST_AUDIO_HOLD)  # bounded: a chunk that never comes costs little
+                self.hold_at = None
+            text_end = st.text_end
+            if j < self.n_max and (text_end is None or j < text_end):
+                out.wait_for("text", j, self.stop)
+                t = time.perf_counter()
+                mark = self.clock.start()
+                o = s.decode_one(d.toks[j - 1])
+                d.replies.append(s.reply_vector(o))
+                d.ended_before.append(d.ended_before[-1] | torch.isin(d.toks[j - 1], d.eos))
+                tok = select(o.logits, req.thinker, d.seen_text, d.no_eos, d.gen)
+                mark_seen(d.seen_text, tok)
+                out.push("text", j, tok)
+                self.clock.end("thinker", mark)
+                d.toks.append(tok)
+                j += 1
+                t_thinker += time.perf_counter() - t
+            thinker_finished = j >= self.n_max or (st.text_end is not None and j >= st.text_end)
+            talker_finished = not self.audio or st.codes_end is not None or k >= req.max_codes
+            if thinker_finished and talker_finished:
+                break
+            if talker_finished:
+                continue
+            vec = self._reply_vector(k, d)
+            if vec is None:
+                continue  # R[k] does not exist yet: the thinker goes first
+            out.wait_for("code", k, self.stop)
+            t = time.perf_counter()
+            mark = self.clock.start()
+            ids = d.talker.prefill(d.first, vec) if k == 0 else d.talker.step(ids, vec)
+            out.push("code", k, ids)
+            self.clock.end("talker" if k else "talker_prefill", mark)
+            k += 1
+            t_talker += time.perf_counter() - t
+            st.times["talker_last_step"] = time.perf_counter()
+        st.times.update(thinker_steps=j - 1, talker_steps=k, thinker_time=t_thinker, talker_time=t_talker)
+
+    def _reply_vector(self, k: int, d: _Decode):
+        """Talker text entry k: R[k], text-EOS for the text's last token, text-pad after it."""
+        s, end = self.steps, self.state.text_end
+        if (end is not None and k >= end) or k >= self.n_max:
+            return s.text_pad_vec
+        if (end is not None and k == end - 1) or k == self.n_max - 1:
+            return s.text_eos_vec
+        if k >= len(d.replies):
+            return None
+        # Host does not know yet whether the text ended: decide on the device.
+        is_last = torch.isin(d.toks[k], d.eos).view(1, 1, 1)
+        ended = d.ended_before[k].view(1, 1, 1)
+        return torch.where(ended, s.text_pad_vec, torch.where(is_last, s.text_eos_vec, d.replies[k]))
+
+
+@contextlib.contextmanager
+def _sync_debug(enabled: bool):
+    """Tests: any host sync inside the hot loop raises (`torch.cuda.set_sync_debug_mode("error")`)."""
+    if not enabled:
+        yield
+        return
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
