@@ -1,0 +1,233 @@
+"""Qwen3-Omni talker steps: from the thinker's text to 16-codebook codec frames, one frame a step.
+
+Each step is what transformers 5.17's `Qwen3OmniMoeForConditionalGeneration.generate` does for one talker
+token, rebuilt from the library's inner modules (`talker.model` layers, `codec_head`, `text_projection`,
+`code_predictor.model` layers and `lm_head[k]`, the embeddings), never its `forward`s or the nested
+per-frame `generate`. A step samples codebook 0 from `codec_head` (repetition penalty over the turn's
+earlier codebook-0 ids only, the top 1024 ids suppressed except codec EOS), then the code predictor
+samples codebooks 1..15 one after another over a fresh small cache whose two prefill positions are the
+talker's final-normed hidden state and the codec embedding of codebook 0. The next step's input is the
+sum of the frame's 16 codebook embeddings plus one text entry.
+
+The talker prompt (made in `prefill`, as the reference): the user turns of the conversation only
+(system and earlier assistant turns dropped), each token `text_projection`-ed; then nine positions:
+`<|im_start|>`, `assistant`, `\\n` (text-projected), then tts_pad + codec nothink / think_bos / think_eos /
+the voice's codec id, tts_bos + codec pad, and the first reply token + codec bos.
+
+Steps take and return device tensors only (no host sync); every id and mask tensor is made in
+`__init__` or `begin`. It does not know where the text entries come from (the runtime picks R[k],
+`text_eos_vec` or `text_pad_vec`), when the speech ends (a host-side check of codebook 0 against
+`stop_codes`), or the vocoder. Audio/image/video user turns (`hidden_projection` at their positions and
+the talker's M-RoPE positions from `get_rope_index`) are not handled yet: positions are a 1-D offset,
+exact for text.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...config import SamplingOptions
+from ...runtime.decoder import forward_layers
+from ...runtime.kv_cache import StaticKVCache
+from ...runtime.sampling import mark_seen, select
+
+# The reference projects the whole assistant segment (opener + every fed reply token) through
+# `text_projection` in ONE matmul after the thinker has finished; a stream must project each reply token
+# on its own. A BLAS picks its kernel (and so its summation order) by the row count: on the CPU (MKL, one
+# thread) a 1- or 2-row matmul rounds differently from a many-row one, which flips near-tied greedy picks.
+# Projected inside a block of this many rows, a row takes the many-row kernel, whose per-row result does
+# not depend on the row count: bit-identical to the reference's whenever its segment has enough rows too
+# (measured: >= 3 for input widths up to 64, >= 5-6 for 96-128, >= 11 for 256; the segment has 3 + the
+# fed reply tokens). Short replies on wide models may still differ in the last bit. On an accelerator in
+# bf16 exact parity is not a goal; the padding is free there (reading the weights dominates).
+PROJECTION_ROWS = 16
+
+# Talker sampling defaults of `generate` (its signature; generation_config.json is not read for them).
+TALKER_DEFAULTS = SamplingOptions(do_sample=True, temperature=0.9, top_k=50, top_p=1.0, repetition_penalty=1.05)
+# The code predictor's: `prepare_inputs_for_generation` passes top_k 50 and top_p 0.8 when sampling; its own
+# generation config has no temperature (1.0) and no penalty; its do_sample mirrors the talker's.
+PREDICTOR_DEFAULTS = SamplingOptions(do_sample=True, temperature=1.0, top_k=50, top_p=0.8, repetition_penalty=1.0)
+
+
+def predictor_layers(model, embeds: torch.Tensor, cache: StaticKVCache) -> torch.Tensor:
+    """`embeds` [1, n, D] through the code predictor's layers and norm, appending n positions to `cache`.
+
+    Not `forward_layers`: the code predictor's rotary is plain 1-D RoPE and takes [batch, n] positions.
+    """
+    n = embeds.shape[1]
+    start = cache.length
+    positions = torch.arange(start, start + n, device=embeds.device).view(1, n)
+    position_embeddings = model.rotary_emb(embeds, positions)
+    hidden = embeds
+    for layer in model.layers:
+        hidden = layer(
+            hidden,
+            attention_mask=None,
+            position_embeddings=position_embeddings,
+            past_key_values=cache,
+            use_cache=True,
+        )
+    cache.advance(n)
+    return model.norm(hidden)
+
+
+class Talker:
+    frame_width = 16  # codebooks a step samples (the config's num_code_groups; set per model below)
+    audio_limit: int = 2048  # codebook-0 ids below it are audio (the codebook size; set per model below)
+
+    def __init__(self, model, cache: StaticKVCache, predictor_cache: StaticKVCache) -> None:
+        """`model`: the `Qwen3OmniMoeForConditionalGeneration` (the talker needs the thinker's embeddings).
+
+        `cache`: the talker's, at least (user-turn positions + 9 + frames) long; `predictor_cache`: the code
+        predictor's, at least num_code_groups (16) long, reset for every frame.
+        """
+        talker = model.talker
+        cfg = model.config
+        tcfg = cfg.talker_config
+        self.model = talker.model  # Qwen3OmniMoeTalkerModel
+        self.codec_embed = talker.get_input_embeddings()  # codebook 0 and the codec control ids
+        self.codec_head = talker.codec_head
+        self.text_projection = talker.text_projection
+        self.thinker_embed = model.thinker.get_input_embeddings()
+        self.predictor = talker.code_predictor.model
+        self.predictor_heads = talker.code_predictor.lm_head  # [k] gives codebook k+1
+        self.predictor_embeds = talker.code_predictor.get_input_embeddings()  # [k] embeds codebook k+1
+        self.cache = cache
+        self.predictor_cache = predictor_cache
+        self.accept_hidden_layer = tcfg.accept_hidden_layer
+
+        self.frame_width = tcfg.num_code_groups
+        self.audio_limit = tcfg.code_predictor_config.vocab_size
+        vocab = tcfg.text_config.vocab_size
+        self.codec_eos = tcfg.codec_eos_token_id
+        # `generate` stops the talker on codec EOS only (its eos_token_id); every other control id is
+        # suppressed, so it cannot be sampled.
+        self.stop_codes = (self.codec_eos,)
+        self.voices = dict(tcfg.speaker_id)
+        self._tcfg = tcfg
+        self._im_start, self._assistant, self._user = cfg.im_start_token_id, cfg.assistant_token_id, cfg.user_token_id
+
+        dev = self.codec_head.weight.device
+        dtype = self.codec_head.weight.dtype
+        width = self.thinker_embed.weight.shape[1]
+        self._pad_rows = torch.zeros(1, PROJECTION_ROWS, width, device=dev, dtype=self.thinker_embed.weight.dtype)
+        self._no_codec = torch.zeros(1, 3, self.codec_head.in_features, device=dev, dtype=dtype)  # opener rows
+        # `generate` suppresses the top 1024 ids of the talker vocabulary except codec EOS (a fixed rule
+        # of its code, not the config's codebook size).
+        self._suppress = torch.zeros(1, vocab, dtype=torch.bool, device=dev)
+        self._suppress[0, vocab - 1024 :] = True
+        self._suppress[0, self.codec_eos] = False
+        self._seen = torch.zeros(1, vocab, dtype=torch.bool, device=dev)
+        self._codec_ids = None  # set by `begin`
+        with torch.no_grad():
+            # As the reference: the three tts entries projected together (one 3-row matmul).
+            special = torch.tensor([[cfg.tts_bos_token_id, cfg.tts_eos_token_id, cfg.tts_pad_token_id]], device=dev)
+            self.text_bos_vec, self.text_eos_vec, self.text_pad_vec = self.text_projection(
+                self.thinker_embed(special)
+            ).chunk(3, dim=1)
+
+    @staticmethod
+    def default_sampling() -> tuple[SamplingOptions, SamplingOptions]:
+        """(talker, code predictor) sampling as the reference's `generate` defaults."""
+        return TALKER_DEFAULTS, PREDICTOR_DEFAULTS
+
+    def _project(self, embeds: torch.Tensor) -> torch.Tensor:
+        """`text_projection` of thinker embeddings [1, n, W] (n < PROJECTION_ROWS) inside a padded row block."""
+        n = embeds.shape[1]
+        block = torch.cat([embeds, self._pad_rows[:, : PROJECTION_ROWS - n]], dim=1)
+        return self.text_projection(block)[:, :n]
+
+    def reply_vector(self, out) -> torch.Tensor:
+        """[1, 1, D]: the text entry of the token `out` fed (its thinker input embedding, projected)."""
+        return self._project(out.embeds[:, -1:])
+
+    def begin(
+        self,
+        prompt_ids: list[int],
+        voice: str,
+        talker: SamplingOptions,
+        predictor: SamplingOptions,
+        generator: torch.Generator | None = None,
+    ) -> None:
+        """Per-turn state: the prompt's user positions, the voice's codec ids, the sampling settings.
+
+        `prompt_ids` must end with the assistant opener (`<|im_start|>assistant\\n`), as a generation prompt
+        does: the reference reads the token after it as the first reply token. The reference makes the code
+        predictor follow the talker's `do_sample`; `predictor` is used as given.
+        """
+        speaker = self.voices.get(voice.lower())  # `generate` lower-cases the name too
+        if speaker is None:
+            raise ValueError(f"unknown voice {voice!r}; this model has {sorted(self.voices)}")
+        ids = list(prompt_ids)
+        starts = [t for t in range(len(ids) - 1) if ids[t] == self._im_start and ids[t + 1] == self._assistant]
+        if not starts or starts[-1] + 3 != len(ids):
+            raise ValueError("the prompt must end with the assistant opener <|im_start|>assistant\\n")
+        self._opener = starts[-1]
+        # The reference's rule: a position belongs to the turn of the last <|im_start|> at or before it (the
+        # first one's turn before any), and is kept when that turn's role token is `user`.
+        users, last_start = [], 0
+        for t, tok in enumerate(ids):
+            if tok == self._im_start:
+                last_start = t
+            if ids[min(last_start + 1, len(ids) - 1)] == self._user:
+                users.append(t)
+        if not users:
+            raise ValueError("the prompt has no user turn (the talker prompt is made of user turns)")
+        dev = self._seen.device
+        self._user_idx = torch.tensor(users, device=dev)
+        c = self._tcfg
+        self._codec_ids = torch.tensor(
+            [c.codec_nothink_id, c.codec_think_bos_id, c.codec_think_eos_id, speaker, c.codec_pad_id, c.codec_bos_id],
+            device=dev,
+        )
+        self._seen.zero_()
+        self._talker_opts = talker
+        self._predictor_opts = predictor
+        self._generator = generator
+
+    def prefill(self, prompt, first_vec: torch.Tensor) -> torch.Tensor:
+        """The talker prompt from the thinker's prefill output and R[0]; returns frame 0 ([16] long).
+
+        When the reply is a single token (nothing fed after it), the reference crashes (its prompt loses the
+        first-text position); the runtime passes `text_eos_vec` there, a choice of ours.
+        """
+        if self._codec_ids is None:
+            raise RuntimeError("Talker.begin must come before prefill")
+        embeds = prompt.embeds
+        # User turns: projected over the whole prompt in one matmul, then gathered, as the reference.
+        user = self.text_projection(embeds[0]).index_select(0, self._user_idx).unsqueeze(0)
+        a = self._opener
+        opener = self._project(embeds[:, a : a + 3])
+        text = torch.cat([opener, self.text_pad_vec.expand(1, 4, -1), self.text_bos_vec, first_vec], dim=1)
+        # Added as the reference adds them: the opener rows get zeros, the other six their codec ids.
+        codec = torch.cat([self._no_codec, self.codec_embed(self._codec_ids).unsqueeze(0)], dim=1)
+        x = torch.cat([user, text + codec], dim=1)
+        self.cache.reset()
+        hidden = forward_layers(self.model, x, self.cache)
+        # `codec_head` over every prompt position, last row kept: the reference's matmul shape.
+        logits = self.codec_head(hidden)[:, -1].float()
+        return self._frame(hidden[:, -1:], logits)
+
+    def step(self, frame: torch.Tensor, vec: torch.Tensor) -> torch.Tensor:
+        """Feed the previous frame ([16] long) with one text entry ([1, 1, D]); returns the next frame."""
+        parts = [self.codec_embed(frame[0:1]).view(1, 1, -1)]
+        parts += [emb(frame[k + 1 : k + 2]).view(1, 1, -1) for k, emb in enumerate(self.predictor_embeds)]
+        # Summed as the reference sums them: one reduction over the stacked 16 entries, then the text.
+        x = torch.cat(parts, dim=1).sum(1, keepdim=True) + vec
+        hidden = forward_layers(self.model, x, self.cache)
+        return self._frame(hidden, self.codec_head(hidden)[:, -1].float())
+
+    def _frame(self, hidden: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """Codebook 0 from `logits`, then codebooks 1..15 from the code predictor; [16] long."""
+        c0 = select(logits, self._talker_opts, self._seen, self._suppress, self._generator)
+        mark_seen(self._seen, c0)
+        codes = [c0]
+        self.predictor_cache.reset()
+        x = torch.cat([hidden[:, -1:], self.codec_embed(c0).view(1, 1, -1)], dim=1)
+        for k, head in enumerate(self.predictor_heads):
+            if k:
+                x = self.predictor_embeds[k - 1](codes[-1]).view(1, 1, -1)
+            h = predictor_layers(self.predictor, x, self.predictor_cache)
+            logits = head(h)[:, -1].float()  # over both prefill rows, as the reference
+            codes.append(select(logits, self._predictor_opts, None, None, self._generator))
+        return torch.cat(codes)
