@@ -37,6 +37,8 @@ log = logging.getLogger(__name__)
 
 # The built-in random-weight model; present in a source checkout / `pip install -e .`.
 TINY_MODEL_DIR = Path(__file__).resolve().parent.parent / "assets" / "tiny-qwen2.5-omni"
+# Every built-in random-weight model (the Qwen3-Omni one is named with -m assets/tiny-qwen3-omni).
+BUILTIN_TINY_DIRS = (TINY_MODEL_DIR, TINY_MODEL_DIR.parent / "tiny-qwen3-omni")
 
 # The environment variable that names the default model (a folder or a hub id).
 MODEL_ENV = "OMNI_MODEL"
@@ -109,7 +111,11 @@ def _resolve(model: str | os.PathLike | None, notice: bool = True) -> tuple[Path
     path = Path(text).expanduser()
     if path.exists():
         folder = _check_folder(path)
-        return folder, _is_tiny(folder), folder.name
+        tiny = _is_tiny(folder)
+        if tiny and notice:
+            log.info("%s is a built-in tiny model: its weights are random, so it prints gibberish and speaks noise",
+                     folder.name)
+        return folder, tiny, folder.name
     if _looks_like_hub_id(text):
         return _from_hub(text), False, text
     raise ModelError(f"model folder {text} does not exist")
@@ -120,8 +126,9 @@ def _looks_like_hub_id(text: str) -> bool:
 
 
 def _is_tiny(folder: Path) -> bool:
+    """A built-in random-weight model (either family's), however it is named."""
     try:
-        return folder.resolve() == TINY_MODEL_DIR
+        return folder.resolve() in BUILTIN_TINY_DIRS
     except OSError:
         return False
 

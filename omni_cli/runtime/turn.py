@@ -177,14 +177,15 @@ class Turn:
     def _vocoder_main(self) -> None:
         try:
             voc = self.steps.vocoder(self.req.voice, self.req.seed, self.req.max_codes)
-        except BaseException as exc:  # noqa: BLE001
+            self.state.vocoder_chunks = voc.chunk_log  # read after the turn, for the stats
+            self.state.vocoder_units_per_code = voc.log_units_per_code
+            if self.steps.device.type == "cpu":
+                self.schedule.hold_at = voc.codes_for_first_audio
+        except BaseException as exc:  # noqa: BLE001 - travels to the caller
+            self.schedule.first_audio.set()
             self._fail(exc)
             return
         out = _BlocksToTurn(self)
-        self.state.vocoder_chunks = voc.chunk_log  # read after the turn, for the stats
-        self.state.vocoder_units_per_code = voc.log_units_per_code
-        if self.steps.device.type == "cpu":
-            self.schedule.hold_at = voc.codes_for_first_audio
         try:
             vocoder_worker(voc, self.codes_ch, out)  # returns after close() or fail(); never raises
         finally:

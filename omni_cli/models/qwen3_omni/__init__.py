@@ -1,0 +1,65 @@
+"""Qwen3-Omni (30B-A3B): model_type "qwen3_omni_moe".
+
+What the loader and the API ask of this family (no torch at import): a complete folder holds weights
+and tokenizer (the voices are in config.json: `talker_config.speaker_id`, name -> codec id); the
+defaults of a reply; and `load` / `build_steps` (checkpoint.py, steps.py), which import torch.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ...config import SamplingOptions
+
+MODEL_TYPE = "qwen3_omni_moe"
+TITLE = "Qwen3-Omni"
+EXAMPLE_HUB_ID = "Qwen/Qwen3-Omni-30B-A3B-Instruct"
+
+# No system prompt unless asked for: the talker reads only the user turns, and the model speaks
+# under any system prompt (or none).
+DEFAULT_SYSTEM = ""
+NEEDS_DEFAULT_SYSTEM = False
+DEFAULT_VOICE = "Ethan"
+CODES_PER_SECOND = 12.5  # talker steps (16-codebook frames of 80 ms) per second of audio
+
+# The reference's codebook-0 sampling (transformers 5.17 `Qwen3OmniMoeForConditionalGeneration.generate`;
+# the code predictor's own settings are in talker.py): it does not read generation_config.json.
+TALKER_SAMPLING = SamplingOptions(do_sample=True, temperature=0.9, top_k=50, top_p=1.0, repetition_penalty=1.05)
+
+
+def missing_parts(folder: Path) -> list[str]:
+    return []  # the voices are in config.json
+
+
+def voices(folder: Path, name: str) -> list[str]:
+    return list(speaker_ids(folder, name))
+
+
+def speaker_ids(folder: Path, name: str) -> dict[str, int]:
+    """Voice name (capitalised, as people write it: "Ethan") -> codec id, from config.json."""
+    from ...errors import ModelError
+
+    try:
+        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+        speakers = config["talker_config"]["speaker_id"]
+        return {str(n).capitalize(): int(i) for n, i in speakers.items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ModelError(f"{name}: config.json has no talker_config.speaker_id (the voices)") from exc
+
+
+def load(path: Path, device, dtype, name: str):
+    """(model, voices) on `device`: see checkpoint.load."""
+    from .checkpoint import load as _load
+
+    return _load(path, device, dtype, name)
+
+
+def build_steps(model, voices: dict, *, max_context: int, max_codes: int, graphs: bool):
+    from .steps import Qwen3Steps
+
+    return Qwen3Steps(model, voices, max_context=max_context, max_codes=max_codes, graphs=graphs)
+
+
+def talker_sampling() -> SamplingOptions:
+    return TALKER_SAMPLING

@@ -87,6 +87,7 @@ class StreamingCode2Wav:
         self.device, self.dtype = param.device, param.dtype
         self.max_frames, self.chunk, self.left_context = max_frames, chunk, left_context
         self.first_chunk = self.codes_for_first_audio = first_chunk  # no look-ahead: the first chunk alone
+        self.log_units_per_code = 1  # chunk_log counts frames, one per talker step
         self.samples_per_frame = int(np.prod(config.upsampling_ratios + config.upsample_rates))  # 1920
         self.reset()
 

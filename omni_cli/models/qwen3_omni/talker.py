@@ -148,12 +148,14 @@ class Talker:
         talker: SamplingOptions,
         predictor: SamplingOptions,
         generator: torch.Generator | None = None,
+        force_audio: bool = False,
     ) -> None:
         """Per-turn state: the prompt's user positions, the voice's codec ids, the sampling settings.
 
         `prompt_ids` must end with the assistant opener (`<|im_start|>assistant\\n`), as a generation prompt
         does: the reference reads the token after it as the first reply token. The reference makes the code
-        predictor follow the talker's `do_sample`; `predictor` is used as given.
+        predictor follow the talker's `do_sample`; `predictor` is used as given. `force_audio`
+        (benchmarks): codec EOS is suppressed too, so the speech lasts exactly the asked frames.
         """
         speaker = self.voices.get(voice.lower())  # `generate` lower-cases the name too
         if speaker is None:
@@ -181,6 +183,7 @@ class Talker:
             device=dev,
         )
         self._seen.zero_()
+        self._suppress[0, self.codec_eos] = force_audio
         self._talker_opts = talker
         self._predictor_opts = predictor
         self._generator = generator

@@ -1,0 +1,23 @@
+"""Qwen3-Omni checkpoints: the weights through transformers' own class; the voices from config.json.
+
+Thinker, talker, code predictor and code2wav are loaded in the asked dtype, as the reference runs
+them. It does not find folders or pick devices (loader.py), nor generate (steps.py).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from . import speaker_ids
+
+
+def load(path: Path, device, dtype, name: str):
+    """(Qwen3OmniMoeForConditionalGeneration in eval mode on `device`, voices: name -> codec id)."""
+    from transformers import Qwen3OmniMoeForConditionalGeneration
+
+    from ...loader import from_pretrained, to_device
+
+    voices = speaker_ids(path, name)
+    omni = from_pretrained(Qwen3OmniMoeForConditionalGeneration, path, dtype, name)
+    to_device(omni, lambda m: m.to(device), device, name)
+    return omni, voices

@@ -1,0 +1,91 @@
+"""Qwen3-Omni's steps as the runtime calls them (`ModelSteps`, models/base.py).
+
+Builds the MoE thinker and the talker (with its code predictor) over static caches, and the streaming
+code2wav for the audio. A talker step is one 80 ms frame: codebook 0 from the talker, codebooks 1-15
+from the code predictor (talker.py); the runtime gets the frame's 16 ids at once. What the talker reads
+for a reply token is `text_projection` of its thinker embedding (`reply_vector`).
+
+It does not know the turn's threads, the boundary or the schedule (runtime/), nor prompts. Speed
+(CUDA graphs for the MoE steps and the code predictor) is not here yet: every step runs eagerly.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...runtime.kv_cache import StaticKVCache
+from .talker import Talker
+from .thinker import Thinker
+
+CODEBOOK_SIZE = 2048  # codebook-0 ids below this are audio; the rest are the talker's control ids
+
+
+class Qwen3Steps:
+    frame_width = 16
+    codes_per_second = 12.5
+    sample_rate = 24_000
+    audio_limit = CODEBOOK_SIZE
+
+    def __init__(self, model, voices: dict[str, int], *, max_context: int = 4096, max_codes: int = 1024,
+                 graphs: bool = True) -> None:
+        self.model = model
+        self.voices = voices
+        self.max_context = max_context
+        self.max_codes = max_codes
+        self.graphs = graphs  # no graphs for this family yet (a later change)
+        self.device = next(model.thinker.parameters()).device
+        dtype = next(model.thinker.parameters()).dtype
+        text_config = model.config.thinker_config.text_config
+        cache = StaticKVCache.for_config(text_config, max_context, device=self.device, dtype=dtype)
+        self.has_talker = bool(getattr(model, "has_talker", False))
+        accept = model.config.talker_config.accept_hidden_layer if self.has_talker else None
+        self.thinker = Thinker(model.thinker, cache, accept_hidden_layer=accept)
+        self.text_vocab = model.thinker.lm_head.out_features
+        if self.has_talker:
+            tcfg = model.config.talker_config
+            # The talker's prompt keeps the user turns of the prompt and adds 9 opener positions.
+            cache = StaticKVCache.for_config(tcfg.text_config, max_context + max_codes + 16, device=self.device,
+                                             dtype=dtype)
+            # The code predictor's: two prefill positions, then one per codebook after the first.
+            predictor = StaticKVCache.for_config(tcfg.code_predictor_config, tcfg.num_code_groups + 1,
+                                                 device=self.device, dtype=dtype)
+            self.talker = Talker(model, cache, predictor)
+            self.stop_codes = tuple(self.talker.stop_codes)
+            self.text_eos_vec, self.text_pad_vec = self.talker.text_eos_vec, self.talker.text_pad_vec
+
+    # -- thinker -------------------------------------------------------------------------------------
+    def prefill(self, input_ids: torch.Tensor):
+        return self.thinker.prefill(input_ids)
+
+    def decode_one(self, token: torch.Tensor):
+        return self.thinker.decode_one(token)
+
+    def reply_vector(self, out) -> torch.Tensor:
+        return self.talker.reply_vector(out)
+
+    # -- talker and vocoder --------------------------------------------------------------------------
+    def talker_turn(self, prompt_ids: list[int], voice: str, sampling, generator, force_audio: bool) -> "_TalkerTurn":
+        _talker, predictor = self.talker.default_sampling()
+        if not sampling.do_sample:  # the code predictor follows the talker's do_sample, as the reference's
+            predictor = predictor.greedy()
+        self.talker.begin(prompt_ids, voice.lower(), sampling, predictor, generator, force_audio=force_audio)
+        return _TalkerTurn(self.talker)
+
+    def vocoder(self, voice: str, seed: int, max_codes: int):
+        from .code2wav import StreamingCode2Wav
+
+        return StreamingCode2Wav(self.model.code2wav, max_frames=max_codes)
+
+    def warmup(self) -> None:
+        """Nothing to capture yet: this family's steps run eagerly."""
+
+
+class _TalkerTurn:
+    def __init__(self, talker: Talker) -> None:
+        self.talker = talker
+
+    def prefill(self, prompt, first_vec: torch.Tensor) -> torch.Tensor:
+        return self.talker.prefill(prompt, first_vec)
+
+    def step(self, frame: torch.Tensor, vec: torch.Tensor) -> torch.Tensor:
+        return self.talker.step(frame, vec)
