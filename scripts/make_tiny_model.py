@@ -13,7 +13,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from omni_cli.tiny import folder_size, save_checkpoint  # noqa: E402
+from omni_dev.tiny_qwen2_5 import folder_size, save_checkpoint  # noqa: E402
 
 DEFAULT_OUT = ROOT / "assets" / "tiny-qwen2.5-omni"
 

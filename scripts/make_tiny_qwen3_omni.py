@@ -43,8 +43,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from omni_cli.tiny import (  # noqa: E402  (the project's tokenizer helpers; nothing Qwen2.5-specific)
-    _CORPUS,
+from omni_dev.tokenizer_kit import (  # noqa: E402  (the project's tokenizer toolkit; no family in it)
+    CORPUS,
     folder_size,
     qwen2_tokenizer,
     save_legacy_tokenizer_files,
@@ -445,13 +445,13 @@ def make_generation_config():
 # The role words must be single BPE tokens (as in the real tokenizer: system 8948, user 872, assistant
 # 77091): a few chat-shaped lines on top of the project's corpus make them so.
 _ROLE_LINES = "".join(f"{role}\n" for _ in range(12) for role in ("system", "user", "assistant"))
-_QWEN3_CORPUS = _CORPUS + _ROLE_LINES
+_QWEN3CORPUS = CORPUS + _ROLE_LINES
 
 
 @functools.lru_cache(maxsize=1)
 def _bpe() -> tuple[dict[str, int], tuple[tuple[str, str], ...]]:
     """The tiny Qwen3-Omni BPE: BPE_SIZE entries trained on the project's corpus plus the role lines."""
-    vocab, merges = train_bpe(_QWEN3_CORPUS, BPE_SIZE)
+    vocab, merges = train_bpe(_QWEN3CORPUS, BPE_SIZE)
     for role in ("system", "user", "assistant"):
         if role not in vocab:
             raise RuntimeError(f"tiny BPE: role word {role!r} is not a single token")

@@ -1,5 +1,6 @@
-"""A fake Assistant for the CLI and REPL tests: streams text deltas and audio into the sink like the
-real one, in milliseconds, with no model."""
+"""Test doubles: a fake Assistant for the CLI and REPL tests (streams text deltas and audio into the
+sink like the real one, in milliseconds, with no model), and `RecordingSink`, a sink that keeps what
+it is given."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
+from omni_cli.audio.sinks import _SinkBase as SinkBase, as_block
 from omni_cli.errors import UsageError
 from omni_cli.prompt import DEFAULT_SYSTEM
 
@@ -86,3 +88,53 @@ class FakeAssistant:
         from omni_cli.prompt import Conversation
 
         return Chat(self, Conversation(system=self.default_system if system is None else system))
+
+
+class RecordingSink(SinkBase):
+    """Keeps every block (a copy) and the `time.perf_counter()` at which it arrived (a sink for tests; the package has none)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks: list = []
+        # perf_counter() of each write(), parallel to `blocks`.
+        self.times: list[float] = []
+        # perf_counter() of start(), close() and abort(); None until they happen.
+        self.start_time: float | None = None
+        self.end_time: float | None = None
+
+    def start(self, sample_rate: int) -> None:
+        self._check_start(sample_rate)
+        self.start_time = time.perf_counter()
+
+    def write(self, block: "np.ndarray") -> None:
+        now = time.perf_counter()
+        self._check_write()
+        arr = as_block(block).copy()
+        self.blocks.append(arr)
+        self.times.append(now)
+        self.samples += int(arr.shape[0])
+
+    def close(self) -> None:
+        if self.closed or self.aborted:
+            return
+        self.closed = True
+        self.end_time = time.perf_counter()
+
+    def abort(self) -> None:
+        if self.closed or self.aborted:
+            return
+        self.aborted = True
+        self.end_time = time.perf_counter()
+
+    @property
+    def audio(self) -> "np.ndarray":
+        """All blocks joined (float32, empty if none)."""
+        import numpy as np
+
+        if not self.blocks:
+            return np.zeros(0, dtype=np.float32)
+        return np.concatenate(self.blocks).astype(np.float32, copy=False)
+
+    @property
+    def first_block_time(self) -> float | None:
+        return self.times[0] if self.times else None

@@ -15,7 +15,7 @@ from omni_cli.runtime import engine as engine_mod
 from omni_cli.runtime import turn as turn_mod
 from omni_cli.assistant import Assistant
 from omni_cli.errors import UsageError
-from omni_cli.audio.sinks import RecordingSink
+from fakes import RecordingSink
 from omni_cli.models.qwen2_5_omni.talker import Talker
 
 PROMPT = "Say something nice."

@@ -53,7 +53,7 @@ def cuda_settings():
 
 
 def test_tiny_graphed_equals_eager_equals_transformers():
-    from omni_cli import tiny
+    from omni_dev import tiny_qwen2_5 as tiny
 
     model = tiny.build_tiny_model(tiny.tiny_config(), seed=0).cuda().eval()
     eos = tiny.make_generation_config().eos_token_id

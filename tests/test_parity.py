@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from omni_cli import tiny
+from omni_dev import tiny_qwen2_5 as tiny
 from omni_cli.assistant import Assistant
 from omni_cli.models import qwen2_5_omni
 from omni_cli.prompt import Conversation, build_ids

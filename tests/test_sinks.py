@@ -19,8 +19,10 @@ import soundfile as sf
 
 from audio_device import FakeSoundDevice
 from omni_cli.errors import AudioDeviceError, OutputError, UsageError
-from omni_cli.audio.sinks import (NullSink, RecordingSink, Sink, SpeakerSink, TeeSink, WavSink, WavStreamSink,
-                            find_output_device, output_devices, wav_header)
+from omni_cli.audio.sinks import (NullSink, Sink, SpeakerSink, TeeSink, WavSink, WavStreamSink, find_output_device,
+                                  output_devices, wav_header)
+
+from fakes import RecordingSink  # a test double (tests/fakes.py)
 
 SR = 24_000
 

@@ -11,7 +11,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from omni_cli import tiny  # noqa: E402
+from omni_dev import tiny_qwen2_5 as tiny  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 ASSET = ROOT / "assets" / "tiny-qwen2.5-omni"

@@ -186,12 +186,12 @@ def test_look_ahead_context_matters(token2wav, voice):
 
 @pytest.mark.parametrize("voice_name", ["Chelsie", "Ethan"])
 def test_built_in_tiny_model_streams_within_the_same_bound(voice_name):
-    """The project's committed tiny model (omni_cli.tiny) and its voices, 137 codes.
+    """The project's committed tiny model (omni_dev/tiny_qwen2_5.py) and its voices, 137 codes.
 
     Measured: Chelsie max abs err 1.9e-5, SNR 104.4 dB; Ethan 2.1e-5, 97.9 dB (rms 0.09); and
     `decode_whole` is bit-identical to transformers' token2wav under the same seed.
     """
-    from omni_cli.tiny import build_tiny_model
+    from omni_dev.tiny_qwen2_5 import build_tiny_model
 
     model = build_tiny_model()
     t2w, spk = model.token2wav, model.speaker_map[voice_name]

@@ -19,7 +19,6 @@ what was finished. Every sink is also a context manager: an exception inside the
   and may be called from any thread (a Ctrl-C handler, say).
 - `TeeSink(sinks)`: the same audio to several sinks (`--play -o FILE`).
 - `NullSink`: counts samples (benchmarks).
-- `RecordingSink`: keeps every block with its arrival time (tests).
 
 It knows nothing about models, torch or threads of the engine; numpy and soundfile are imported
 when a sink is used, and sounddevice only when something is played or devices are listed (so a
@@ -341,56 +340,6 @@ class NullSink(_SinkBase):
     def abort(self) -> None:
         if not self.closed:
             self.aborted = True
-
-
-class RecordingSink(_SinkBase):
-    """Keeps every block (a copy) and the `time.perf_counter()` at which it arrived (for tests)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.blocks: list = []
-        # perf_counter() of each write(), parallel to `blocks`.
-        self.times: list[float] = []
-        # perf_counter() of start(), close() and abort(); None until they happen.
-        self.start_time: float | None = None
-        self.end_time: float | None = None
-
-    def start(self, sample_rate: int) -> None:
-        self._check_start(sample_rate)
-        self.start_time = time.perf_counter()
-
-    def write(self, block: "np.ndarray") -> None:
-        now = time.perf_counter()
-        self._check_write()
-        arr = as_block(block).copy()
-        self.blocks.append(arr)
-        self.times.append(now)
-        self.samples += int(arr.shape[0])
-
-    def close(self) -> None:
-        if self.closed or self.aborted:
-            return
-        self.closed = True
-        self.end_time = time.perf_counter()
-
-    def abort(self) -> None:
-        if self.closed or self.aborted:
-            return
-        self.aborted = True
-        self.end_time = time.perf_counter()
-
-    @property
-    def audio(self) -> "np.ndarray":
-        """All blocks joined (float32, empty if none)."""
-        import numpy as np
-
-        if not self.blocks:
-            return np.zeros(0, dtype=np.float32)
-        return np.concatenate(self.blocks).astype(np.float32, copy=False)
-
-    @property
-    def first_block_time(self) -> float | None:
-        return self.times[0] if self.times else None
 
 
 # ---------------------------------------------------------------------------------------------
