@@ -3,6 +3,13 @@
 What the loader and the API ask of this family (no torch at import): what a complete folder holds
 (weights, tokenizer, `spk_dict.pt` with the voices), the voices without loading weights, the defaults
 of a reply, and `load` / `build_steps` (checkpoint.py, steps.py), which import torch when called.
+
+    checkpoint.py  weights through transformers' class; voices from spk_dict.pt
+    steps.py       ModelSteps for the runtime: reply vector, talker sampling, vocoder, warm-up
+    thinker.py     thinker prefill / decode_one over a static cache
+    talker.py      talker prefill / decode_one (thinker_to_talker_proj, codec_head)
+    fused.py       the fused fixed-shape decode step (CUDA graphs, torch.compile)
+    vocoder.py     streaming token2wav: block-wise DiT windows + BigVGAN with overlap trimming
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ class Thinker:
 
     def enable_fast_decode(self, graphs: bool, compile: bool = False) -> None:
         """Decode through the fused fixed-shape step (`fused.py`), replayed as CUDA graphs when possible."""
-        from ...runtime.fused import FusedDecoder
+        from .fused import FusedDecoder
         from ...runtime.graphs import StepGraphs
 
         dev = self.cache.keys[0].device

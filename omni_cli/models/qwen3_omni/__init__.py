@@ -3,6 +3,12 @@
 What the loader and the API ask of this family (no torch at import): a complete folder holds weights
 and tokenizer (the voices are in config.json: `talker_config.speaker_id`, name -> codec id); the
 defaults of a reply; and `load` / `build_steps` (checkpoint.py, steps.py), which import torch.
+
+    checkpoint.py  weights through transformers' class
+    steps.py       ModelSteps for the runtime: 16-id frames, reply vector, vocoder
+    thinker.py     the MoE thinker's prefill / decode_one over a static cache
+    talker.py      the MoE talker and its code predictor: one frame a step
+    code2wav.py    streaming code2wav: causal, a sliding-window cache and left context
 """
 
 from __future__ import annotations

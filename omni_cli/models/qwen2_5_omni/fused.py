@@ -18,8 +18,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .graphs import compile_fn
-from .kv_cache import StaticKVCache
+from ...runtime.graphs import compile_fn
+from ...runtime.kv_cache import StaticKVCache
 
 
 def _fuse_rows(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
