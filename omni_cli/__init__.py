@@ -13,7 +13,8 @@ __all__ = ["load", "__version__"]
 
 
 def load(model: str | None = None, device: str = "auto", dtype: str = "auto", runtime=None):
-    """Load a Qwen2.5-Omni checkpoint (folder, hub id, or None for $OMNI_MODEL / the built-in tiny model).
+    """Load a Qwen2.5-Omni or Qwen3-Omni checkpoint (folder, hub id, or None for $OMNI_MODEL / the built-in tiny
+    Qwen2.5-Omni model; the family is read from its config.json).
 
     `runtime`: an `omni_cli.config.RuntimeOptions` (graphs on/off, cache sizes); its device and dtype
     win over the two arguments.

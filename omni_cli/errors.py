@@ -21,7 +21,7 @@ class UsageError(OmniError):
 
 
 class ModelError(OmniError):
-    """The model could not be found or is not a Qwen2.5-Omni checkpoint. Exit code 1."""
+    """The model could not be found or is not a checkpoint of a supported family. Exit code 1."""
 
 
 class OutputError(OmniError):
