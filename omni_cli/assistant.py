@@ -73,7 +73,7 @@ class Assistant:
         per_second = self.family.CODES_PER_SECOND
         self.limits = {"text": limits["text"], "codes": round(limits["seconds"] * per_second)}
         self.thinker_sampling = thinker_sampling(loaded.generation_config)
-        self.talker_sampling = self.family.talker_sampling()
+        self.talker_sampling = self.family.talker_sampling(loaded.generation_config)
         self.max_context = max_context
         steps = self.family.build_steps(loaded.model, loaded.speakers, max_context=max_context, graphs=graphs,
                                         max_codes=max_codes or round(DEFAULT_LIMITS["seconds"] * per_second))

@@ -31,6 +31,16 @@ class SamplingOptions:
         return replace(self, do_sample=False)
 
 
+def talker_overrides(base: SamplingOptions, generation_config) -> SamplingOptions:
+    """`base` with the `talker_*` sampling fields a checkpoint's generation config sets (if any)."""
+    changes = {}
+    for name, cast in (("temperature", float), ("top_k", int), ("top_p", float), ("repetition_penalty", float)):
+        value = getattr(generation_config, f"talker_{name}", None) if generation_config is not None else None
+        if value is not None:
+            changes[name] = cast(value)
+    return replace(base, **changes)
+
+
 @dataclass(frozen=True)
 class RuntimeOptions:
     """How the engine runs on the device."""

@@ -60,5 +60,10 @@ def build_steps(model, voices: dict, *, max_context: int, max_codes: int, graphs
 TALKER_SAMPLING = SamplingOptions(do_sample=True, temperature=0.9, top_k=40, top_p=0.8, repetition_penalty=1.05)
 
 
-def talker_sampling() -> SamplingOptions:
-    return TALKER_SAMPLING
+def talker_sampling(generation_config=None) -> SamplingOptions:
+    """The talker's sampling: the reference's, with what the checkpoint's generation_config.json says for
+    the talker (`talker_temperature`, `talker_top_k`, `talker_top_p`, `talker_repetition_penalty`, the
+    names of `generate`'s talker arguments) taking precedence."""
+    from ...config import talker_overrides
+
+    return talker_overrides(TALKER_SAMPLING, generation_config)

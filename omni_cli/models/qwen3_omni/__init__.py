@@ -67,5 +67,10 @@ def build_steps(model, voices: dict, *, max_context: int, max_codes: int, graphs
     return Qwen3Steps(model, voices, max_context=max_context, max_codes=max_codes, graphs=graphs)
 
 
-def talker_sampling() -> SamplingOptions:
-    return TALKER_SAMPLING
+def talker_sampling(generation_config=None) -> SamplingOptions:
+    """The talker's sampling: the reference's, with what the checkpoint's generation_config.json says for
+    the talker (`talker_temperature`, `talker_top_k`, `talker_top_p`, `talker_repetition_penalty`, the
+    names of `generate`'s talker arguments) taking precedence."""
+    from ...config import talker_overrides
+
+    return talker_overrides(TALKER_SAMPLING, generation_config)
