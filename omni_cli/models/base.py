@@ -60,6 +60,8 @@ class TalkerTurn(Protocol):
 
 class ModelSteps(Protocol):
     device: "torch.device"
+    max_context: int  # prompt + reply tokens the thinker's cache holds
+    max_codes: int  # talker steps the talker's cache and the vocoder are sized for
     has_talker: bool
     text_vocab: int  # rows of the thinker's lm_head
     frame_width: int  # ids a talker step samples: 1 or 16 (codebook 0 first)
@@ -85,10 +87,22 @@ class ModelSteps(Protocol):
 
 
 class Family(Protocol):
-    model_type: str  # config.json's model_type
-    title: str  # what people call it ("Qwen2.5-Omni")
-    example_hub_id: str  # for messages: "Qwen/Qwen2.5-Omni-7B"
+    """A family package's module-level names (omni_cli/models/<family>/__init__.py; no torch at import)."""
 
-    def missing_parts(self, folder: Path) -> list[str]: ...
+    MODEL_TYPE: str  # config.json's model_type
+    TITLE: str  # what people call it ("Qwen2.5-Omni")
+    EXAMPLE_HUB_ID: str  # for messages: "Qwen/Qwen2.5-Omni-7B"
+    DEFAULT_SYSTEM: str  # the system prompt a conversation gets ("" = none)
+    NEEDS_DEFAULT_SYSTEM: bool  # the talker speaks reliably only under DEFAULT_SYSTEM
+    DEFAULT_VOICE: str
+    CODES_PER_SECOND: float  # talker steps per second of audio
+
+    def missing_parts(self, folder: Path) -> list[str]: ...  # beyond weights and tokenizer
 
     def voices(self, folder: Path, name: str) -> list[str]: ...  # no weights read, no torch
+
+    def load(self, path: Path, device, dtype, name: str) -> tuple[Any, dict]: ...  # (model, voices)
+
+    def build_steps(self, model, voices: dict, *, max_context: int, max_codes: int, graphs: bool) -> ModelSteps: ...
+
+    def talker_sampling(self, generation_config=None) -> "SamplingOptions": ...
