@@ -76,23 +76,31 @@ def im_end() -> int:
     return tokenizer().convert_tokens_to_ids("<|im_end|>")
 
 
-def reference_generate(model, ids: list[int], *, voice: str, frames: int, text_tokens: int):
-    """transformers' greedy generate with audio: (reply ids, codes [F, 16]); F <= frames (fewer at codec EOS)."""
+def reference_generate(model, ids: list[int], *, voice: str, frames: int, text_tokens: int,
+                       eos: list[int] | None = None, repetition_penalty: float = 1.0, with_wav: bool = False):
+    """transformers' greedy generate with audio: (reply ids, codes [F, 16]); F <= frames (fewer at codec EOS).
+
+    `eos`: the thinker's EOS ids (default <|im_end|>; generate's own default is the literal 151645);
+    `repetition_penalty`: the thinker's (generate reads none from generation_config.json: 1.0 unless
+    given). `with_wav`: also return generate's own waveform (float32 numpy, 1920 * F - 555 samples).
+    """
     caught = {}
     hook = model.code2wav.register_forward_pre_hook(lambda _m, args: caught.setdefault("codes", args[0]))
     try:
         with torch.no_grad(), warnings.catch_warnings():
             # Its talker's penalty covers generated codes only (no input_ids): that is the behaviour we copy.
             warnings.filterwarnings("ignore", message="Passing `repetition_penalty` with `inputs_embeds`")
-            sequences, _ = model.generate(
+            sequences, wav = model.generate(
                 torch.tensor([ids]),
                 speaker=voice,
                 thinker_max_new_tokens=text_tokens,
-                thinker_eos_token_id=im_end(),  # the default is the literal 151645
+                thinker_eos_token_id=eos if eos is not None else im_end(),
                 thinker_do_sample=False,
+                thinker_repetition_penalty=repetition_penalty,
                 talker_do_sample=False,
                 talker_max_new_tokens=frames + 1,  # N new talker tokens give N-1 frames
             )
     finally:
         hook.remove()
-    return sequences[0, len(ids):].tolist(), caught["codes"][0].T.contiguous()
+    text, codes = sequences[0, len(ids):].tolist(), caught["codes"][0].T.contiguous()
+    return (text, codes, wav.reshape(-1).numpy()) if with_wav else (text, codes)
