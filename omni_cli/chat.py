@@ -20,6 +20,10 @@ turn). Ctrl-C during a reply aborts the sink at once (the sound stops), closes t
 stream (the engine's threads stop) and comes back to the prompt with the conversation as it was
 before that turn. Errors a person can act on are one line and the session goes on.
 
+What differs between model families (the voices and the default one, the default system prompt,
+whether the talker's steps are codes or frames and how many make a second, the sample rate) is read
+from the assistant, never assumed.
+
 It knows nothing of typer or of how the model is loaded (cli.py does both), nor of the engine's inside.
 """
 
@@ -39,7 +43,7 @@ from typing import Any, Callable
 from .config import ReplyOptions
 from .errors import OmniError, OutputError, UsageError, known_failure
 from .prompt import TRANSCRIPT_FORMAT, check_text
-from .ui import InterruptTimes, StreamWrapper, Terminated, print_timing, stop_on_interrupt, terminal_width
+from .ui import InterruptTimes, StreamWrapper, Terminated, print_timing, speech_steps, stop_on_interrupt, terminal_width
 
 PROMPT = ">>> "
 CONTINUATION = "... "
@@ -121,6 +125,9 @@ class ChatRepl:
         self.underruns = 0
         # One dict per interrupted reply: seconds from Ctrl-C to silence and to the prompt.
         self.interrupts: list[dict] = []
+        # What the model's talker steps are called and how many make a second ("codes", 50.0;
+        # "frames", 12.5), for /set, /show and the timing block.
+        self._steps = speech_steps(assistant)
 
     @property
     def voice(self) -> str | None:
@@ -268,7 +275,7 @@ class ChatRepl:
         if self.last_playback:
             self.underruns += self.last_playback.get("underruns", 0)
         if self.verbose:
-            print_timing(self.err, self.last_stats, self.last_playback)
+            print_timing(self.err, self.last_stats, self.last_playback, unit=self._steps[0])
 
     def error(self, exc: BaseException) -> None:
         exc = known_failure(exc)
@@ -356,7 +363,7 @@ class ChatRepl:
     def cmd_system(self, arg: str) -> None:
         history = self.chat.history
         if not arg:
-            self.say(f"system: {history.system}")
+            self.say(f"system: {history.system}" if history.system else "system: (none)")
             return
         default = self.assistant.default_system
         history.system = default if arg.lower() == "default" else check_text(arg, "the system prompt")
@@ -377,7 +384,7 @@ class ChatRepl:
         if name not in SETTINGS:
             raise UsageError(f"unknown setting '{words[0]}': the settings are {', '.join(SETTINGS)}")
         if len(words) != 2:
-            raise UsageError(f"/set {name} needs one value, e.g. /set {name} {SETTINGS[name][1]}")
+            raise UsageError(f"/set {name} needs one value, e.g. /set {name} {self._example(name)}")
         value = _parse_setting(name, words[1])
         options = replace(self.options, **{name: value}).check()  # a bad value changes nothing
         limit = getattr(getattr(self.assistant, "engine", None), "max_codes", None)
@@ -392,7 +399,9 @@ class ChatRepl:
     def cmd_show(self, arg: str) -> None:
         a = self.assistant
         where = getattr(getattr(a, "loaded", None), "device", None)
-        model = f"{getattr(a, 'name', None) or 'unknown'}" + (f" on {where}" if where else "")
+        title = getattr(getattr(a, "family", None), "TITLE", None)
+        model = (f"{getattr(a, 'name', None) or 'unknown'}" + (f" ({title})" if title else "")
+                 + (f" on {where}" if where else ""))
         if getattr(a, "is_demo", False):
             model += " (the built-in demo model: random weights)"
         if not a.has_audio:
@@ -420,6 +429,8 @@ class ChatRepl:
         if name == "greedy":
             return "on" if value else "off"
         if value is not None:
+            if name == "max_codes":
+                return self._speech_length(value)
             return f"{value:g}" if isinstance(value, float) else str(value)
         if name == "seed":
             return "random (a new seed for each reply)"
@@ -438,14 +449,27 @@ class ChatRepl:
         if name == "max_text_tokens" and isinstance(limits, dict) and "text" in limits:
             return str(limits["text"])
         if name == "max_codes" and isinstance(limits, dict) and "codes" in limits:
-            return f"{limits['codes']}"
+            return self._speech_length(limits["codes"])
         return None
+
+    def _speech_length(self, steps: int) -> str:
+        """A count of talker steps as people read it: "150 codes, 3.0 s" (Qwen2.5-Omni), "38 frames,
+        3.0 s" (Qwen3-Omni); the bare number for an assistant that does not say its rate."""
+        unit, per_second = self._steps
+        return f"{steps} {unit}, {steps / per_second:.1f} s" if per_second else str(steps)
+
+    def _example(self, name: str) -> str:
+        """An example value for `/set NAME VALUE`: for max_codes, 30 s of speech in this model's steps."""
+        per_second = self._steps[1]
+        if name == "max_codes" and per_second:
+            return str(round(30 * per_second))
+        return SETTINGS[name][1]
 
     def cmd_stats(self, arg: str) -> None:
         if self.last_stats is None:
             self.say("no reply yet")
         else:
-            print_timing(self.err, self.last_stats, self.last_playback, title="last reply")
+            print_timing(self.err, self.last_stats, self.last_playback, title="last reply", unit=self._steps[0])
         seconds = sum(len(a) for _, a in self.speech) / self.assistant.sample_rate
         self.say(f"session: {_count(self.replies, 'reply', 'replies')}, {seconds:.1f} s of speech, "
                  f"{_count(self.underruns, 'underrun')}")
@@ -562,7 +586,8 @@ class ChatRepl:
         return sink.seconds
 
 
-# /set's settings: the ReplyOptions field, and an example value for the usage message.
+# /set's settings: the ReplyOptions field, and an example value for the usage message (for max_codes,
+# 30 s of Qwen2.5-Omni's codes; ChatRepl._example gives the model's own).
 SETTINGS = {
     "temperature": (float, "0.7"),
     "top_p": (float, "0.9"),

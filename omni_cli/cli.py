@@ -11,7 +11,10 @@ no traceback unless `--debug`; click's own usage errors (an unknown flag, a valu
 become the same one line with exit 2 (`_OneLineErrors`); Ctrl-C exits 130, SIGTERM 143 and SIGHUP 129;
 a reader of stdout that went away (`| head`) ends the command quietly with 141, as Unix tools do;
 anything else is reported as an internal error (1). Outputs (format, file writable, PortAudio and a
-device present) and the voice (from spk_dict.pt) are checked before the model loads.
+device present) and the voice (Qwen2.5-Omni: spk_dict.pt; Qwen3-Omni: config.json) are checked before
+the model loads. What differs between the model families (the default voice and system prompt, codes or
+frames, their rate) is read from the loaded `Assistant` (`assistant.family`, `ui.speech_steps`), never
+assumed here; only the help texts name the families.
 
 The library logs instead of printing; `_report_library_logs` shows its records on stderr as
 `note: ...` (INFO; not with --quiet) and `warning: ...` lines.
@@ -90,8 +93,8 @@ VersionOpt = Annotated[bool, typer.Option("--version", callback=_show_version, i
 
 say_app = typer.Typer(
     name="omni-say",
-    help="Ask a local Qwen2.5-Omni model one question: the answer's text on stdout, its speech through "
-    "the speakers (or into a WAV file with -o).",
+    help="Ask a local Qwen-Omni model (Qwen2.5-Omni or Qwen3-Omni) one question: the answer's text on "
+    "stdout, its speech through the speakers (or into a WAV file with -o).",
     add_completion=False,
     pretty_exceptions_enable=False,
     rich_markup_mode=None,
@@ -100,7 +103,8 @@ say_app = typer.Typer(
 
 chat_app = typer.Typer(
     name="omni-chat",
-    help="Talk with a local Qwen2.5-Omni model: type a message, read and hear the reply.",
+    help="Talk with a local Qwen-Omni model (Qwen2.5-Omni or Qwen3-Omni): type a message, read and hear "
+    "the reply.",
     add_completion=False,
     pretty_exceptions_enable=False,
     rich_markup_mode=None,
@@ -111,16 +115,16 @@ chat_app = typer.Typer(
 
 ModelOpt = Annotated[Optional[str], typer.Option(
     "--model", "-m", metavar="FOLDER|HUB_ID", show_default=False,
-    help="Model folder or hub id (e.g. Qwen/Qwen2.5-Omni-7B). Default: $OMNI_MODEL, else the built-in "
-    "tiny random-weight demo model.")]
+    help="Model folder or hub id (e.g. Qwen/Qwen2.5-Omni-7B, Qwen/Qwen3-Omni-30B-A3B-Instruct). Default: "
+    "$OMNI_MODEL, else the built-in tiny random-weight demo model (a Qwen2.5-Omni).")]
 VoiceOpt = Annotated[Optional[str], typer.Option("--voice", "-v", metavar="NAME", show_default=False, help="A voice of the model (Qwen2.5-Omni: Chelsie, the default, or Ethan; Qwen3-Omni: Ethan, the default, Chelsie or Aiden); see --list-voices.")]
-DeviceOpt = Annotated[str, typer.Option("--device", metavar="DEVICE", help="auto, cpu, cuda, cuda:N, npu, mps.")]
+DeviceOpt = Annotated[str, typer.Option("--device", metavar="DEVICE", help="auto, cpu, cuda, cuda:N, npu, npu:N, mps.")]
 DtypeOpt = Annotated[str, typer.Option("--dtype", metavar="DTYPE", help="auto (bfloat16 on accelerators, float32 on CPU), float32, bfloat16, float16.")]
 GraphsOpt = Annotated[bool, typer.Option("--graphs/--no-graphs", help="CUDA graphs and compiled decode steps on a GPU (a no-op on CPU); --no-graphs runs them eagerly, as does OMNI_NO_GRAPHS=1.")]
 SeedOpt = Annotated[Optional[int], typer.Option("--seed", metavar="N", show_default=False, help="Seed for sampling and the vocoder noise (reproducible replies).")]
 GreedyOpt = Annotated[bool, typer.Option("--greedy", help="Greedy decoding instead of sampling.")]
 MaxTextOpt = Annotated[Optional[int], typer.Option("--max-text-tokens", min=1, metavar="N", show_default=False, help="Cap on the reply's text tokens (default: the model's).")]
-MaxCodesOpt = Annotated[Optional[int], typer.Option("--max-codes", min=1, metavar="N", show_default=False, help="Cap on the speech codes (50 codes = 1 s of audio).")]
+MaxCodesOpt = Annotated[Optional[int], typer.Option("--max-codes", min=1, metavar="N", show_default=False, help="Cap on the reply's speech in talker steps: codes for Qwen2.5-Omni (50 = 1 s of audio), 16-codebook frames for Qwen3-Omni (12.5 = 1 s); up to about 82 s. Default: the model's.")]
 TemperatureOpt = Annotated[Optional[float], typer.Option(
     "--temperature", metavar="T", show_default=False,
     help="Sampling temperature of the reply's text (the thinker; the speech keeps the model's settings); "
@@ -329,9 +333,9 @@ def _load(model, device, dtype, err, quiet: bool = False, **runtime):
 
 
 def _checked_voice(options, model):
-    """`options` with its voice checked against the model's spk_dict.pt before the model loads (an
-    unknown voice is a usage error in a fraction of a second, not after loading); None stays None: the
-    model's default voice."""
+    """`options` with its voice checked against the model's voices (spk_dict.pt or config.json, read
+    without torch) before the model loads (an unknown voice is a usage error in a fraction of a second,
+    not after loading); None stays None: the model's default voice."""
     if options.voice is None:
         return options
     from dataclasses import replace
@@ -462,7 +466,7 @@ def say(
     max_codes: MaxCodesOpt = None,
     text_only: Annotated[bool, typer.Option("--text-only", help="Answer in text only: no speech is generated.")] = False,
     audio_device: AudioDeviceOpt = None,
-    list_voices: Annotated[bool, typer.Option("--list-voices", help="List the model's voices and exit.")] = False,
+    list_voices: Annotated[bool, typer.Option("--list-voices", help="List the model's voices (read from the checkpoint, without loading it) and exit.")] = False,
     list_audio_devices: ListDevicesOpt = False,
     verbose: VerboseOpt = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No notices or summary on stderr (errors still).")] = False,
@@ -487,7 +491,7 @@ def say(
         if list_voices:
             from .loader import model_voices
 
-            for name in model_voices(model):  # spk_dict.pt alone: no torch, no weights
+            for name in model_voices(model):  # spk_dict.pt or config.json alone: no torch, no weights
                 print(name, flush=True)
             return
         if format is not None and output is None:
@@ -524,9 +528,10 @@ def say(
             elif to_stdout:
                 _err(f"wrote {seconds:.1f} s of WAV audio to stdout")
         if verbose:
-            from .ui import print_timing
+            from .ui import print_timing, speech_steps
 
-            print_timing(err, reply.stats, outputs.speaker.stats if outputs.speaker is not None else None)
+            print_timing(err, reply.stats, outputs.speaker.stats if outputs.speaker is not None else None,
+                         unit=speech_steps(assistant)[0])
     except BaseException as exc:  # noqa: BLE001 - every way out is reported, none with a traceback
         if isinstance(exc, (SystemExit, typer.Exit)):
             raise
@@ -602,7 +607,7 @@ def chat(
     max_text_tokens: MaxTextOpt = None,
     max_codes: MaxCodesOpt = None,
     max_context: Annotated[int, typer.Option("--max-context", min=64, metavar="N", help="Tokens of conversation the model keeps; older turns are dropped, with a notice.")] = 4096,
-    system: Annotated[Optional[str], typer.Option("--system", metavar="TEXT", show_default=False, help="System prompt (default: Qwen2.5-Omni's own, which it needs to speak).")] = None,
+    system: Annotated[Optional[str], typer.Option("--system", metavar="TEXT", show_default=False, help="System prompt (default: the model's own: Qwen2.5-Omni's, which it needs to speak; none for Qwen3-Omni).")] = None,
     mute: Annotated[bool, typer.Option("--mute", help="Start muted: replies in text only (/unmute to hear them).")] = False,
     audio_device: AudioDeviceOpt = None,
     list_audio_devices: ListDevicesOpt = False,

@@ -9,7 +9,8 @@ prompt_toolkit's `patch_stdout` while a prompt is on screen.
 SIGINT handler aborts the speaker sink right away (the sound stops), then raises KeyboardInterrupt
 so the caller closes the reply's event stream (which stops the engine's threads).
 
-It knows nothing of models or of the engine; rich and prompt_toolkit are imported when used.
+It knows nothing of models or of the engine (`speech_steps` reads what an assistant says of its talker's
+steps, for the wording); rich and prompt_toolkit are imported when used.
 """
 
 from __future__ import annotations
@@ -78,8 +79,24 @@ def _fmt_seconds(value: float | None) -> str:
     return f"{value * 1000:.0f} ms" if value < 1 else f"{value:.2f} s"
 
 
-def timing_lines(stats: dict, playback: dict | None = None, played: bool = False) -> list[tuple[str, str]]:
-    """(label, value) rows of the --verbose timing block for one reply's stats (+ the speaker's)."""
+def speech_steps(assistant: Any) -> tuple[str, float | None]:
+    """(name, steps per second of audio) of the talker's steps of `assistant`'s model, for what people
+    read: ("codes", 50) when a step is one codec id (Qwen2.5-Omni), ("frames", 12.5) when it is a frame
+    of several codebooks (Qwen3-Omni). From what the assistant carries (its engine's steps, its family),
+    so no family is named here; ("codes", None) for an assistant that says neither."""
+    steps = getattr(getattr(assistant, "engine", None), "steps", None)
+    width = getattr(steps, "frame_width", 1)
+    name = "frames" if isinstance(width, int) and width > 1 else "codes"
+    per_second = getattr(getattr(assistant, "family", None), "CODES_PER_SECOND", None)
+    if per_second is None:
+        per_second = getattr(steps, "codes_per_second", None)
+    return name, (float(per_second) if isinstance(per_second, (int, float)) and per_second > 0 else None)
+
+
+def timing_lines(stats: dict, playback: dict | None = None, played: bool = False,
+                 unit: str = "codes") -> list[tuple[str, str]]:
+    """(label, value) rows of the --verbose timing block for one reply's stats (+ the speaker's); `unit`
+    names the talker's steps (`speech_steps`: "codes" or "frames")."""
     rows = [
         ("time to first text", _fmt_seconds(stats.get("time_to_first_text"))),
         ("time to first audio", _fmt_seconds(stats.get("time_to_first_audio"))),
@@ -105,7 +122,7 @@ def timing_lines(stats: dict, playback: dict | None = None, played: bool = False
     th = stats.get("thinker_ms_per_token")
     tk = stats.get("talker_ms_per_step")
     rows.append(("text tokens", f"{stats.get('text_tokens', 0)}" + (f" ({th:.1f} ms/token)" if th else "")))
-    rows.append(("speech codes", f"{stats.get('codes', 0)}" + (f" ({tk:.1f} ms/step)" if tk else "")))
+    rows.append((f"speech {unit}", f"{stats.get('codes', 0)}" + (f" ({tk:.1f} ms/step)" if tk else "")))
     if playback is not None:
         rows.append(("underruns", f"{playback['underruns']} ({playback['underrun_seconds'] * 1000:.0f} ms of silence)"))
         if playback.get("device_underflows"):
@@ -131,8 +148,8 @@ class AudioClock:
         return out
 
 
-def print_timing(err, stats: dict, playback: dict | None = None, title: str = "timing") -> None:
-    rows = timing_lines(stats, playback)
+def print_timing(err, stats: dict, playback: dict | None = None, title: str = "timing", unit: str = "codes") -> None:
+    rows = timing_lines(stats, playback, unit=unit)
     width = max(len(label) for label, _ in rows)
     err.print(f"[dim]-- {title}[/dim]")
     for label, value in rows:

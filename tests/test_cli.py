@@ -28,7 +28,7 @@ from typer.testing import CliRunner
 
 from audio_device import FakeSoundDevice, no_alsa_device
 from fakes import FakeAssistant
-from conftest import cli_env
+from conftest import REPO_ROOT, cli_env
 
 HEAVY = ("torch", "transformers", "numpy", "soundfile", "huggingface_hub", "sounddevice")
 
@@ -245,23 +245,34 @@ def _importtime_run(*args, cwd=None, input=None):
     return result, imported, rest
 
 
-def test_unknown_voice_is_refused_before_the_model_loads(tmp_path):
-    # The default (demo) model: its voices come from spk_dict.pt, read without torch; the demo notice
-    # is left to the load that never happens.
+# Both families: the default model (Qwen2.5-Omni, voices in spk_dict.pt) and the tiny Qwen3-Omni
+# (voices in config.json): (arguments, its voices).
+VOICES = {"qwen2.5": ([], ["Chelsie", "Ethan"]),
+          "qwen3": (["-m", REPO_ROOT / "assets" / "tiny-qwen3-omni"], ["Aiden", "Chelsie", "Ethan"])}
+
+
+@pytest.mark.parametrize("family", list(VOICES))
+def test_unknown_voice_is_refused_before_the_model_loads(tmp_path, family):
+    # The voices are read without torch; the demo notice is left to the load that never happens.
+    model_args, voices = VOICES[family]
     start = time.perf_counter()
-    result, imported, rest = _importtime_run("hello", "-o", tmp_path / "x.wav", "-v", "Nobody", cwd=tmp_path)
+    result, imported, rest = _importtime_run("hello", "-o", tmp_path / "x.wav", "-v", "Nobody", *model_args,
+                                             cwd=tmp_path)
     elapsed = time.perf_counter() - start
     assert result.returncode == 2, rest
-    assert rest == ["error: unknown voice 'Nobody': this model's voices are Chelsie, Ethan"]
+    assert rest == [f"error: unknown voice 'Nobody': this model's voices are {', '.join(voices)}"]
     assert "torch" not in imported and "transformers" not in imported
     assert os.listdir(tmp_path) == []
     assert elapsed < 10, f"{elapsed:.1f} s"
 
 
-def test_list_voices_imports_no_torch(tmp_path):
-    result, imported, rest = _importtime_run("--list-voices", "-q", cwd=tmp_path)
-    assert (result.returncode, result.stdout, rest) == (0, "Chelsie\nEthan\n", [])
-    assert "zipfile" in imported  # it did read spk_dict.pt ...
+@pytest.mark.parametrize("family", list(VOICES))
+def test_list_voices_imports_no_torch(tmp_path, family):
+    model_args, voices = VOICES[family]
+    result, imported, rest = _importtime_run("--list-voices", "-q", *model_args, cwd=tmp_path)
+    assert (result.returncode, result.stdout, rest) == (0, "".join(f"{v}\n" for v in voices), [])
+    if family == "qwen2.5":
+        assert "zipfile" in imported  # it did read spk_dict.pt ...
     assert not imported & {"torch", "transformers", "numpy"}  # ... without torch
 
 

@@ -11,7 +11,7 @@ reply must have played, once, in order — bit for bit against the reply's float
 within one 16-bit step against the WAV written beside it (omni-say --play -o, omni-chat /save). A busy
 machine may still make the speaker run dry: each silent gap inside the sound must then be an underrun
 the speaker counted and reported (--verbose), with its length. Ctrl-C must silence the device and stop
-generation within 200 ms.
+generation within 200 ms. omni-say's playback and Ctrl-C in omni-chat run for both model families.
 """
 
 from __future__ import annotations
@@ -30,6 +30,8 @@ import soundfile as sf
 
 from audio_device import alsa_file_device, assert_no_zeros, assert_underruns_reported, have_portaudio, heard, read_played
 from conftest import REPO_ROOT, cli_env
+
+QWEN3 = REPO_ROOT / "assets" / "tiny-qwen3-omni"
 
 pytestmark = pytest.mark.skipif(not have_portaudio(), reason="PortAudio is not installed (apt-get install libportaudio2)")
 
@@ -88,18 +90,25 @@ def test_api_plays_every_sample_of_the_reply_in_order(tmp_path):
     assert stats["start_reason"] in ("buffer filled", "production rate", "block gaps", "reply ended"), stats
 
 
-def test_omni_say_plays_what_it_writes(tmp_path, run_cli):
+# Both families: the default model (Qwen2.5-Omni, its demo limit of 150 codes: 3 s) and the tiny
+# Qwen3-Omni (12 frames of 1920 samples, less the 555 its code2wav holds back at the end).
+MODELS = {"qwen2.5": ([], 72_000), "qwen3": (["-m", str(QWEN3), "--max-codes", "12"], 12 * 1920 - 555)}
+
+
+@pytest.mark.parametrize("family", list(MODELS))
+def test_omni_say_plays_what_it_writes(tmp_path, run_cli, family):
     env, raw = device_env(tmp_path)
     out = tmp_path / "reply.wav"
-    result = run_cli("Hello there", "--play", "-o", out, "--seed", "0", "--verbose", env=env, cwd=tmp_path)
+    model_args, samples = MODELS[family]
+    result = run_cli("Hello there", "--play", "-o", out, "--seed", "0", "--verbose", *model_args, env=env, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip()
     err = result.stderr
-    assert f"wrote {out} (3.0 s audio)" in err
+    assert f"wrote {out} ({samples / 24_000:.1f} s audio)" in err
     assert "playback waited" in err, err
     wav, rate = sf.read(out, dtype="float32")
     sound = heard(read_played(raw))
-    assert rate == 24_000 and sound.samples.size == wav.size == 72_000
+    assert rate == 24_000 and sound.samples.size == wav.size == samples
     assert np.abs(sound.samples - wav).max() <= ONE_STEP
     assert_gaps_reported(sound, err)
 
@@ -169,9 +178,14 @@ def test_ctrl_c_silences_omni_say_within_200_ms(tmp_path):
     assert size < 24_000 * 4 * 5  # and far less than the 30 s reply
 
 
-def test_ctrl_c_in_omni_chat_then_the_next_turn(tmp_path):
+# A 30 s reply of each family: 1500 Qwen2.5-Omni codes, 375 Qwen3-Omni frames.
+LONG_REPLY = {"qwen2.5": ["--max-codes", "1500"], "qwen3": ["-m", str(QWEN3), "--max-codes", "375"]}
+
+
+@pytest.mark.parametrize("family", list(LONG_REPLY))
+def test_ctrl_c_in_omni_chat_then_the_next_turn(tmp_path, family):
     env, raw = device_env(tmp_path, OMNI_NOHISTORY="1")
-    proc = _popen("omni_cli.chat", ["--seed", "1", "--max-codes", "1500", "--max-text-tokens", "300", "--verbose"],
+    proc = _popen("omni_cli.chat", ["--seed", "1", *LONG_REPLY[family], "--max-text-tokens", "300", "--verbose"],
                   env, tmp_path)
     try:
         proc.stdin.write(b"Tell me a long story\n")
@@ -183,7 +197,7 @@ def test_ctrl_c_in_omni_chat_then_the_next_turn(tmp_path):
         size = raw.stat().st_size
         time.sleep(0.3)
         assert raw.stat().st_size == size  # silent
-        stdout, stderr = proc.communicate(b"/mute\nNext one\n/stats\n", timeout=120)
+        stdout, stderr = proc.communicate(b"/mute\nNext one\n/stats\n/save talk\n", timeout=120)
     finally:
         proc.kill()
     err = stderr.decode()
@@ -194,4 +208,9 @@ def test_ctrl_c_in_omni_chat_then_the_next_turn(tmp_path):
     assert silent_ms < 200 and back_ms < 200, line
     # The session goes on: the next turn is answered; the interrupted one is not part of the conversation.
     assert "session: 1 reply," in err
-    assert stdout.decode().count("\n") == 2  # the partial reply's text (its line ended), then the next reply
+    turns = json.loads((tmp_path / "talk.json").read_text())["turns"]
+    assert [t["content"] for t in turns[:1]] == ["Next one"] and len(turns) == 2
+    # The partial reply's text (its line ended), then the next reply's. (The tiny Qwen3-Omni's random text
+    # has newlines of its own, so the lines are not counted.)
+    out = stdout.decode()
+    assert out.endswith("\n" + turns[1]["content"] + "\n") and out[: -len(turns[1]["content"]) - 2].strip(), out
