@@ -3,6 +3,8 @@ lengths are kept, the times agree with a clock outside the benchmark; progress g
 metric is the median of the measured runs; every usage error (typer's own included) is one line with
 exit code 2; a device that is not here is the loader's one-line error; without --preset a CPU gets the
 tiny preset and a full-size preset on a CPU is refused; transformers' config warnings stay off stderr.
+The Qwen3-Omni presets: the tiny checkpoint beside transformers' generate at forced lengths (frames), and
+the true-size config of Qwen3-Omni-30B-A3B (every field set; 35.26 B parameters, counted on the meta device).
 
 Most tests call the program's entry point (`bench_app`) in-process with few tokens and codes; the one
 that checks stderr as a whole runs it in a subprocess (transformers' logging writes to the stderr it
@@ -19,7 +21,15 @@ import pytest
 import torch
 
 from conftest import run_omni_say
-from omni_cli.bench import DEFAULT_PRESET, _median, _pick_preset, bench_app
+from omni_cli.bench import (
+    DEFAULT_PRESET,
+    QWEN3_30B_PARAMETERS,
+    _median,
+    _pick_preset,
+    bench_app,
+    build_config,
+    count_parameters,
+)
 
 
 def bench(capsys, *args):
@@ -86,7 +96,8 @@ def test_usage_errors_are_one_line_with_exit_code_2(capsys, args):
 def test_unknown_preset_is_one_error_line(capsys):
     code, out, err = bench(capsys, "--preset", "qwen9", "--device", "cpu")
     assert code == 2 and out == ""
-    assert err.strip().splitlines() == ["error: unknown preset 'qwen9'; choose one of qwen2.5-omni-7b, qwen2.5-omni-3b, tiny"]
+    assert err.strip().splitlines() == ["error: unknown preset 'qwen9'; choose one of "
+                                         "qwen2.5-omni-7b, qwen2.5-omni-3b, qwen3-omni-30b-a3b, tiny, tiny-qwen3"]
 
 
 def _absent_devices():
@@ -108,7 +119,7 @@ def test_a_device_that_is_not_here_is_the_loaders_one_line_error(capsys, name):
     assert err.strip().splitlines() == [f"error: {expected.value}"]
 
 
-@pytest.mark.parametrize("preset", ["qwen2.5-omni-7b", "qwen2.5-omni-3b"])
+@pytest.mark.parametrize("preset", ["qwen2.5-omni-7b", "qwen2.5-omni-3b", "qwen3-omni-30b-a3b"])
 def test_a_full_size_preset_on_the_cpu_is_refused_naming_the_tiny_one(capsys, preset):
     t = time.perf_counter()
     code, out, err = bench(capsys, "--preset", preset, "--device", "cpu")
@@ -161,3 +172,67 @@ def test_schedules_run_side_by_side_and_take_effect(capsys):
     # 250 codes: chunks of 12, 24, 48, then the steady size each schedule asked for (192: not reached)
     assert [row["vocoder_chunk_codes"] for row in table.values()] == [48, 96, 96]
     assert all(row["codes"] == 250 and row["audio_s"] == 5.0 for row in table.values())
+
+
+def test_tiny_qwen3_bench_beside_transformers_at_the_forced_lengths(capsys):
+    """Qwen3-Omni's units are 16-id frames (12.5 a second; code2wav gives 1920 * F - 555 samples): both sides
+    make exactly the asked text tokens and frames, and the reference's stage times are filled in."""
+    code, out, err = bench(capsys, "--preset", "tiny-qwen3", "--prompt-tokens", "12", "--text-tokens", "4",
+                           "--frames", "6", "--runs", "1", "--device", "cpu", "--compare-hf", "--json")
+    assert code == 0, err
+    data = json.loads(out)
+    meta, ours, ref = data["meta"], data["omni_cli"], data["transformers"]
+    assert (meta["preset"], meta["family"], meta["unit"], meta["codes"]) == ("tiny-qwen3", "qwen3-omni", "frames", 6)
+    assert meta["dtype"] == "torch.float32" and meta["steps_per_second"] == 12.5
+    audio_s = (1920 * 6 - 555) / 24000
+    for side in (ours, ref):
+        assert (side["text_tokens"], side["codes"]) == (4, 6)
+        assert side["audio_s"] == pytest.approx(audio_s)
+        for key in ("time_to_first_audio_ms", "thinker_ms_per_token", "talker_ms_per_step", "real_time_factor"):
+            assert side[key] is not None and side[key] > 0, key
+    assert ours["time_to_first_text_ms"] < ours["time_to_first_audio_ms"]
+    assert ref["time_to_first_text_ms"] is None  # nothing streams: the first audio is the whole call
+    assert ref["time_to_first_audio_ms"] == pytest.approx(1000 * ref["total_s"])
+    assert 0 < ref["code_predictor_ms_per_frame"] < ref["talker_ms_per_step"]
+    assert "transformers generate: " in err and "4 text tokens, 6 frames" in err
+
+
+def test_tiny_qwen3_table_names_frames(capsys):
+    code, out, err = bench(capsys, "--preset", "tiny-qwen3", "--prompt-tokens", "10", "--text-tokens", "2",
+                           "--frames", "3", "--runs", "1", "--device", "cpu")
+    assert code == 0, err
+    assert "talker + code predictor ms/frame" in out and "frames 3" in err
+
+
+@pytest.mark.parametrize("args", [["--schedules"], ["--variants"], ["--prompt-tokens", "8"]])
+def test_qwen3_refuses_what_it_lacks_in_one_line(capsys, args):
+    code, out, err = bench(capsys, "--preset", "tiny-qwen3", "--device", "cpu", *args)
+    assert code == 2 and out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and args[0] in lines[0]
+
+
+def test_qwen3_30b_config_is_the_real_model():
+    """The true-size config, built only (no weights): the real checkpoint's sizes and ids, not transformers'
+    defaults, and 35.26 B parameters in all, counted on the meta device."""
+    config = build_config("qwen3-omni-30b-a3b")
+    text, talker = config.thinker_config.text_config, config.talker_config
+    t = talker.text_config
+    assert (text.num_hidden_layers, text.hidden_size, text.num_attention_heads, text.num_key_value_heads,
+            text.head_dim, text.num_experts, text.num_experts_per_tok, text.moe_intermediate_size,
+            text.vocab_size) == (48, 2048, 32, 4, 128, 128, 8, 768, 152064)
+    assert (t.num_hidden_layers, t.hidden_size, t.num_attention_heads, t.num_key_value_heads, t.num_experts,
+            t.num_experts_per_tok, t.moe_intermediate_size, t.shared_expert_intermediate_size,
+            t.vocab_size) == (20, 1024, 16, 2, 128, 6, 384, 768, 3072)
+    assert talker.accept_hidden_layer == 24 and talker.num_code_groups == 16
+    assert (talker.codec_pad_id, talker.codec_bos_id, talker.codec_eos_token_id, talker.codec_nothink_id,
+            talker.codec_think_bos_id, talker.codec_think_eos_id) == (2148, 2149, 2150, 2155, 2156, 2157)
+    assert talker.speaker_id == {"chelsie": 2301, "ethan": 2302, "aiden": 2303}
+    p = talker.code_predictor_config
+    assert (p.num_hidden_layers, p.hidden_size, p.num_code_groups, p.vocab_size) == (5, 1024, 16, 2048)
+    audio, vision = config.thinker_config.audio_config, config.thinker_config.vision_config
+    assert (audio.d_model, audio.encoder_layers, audio.output_dim) == (1280, 32, 2048)
+    assert (vision.depth, vision.hidden_size, vision.out_hidden_size) == (27, 1152, 2048)
+    assert config.code2wav_config.upsample_rates == [8, 5, 4, 3] and config.code2wav_config.decoder_dim == 1536
+    total = count_parameters(config)
+    assert abs(total - QWEN3_30B_PARAMETERS) < 0.01e9, total
