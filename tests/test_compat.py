@@ -6,6 +6,7 @@ layout underneath differs (5.21: thinker parts under `thinker.model`; 5.24: `cac
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from pathlib import Path
 
@@ -98,6 +99,28 @@ def test_rope_deltas_live_where_the_library_writes_them(model):
     assert isinstance(deltas, torch.Tensor) and deltas.shape[0] == 1 and torch.all(deltas == 0)
     compat.set_rope_deltas(thinker, None)
     assert compat.get_rope_deltas(thinker) is None
+
+
+def test_checkpoint_names_are_the_files_keys(model):
+    """Parameter names mapped by `checkpoint_name` are the checkpoint's keys, holding the same tensors."""
+    from safetensors import safe_open
+
+    folder = "tiny-qwen2.5-omni" if hasattr(model, "token2wav") else "tiny-qwen3-omni"
+    moved = hasattr(model.thinker.model, "language_model")
+    with safe_open(str(ASSETS / folder / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+        renamed = 0
+        for name, param in model.named_parameters():
+            key = compat.checkpoint_name(name)
+            renamed += key != name
+            if key not in keys:
+                assert ".experts." in key, key  # only the MoE experts are fused on load
+                continue
+            assert torch.equal(param, f.get_tensor(key)), name
+    assert (renamed > 0) == moved
+    assert compat.checkpoint_name("talker.model.layers.0.mlp.gate.weight") == "talker.model.layers.0.mlp.gate.weight"
+    assert compat.checkpoint_name("model.visual.blocks.0.attn.qkv.weight") == "visual.blocks.0.attn.qkv.weight"
+    assert compat.checkpoint_name("model.language_model.norm.weight") == "model.norm.weight"
 
 
 # -- the cache keyword (5.24) -----------------------------------------------------------------------
@@ -246,3 +269,38 @@ def test_unchanged_parts(model):
         assert len(predictor.lm_head) == len(predictor.get_input_embeddings()) == groups - 1
         assert {"text_projection", "hidden_projection"} <= {n for n, _ in talker.named_children()}
         assert all(hasattr(model.code2wav, n) for n in ("pre_transformer", "upsample", "decoder"))
+
+
+# -- transformers' Qwen2.5 generate as the parity reference (5.18) ------------------------------------------
+
+
+def _talker_prompt_last_rows(model, keep_mask: bool):
+    """The talker's first layer input rows for the voice-BOS and first-reply positions in HF's generate."""
+    seen = []
+    hook = model.talker.model.layers[0].register_forward_pre_hook(
+        lambda _m, args, kwargs: seen.append((args[0] if args else kwargs["hidden_states"]).clone()), with_kwargs=True)
+    model.talker.rope_deltas = None  # set by the talker's forward only when it gets a mask
+    ctx = compat.qwen2_5_talker_keeps_its_mask(model) if keep_mask else contextlib.nullcontext()
+    try:
+        with torch.no_grad(), ctx:
+            model.generate(torch.tensor([[1, 2, 3, 4, 5]]), speaker="Chelsie", thinker_max_new_tokens=2,
+                           thinker_do_sample=False, talker_max_new_tokens=2, talker_do_sample=False)
+    finally:
+        hook.remove()
+    return seen[0][0, -2:]
+
+
+def test_reference_talker_prompt_has_the_codec_embeddings():
+    """With the shim, transformers' generate feeds the talker pad/BOS-embedded prompt rows: the same as
+    projecting (what the reference builds) + codec embeddings, as 5.17 did, on every version."""
+    m = _load("qwen2.5")
+    talker = m.talker
+    without = _talker_prompt_last_rows(m, keep_mask=False)
+    with_mask = _talker_prompt_last_rows(m, keep_mask=True)
+    assert talker.rope_deltas is not None  # the talker took its masked (5.17) branch
+    codec = talker.get_input_embeddings()(torch.tensor([talker.codec_pad_token, talker.codec_bos_token]))
+    added = talker.thinker_to_talker_proj.weight @ codec.T  # the projection is linear: the rows differ by this
+    if not torch.allclose(with_mask - without, added.T, atol=1e-5):
+        # 5.17: generate keeps the mask itself, so both runs already include the codec embeddings
+        torch.testing.assert_close(with_mask, without)
+    assert "forward" not in talker.__dict__  # the class's forward is back

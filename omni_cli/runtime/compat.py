@@ -10,8 +10,10 @@ What it absorbs (the release that changed it):
   `thinker.model` (the text decoder stack)  -> `thinker.model.language_model`  (`thinker_text_model`)
   `thinker.audio_tower` / `thinker.visual`  -> `thinker.model.audio_tower` / `.visual` (`audio_tower`, `visual`)
   `thinker.rope_deltas`                     -> `thinker.model.rope_deltas`  (`get_rope_deltas`, `set_rope_deltas`)
-  Checkpoint keys are remapped on load by transformers itself; `thinker.lm_head` and
-  `thinker.get_input_embeddings()` stay where they were.
+  `thinker.lm_head` and `thinker.get_input_embeddings()` stay where they were. Checkpoint keys keep the old
+  names: transformers renames them on load and back on save, but `named_parameters()` / `state_dict()` use
+  the new ones, so anything keyed or ordered by parameter name (the tiny checkpoints' seeded fill, tests that
+  look up a weight) goes through `checkpoint_name`.
 - 5.24: the cache keyword of decoder layers and model forwards, `past_key_values=` -> `cache=` (the old name
   still works with a FutureWarning until 5.40; on 5.17 the new name would fall into `**kwargs` and the cache
   would silently not be written). `cache_kwargs(cache, module)` gives the right one; model outputs carry
@@ -30,6 +32,11 @@ blocks, each stack's `.layers` / `.norm` / `.rotary_emb(x, positions)` call, and
 (`attention_mask`, `position_embeddings`, `use_cache`). A duck-typed cache needs only `update(k, v,
 layer_idx, *args, **kwargs)` (5.24 passes `kwargs=` to it) and `get_seq_length()`.
 
+- 5.18: `generate` drops an all-ones `attention_mask`; Qwen2.5's talker `forward` adds the codec pad/BOS
+  embeddings to its prompt (and sets its rope deltas) only when it gets a mask, so transformers' own
+  `Qwen2_5OmniForConditionalGeneration.generate` on an unpadded prompt speaks from another talker prompt than
+  5.17's (and ours). `qwen2_5_talker_keeps_its_mask(model)` restores 5.17's input for a reference run.
+
 Not absorbed (no call site of ours uses them): the 5.18 removal of the thinker's
 `_expand_inputs_for_generation` (num_beams / num_return_sequences > 1 in `thinker.generate`), the 5.23
 removal of the `*ThinkerCausalLMOutputWithPast` classes (5.24 returns `MultimodalCausalLMOutputWithPast`, no
@@ -39,8 +46,10 @@ transformers' own `generate` takes `cache=` on 5.24; our tests call it without e
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
+import re
 
 # -- thinker layout (5.21) ------------------------------------------------------------------------
 
@@ -81,6 +90,24 @@ def get_rope_deltas(thinker):
 def set_rope_deltas(thinker, value) -> None:
     """Set (or clear, with None) the thinker's M-RoPE delta state where the installed version keeps it."""
     thinker_core(thinker).rope_deltas = value
+
+
+# 5.21+ parameter-name prefixes -> the checkpoint's (and 5.17's) names; never matches a 5.17 name.
+_RENAMED = (
+    (re.compile(r"^(thinker\.)?model\.language_model\."), r"\1model."),
+    (re.compile(r"^(thinker\.)?model\.(audio_tower|visual)\."), r"\1\2."),
+)
+
+
+def checkpoint_name(name: str) -> str:
+    """The checkpoint key (= the 5.17 parameter name) of parameter `name` of a whole model
+    (`thinker.model.language_model.layers.0...` -> `thinker.model.layers.0...`) or of a bare thinker
+    (`model.audio_tower...` -> `audio_tower...`). Names that 5.21 did not move come back unchanged."""
+    for pattern, repl in _RENAMED:
+        name, n = pattern.subn(repl, name, count=1)
+        if n:
+            break
+    return name
 
 
 # -- the cache keyword (5.24) ----------------------------------------------------------------------
@@ -161,3 +188,37 @@ def cache_capacity(cache) -> int:
     if isinstance(max_len, int):
         return max_len
     return cache.get_max_length()
+
+
+# -- transformers' own Qwen2.5 generate as a reference (5.18) -----------------------------------------------
+
+
+@contextlib.contextmanager
+def qwen2_5_talker_keeps_its_mask(model):
+    """Within the block, `model.talker` (Qwen2.5-Omni) gets the all-ones attention mask that `generate` drops
+    from 5.18 on, so its prompt has the codec pad/BOS embeddings as on 5.17 (a no-op where a mask is passed)."""
+    import torch
+
+    talker = model.talker
+    own = talker.__dict__.get("forward")
+    forward = talker.forward
+    name = cache_kwarg_name(talker)
+
+    @functools.wraps(forward)  # generate checks its model kwargs against the forward's signature
+    def with_mask(*args, attention_mask=None, **kwargs):
+        if attention_mask is None:
+            tokens = kwargs.get("inputs_embeds")
+            tokens = kwargs["input_ids"] if tokens is None else tokens
+            cache = kwargs.get(name)
+            past = cache.get_seq_length() if cache is not None else 0
+            attention_mask = torch.ones(tokens.shape[0], past + tokens.shape[1], dtype=torch.long, device=tokens.device)
+        return forward(*args, attention_mask=attention_mask, **kwargs)
+
+    talker.forward = with_mask
+    try:
+        yield
+    finally:
+        if own is None:
+            del talker.forward
+        else:
+            talker.forward = own
