@@ -65,7 +65,7 @@ def test_tiny_graphed_equals_eager_equals_transformers():
     eager, graphed = engines(model, eos, 256)
     a = run(eager, ids, 16, 200)
     b = run(graphed, ids, 16, 200)
-    assert graphed.thinker.graphs.enabled and graphed.thinker.graphs.graphs  # really replayed graphs
+    assert graphed.steps.thinker.graphs.enabled and graphed.steps.thinker.graphs.graphs  # really replayed graphs
     assert a.text_ids == ref_text and a.codes == ref_codes
     assert b.text_ids == ref_text and b.codes == ref_codes
 
@@ -145,3 +145,32 @@ def test_talker_loop_runs_under_sync_debug_error(big_model, monkeypatch):
     ids = list(range(1000, 1060))
     reply = run(eng, ids, 16, 200, force_lengths=True, sync_debug=True)
     assert len(reply.codes) == 200
+
+
+def test_qwen3_tiny_on_cuda_equals_transformers():
+    """The built-in tiny Qwen3-Omni on CUDA (float32) through the real API: greedy text and every
+    codebook of every frame equal to transformers' generate on the same device."""
+    import qwen3_reference as ref
+
+    from omni_cli.assistant import Assistant
+    from omni_cli.prompt import Conversation, build_ids
+
+    assistant = Assistant.load(str(ref.ASSET), device="cuda", dtype="float32")
+    prompt = "Hello there! What is the weather like today?"
+    reply = assistant.say(prompt, greedy=True, voice="Ethan", max_text_tokens=12, max_codes=40)
+    ids = build_ids(assistant.loaded.tokenizer, Conversation(system=assistant.default_system).messages(prompt))
+    model = assistant.loaded.model
+    caught = {}
+    hook = model.code2wav.register_forward_pre_hook(lambda _m, args: caught.setdefault("codes", args[0]))
+    try:
+        with torch.no_grad():
+            sequences, _wav = model.generate(
+                torch.tensor([ids], device="cuda"), speaker="ethan", thinker_max_new_tokens=12,
+                thinker_eos_token_id=assistant.engine.eos_ids, thinker_do_sample=False,
+                thinker_repetition_penalty=assistant.thinker_sampling.repetition_penalty,
+                talker_do_sample=False, talker_max_new_tokens=41)
+    finally:
+        hook.remove()
+    assert reply.text_ids == sequences[0, len(ids):].tolist()
+    assert reply.codes == caught["codes"][0].T.tolist()
+    assert len(reply.audio) == 1920 * len(reply.codes) - 555
