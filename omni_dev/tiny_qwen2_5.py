@@ -26,6 +26,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+from omni_cli.runtime import compat
+
 from .tokenizer_kit import (CORPUS, folder_size, qwen2_tokenizer, save_legacy_tokenizer_files,  # noqa: F401
                             stop_row, train_bpe, unprintable_byte_ids)
 
@@ -335,7 +337,8 @@ def _fill_all(model, seed: int) -> None:
 
     embeddings = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, torch.nn.Embedding)}
     gen = torch.Generator().manual_seed(seed)
-    for name, param in sorted(model.named_parameters()):
+    # Checkpoint names (5.21 renamed the thinker's parameters): the fill order, and so the files, stay put.
+    for name, param in sorted(model.named_parameters(), key=lambda kv: compat.checkpoint_name(kv[0])):
         leaf = name.rsplit(".", 1)[-1]
         if leaf in ("bias", "alpha", "beta") and param.ndim == 1:  # alpha/beta: BigVGAN SnakeBeta log-scales
             param.zero_()

@@ -43,6 +43,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from omni_cli.runtime import compat  # noqa: E402  (parameter names across transformers versions)
 from omni_dev.tokenizer_kit import (  # noqa: E402  (the project's tokenizer toolkit; no family in it)
     CORPUS,
     folder_size,
@@ -370,7 +371,8 @@ def _fill_all(model, seed: int) -> None:
     embeddings = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, torch.nn.Embedding)}
     layer_scale = model.config.code2wav_config.layer_scale_initial_scale
     gen = torch.Generator().manual_seed(seed)
-    for name, param in sorted(model.named_parameters()):
+    # Checkpoint names (5.21 renamed the thinker's parameters): the fill order, and so the files, stay put.
+    for name, param in sorted(model.named_parameters(), key=lambda kv: compat.checkpoint_name(kv[0])):
         leaf = name.rsplit(".", 1)[-1]
         if param.ndim == 1:
             if leaf in ("bias", "alpha", "beta"):

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from omni_cli.runtime import compat
+
 STOP_CODES = (8292, 8294)  # the reference's talker stops on codec pad and codec EOS
 
 
@@ -33,7 +35,7 @@ def reference_generate(model, ids: list[int], *, voice: str = "Chelsie", n_text:
 
     model.talker.generate = capture
     try:
-        with torch.no_grad():
+        with torch.no_grad(), compat.qwen2_5_talker_keeps_its_mask(model):
             device = next(model.parameters()).device
             sequences, _ = model.generate(
                 torch.tensor([ids], device=device), speaker=voice,

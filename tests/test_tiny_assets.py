@@ -45,6 +45,13 @@ def _files(folder: Path) -> list[str]:
     return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
 
 
+def _json(path: Path):
+    data = json.loads(path.read_text())
+    if isinstance(data, dict):
+        data.pop("transformers_version", None)
+    return data
+
+
 def test_committed_folder_equals_script_output(regenerated):
     from safetensors import safe_open
 
@@ -52,7 +59,7 @@ def test_committed_folder_equals_script_output(regenerated):
     for name in _files(ASSET):
         new, old = regenerated / name, ASSET / name
         if name.endswith(".json"):
-            assert json.loads(new.read_text()) == json.loads(old.read_text()), name
+            assert _json(new) == _json(old), name  # the same but for the stamp of the transformers that wrote it
         elif name.endswith(".safetensors"):
             with safe_open(new, "pt") as a, safe_open(old, "pt") as b:
                 assert a.metadata() == b.metadata()

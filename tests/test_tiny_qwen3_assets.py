@@ -59,8 +59,18 @@ def test_committed_folder_equals_script_output(script, tmp_path):
     assert script["main"]([str(out)]) == 0
     assert _files(out) == _files(ASSET) == sorted(FILES)
     for name in _files(ASSET):
-        assert (out / name).read_bytes() == (ASSET / name).read_bytes(), name
+        if name.endswith(".json"):  # the same but for the stamp of the transformers that wrote it
+            assert _json(out / name) == _json(ASSET / name), name
+        else:
+            assert (out / name).read_bytes() == (ASSET / name).read_bytes(), name
     assert script["folder_size"](ASSET) <= MAX_BYTES
+
+
+def _json(path: Path):
+    data = json.loads(path.read_text())
+    if isinstance(data, dict):
+        data.pop("transformers_version", None)
+    return data
 
 
 def test_config_has_the_real_structure_and_ids(config, tokenizer):
@@ -155,9 +165,12 @@ def test_loading_gives_back_the_built_weights(script, model):
 
 
 def test_build_is_seeded(script):
-    a = script["build_tiny_qwen3_model"](seed=1).state_dict()
-    b = script["build_tiny_qwen3_model"](seed=1).state_dict()
-    c = script["build_tiny_qwen3_model"](seed=2).state_dict()
+    from omni_cli.runtime.compat import checkpoint_name
+
+    def weights(seed):  # by checkpoint key, whatever transformers calls the parameters
+        return {checkpoint_name(k): v for k, v in script["build_tiny_qwen3_model"](seed=seed).state_dict().items()}
+
+    a, b, c = weights(1), weights(1), weights(2)
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert not torch.equal(a["talker.codec_head.weight"], c["talker.codec_head.weight"])
     # MoE experts and routers are filled (transformers would leave the talker's routers at zero)

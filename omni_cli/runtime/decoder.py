@@ -14,6 +14,7 @@ import contextlib
 
 import torch
 
+from . import compat
 from .kv_cache import StaticKVCache
 
 
@@ -34,7 +35,7 @@ def forward_layers(model, embeds: torch.Tensor, cache: StaticKVCache) -> torch.T
                 hidden,
                 attention_mask=None,
                 position_embeddings=position_embeddings,
-                past_key_values=cache,
+                **compat.layer_cache_kwargs(cache, layer),
                 use_cache=True,
             )
     cache.advance(n)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ...runtime import compat
 from ...runtime.decoder import forward_layers
 from ...runtime.kv_cache import StaticKVCache
 
@@ -27,7 +28,7 @@ class ThinkerOut:
 
 class Thinker:
     def __init__(self, thinker_module, cache: StaticKVCache) -> None:
-        self.model = thinker_module.model  # Qwen2_5OmniThinkerTextModel
+        self.model = compat.thinker_text_model(thinker_module)  # Qwen2_5OmniThinkerTextModel
         self.embed_tokens = thinker_module.get_input_embeddings()
         self.lm_head = thinker_module.lm_head
         self.cache = cache

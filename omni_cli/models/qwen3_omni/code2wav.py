@@ -42,6 +42,8 @@ import numpy as np
 import torch
 from transformers.cache_utils import DynamicCache
 
+from ...runtime import compat
+
 
 def decoded_lag(config) -> int:
     """Samples the whole decode falls short of 1920 * F: one input step per transposed conv with look-ahead."""
@@ -146,7 +148,8 @@ class StreamingCode2Wav:
         codes = torch.from_numpy(np.ascontiguousarray(self.codes[start:end].T[None])).to(self.device, non_blocking=True)
         hidden = m.code_embedding(codes + m.code_offset).mean(1)
         # Positions continue from the cache's length, so RoPE sees the whole decode's positions.
-        hidden = m.pre_transformer(inputs_embeds=hidden, past_key_values=self.cache, use_cache=True).last_hidden_state
+        hidden = m.pre_transformer(inputs_embeds=hidden, **compat.cache_kwargs(self.cache, m.pre_transformer),
+                                   use_cache=True).last_hidden_state
         window = torch.cat([self.context, hidden], dim=1)
         wav = self._convs(window)
         # The window's sample 0 is the first sample of its first frame; skip what was emitted before.

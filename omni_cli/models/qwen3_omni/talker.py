@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 
 from ...config import SamplingOptions
+from ...runtime import compat
 from ...runtime.decoder import forward_layers
 from ...runtime.kv_cache import StaticKVCache
 from ...runtime.sampling import mark_seen, select
@@ -64,7 +65,7 @@ def predictor_layers(model, embeds: torch.Tensor, cache: StaticKVCache) -> torch
             hidden,
             attention_mask=None,
             position_embeddings=position_embeddings,
-            past_key_values=cache,
+            **compat.layer_cache_kwargs(cache, layer),
             use_cache=True,
         )
     cache.advance(n)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ...runtime import compat
 from ...runtime.decoder import _prefill_attention
 from ...runtime.kv_cache import StaticKVCache
 
@@ -58,7 +59,7 @@ def run_layers(
                 hidden,
                 attention_mask=None,
                 position_embeddings=position_embeddings,
-                past_key_values=cache,
+                **compat.layer_cache_kwargs(cache, layer),
                 use_cache=True,
             )
             if keep is not None and i + 1 == keep:
@@ -72,7 +73,7 @@ class Thinker:
     def __init__(self, thinker_module, cache: StaticKVCache, accept_hidden_layer: int | None = None) -> None:
         """`accept_hidden_layer`: the talker config's value (the thinker's own config does not hold it);
         None leaves `ThinkerOut.accepted` empty (text-only turns never read it)."""
-        self.model = thinker_module.model  # Qwen3OmniMoeThinkerTextModel (5.21 moves it to .model.language_model)
+        self.model = compat.thinker_text_model(thinker_module)  # Qwen3OmniMoeThinkerTextModel
         self.embed_tokens = thinker_module.get_input_embeddings()
         self.lm_head = thinker_module.lm_head
         self.cache = cache
