@@ -1,4 +1,4 @@
-"""The speaker's adaptive start (SpeakerSink, omni_cli/sinks.py) against a fake device paced at real time.
+"""The speaker's adaptive start (SpeakerSink, omni_cli/audio/sinks.py) against a fake device paced at real time.
 
 A producer delivers blocks the way the streamed vocoder does: growing chunks (0.04, 0.48, then 0.96 s,
 the vocoder's default schedule), each one arriving when a producer at a given real-time factor (RTF:

@@ -18,15 +18,17 @@ from . import compat
 from .kv_cache import StaticKVCache
 
 
-def forward_layers(model, embeds: torch.Tensor, cache: StaticKVCache) -> torch.Tensor:
+def forward_layers(model, embeds: torch.Tensor, cache: StaticKVCache, mrope: bool = True) -> torch.Tensor:
     """Run `embeds` [1, n, width] through `model.layers` and `model.norm`; append n positions to `cache`.
 
     With n > 1 this is a causal prefill (mask-free SDPA with is_causal, like the reference); with n == 1
-    a decode step attending to the whole valid cache.
+    a decode step attending to the whole valid cache. `mrope`: the stack's rotary takes the three M-RoPE
+    rows of positions ([3, 1, n]); False for a plain RoPE stack ([1, n]: Qwen3-Omni's code predictor).
     """
     n = embeds.shape[1]
     start = cache.length
-    positions = torch.arange(start, start + n, device=embeds.device).view(1, 1, n).expand(3, 1, n)
+    positions = torch.arange(start, start + n, device=embeds.device).view(1, 1, n)
+    positions = positions.expand(3, 1, n) if mrope else positions[0]
     position_embeddings = model.rotary_emb(embeds, positions)
     hidden = embeds
     with _prefill_attention(n > 1 and embeds.device.type == "cuda"):

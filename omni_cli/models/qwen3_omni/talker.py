@@ -50,28 +50,6 @@ TALKER_DEFAULTS = SamplingOptions(do_sample=True, temperature=0.9, top_k=50, top
 PREDICTOR_DEFAULTS = SamplingOptions(do_sample=True, temperature=1.0, top_k=50, top_p=0.8, repetition_penalty=1.0)
 
 
-def predictor_layers(model, embeds: torch.Tensor, cache: StaticKVCache) -> torch.Tensor:
-    """`embeds` [1, n, D] through the code predictor's layers and norm, appending n positions to `cache`.
-
-    Not `forward_layers`: the code predictor's rotary is plain 1-D RoPE and takes [batch, n] positions.
-    """
-    n = embeds.shape[1]
-    start = cache.length
-    positions = torch.arange(start, start + n, device=embeds.device).view(1, n)
-    position_embeddings = model.rotary_emb(embeds, positions)
-    hidden = embeds
-    for layer in model.layers:
-        hidden = layer(
-            hidden,
-            attention_mask=None,
-            position_embeddings=position_embeddings,
-            **compat.layer_cache_kwargs(cache, layer),
-            use_cache=True,
-        )
-    cache.advance(n)
-    return model.norm(hidden)
-
-
 class Talker:
     frame_width = 16  # codebooks a step samples (the config's num_code_groups; set per model below)
     audio_limit: int = 2048  # codebook-0 ids below it are audio (the codebook size; set per model below)
@@ -231,7 +209,7 @@ class Talker:
         for k, head in enumerate(self.predictor_heads):
             if k:
                 x = self.predictor_embeds[k - 1](codes[-1]).view(1, 1, -1)
-            h = predictor_layers(self.predictor, x, self.predictor_cache)
+            h = forward_layers(self.predictor, x, self.predictor_cache, mrope=False)
             logits = head(h)[:, -1].float()  # over both prefill rows, as the reference
             codes.append(select(logits, self._predictor_opts, None, None, self._generator))
         return torch.cat(codes)
