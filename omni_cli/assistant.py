@@ -106,6 +106,13 @@ class Assistant:
         return self.family.DEFAULT_SYSTEM
 
     @property
+    def speech_steps(self) -> tuple[str, float]:
+        """What the talker's steps are called and how many make a second of audio: ("codes", 50.0) for
+        Qwen2.5-Omni (one codec id a step), ("frames", 12.5) for Qwen3-Omni (16 codebooks a step)."""
+        steps = self.engine.steps
+        return ("frames" if steps.frame_width > 1 else "codes"), float(steps.codes_per_second)
+
+    @property
     def speaks_only_under_default_system(self) -> bool:
         """Qwen2.5-Omni's talker speaks reliably only under its default system prompt."""
         return bool(getattr(self.family, "NEEDS_DEFAULT_SYSTEM", False))

@@ -81,16 +81,9 @@ def _fmt_seconds(value: float | None) -> str:
 
 def speech_steps(assistant: Any) -> tuple[str, float | None]:
     """(name, steps per second of audio) of the talker's steps of `assistant`'s model, for what people
-    read: ("codes", 50) when a step is one codec id (Qwen2.5-Omni), ("frames", 12.5) when it is a frame
-    of several codebooks (Qwen3-Omni). From what the assistant carries (its engine's steps, its family),
-    so no family is named here; ("codes", None) for an assistant that says neither."""
-    steps = getattr(getattr(assistant, "engine", None), "steps", None)
-    width = getattr(steps, "frame_width", 1)
-    name = "frames" if isinstance(width, int) and width > 1 else "codes"
-    per_second = getattr(getattr(assistant, "family", None), "CODES_PER_SECOND", None)
-    if per_second is None:
-        per_second = getattr(steps, "codes_per_second", None)
-    return name, (float(per_second) if isinstance(per_second, (int, float)) and per_second > 0 else None)
+    read: ("codes", 50.0) for Qwen2.5-Omni, ("frames", 12.5) for Qwen3-Omni (`Assistant.speech_steps`);
+    ("codes", None) for an assistant that does not say."""
+    return getattr(assistant, "speech_steps", ("codes", None))
 
 
 def timing_lines(stats: dict, playback: dict | None = None, played: bool = False,
