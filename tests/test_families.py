@@ -69,3 +69,12 @@ def test_talker_sampling_follows_the_checkpoints_talker_fields():
     assert (changed.top_k, changed.temperature, changed.top_p) == (7, 0.5, 1.0)
     assert qwen3_omni.talker_sampling() == qwen3_omni.TALKER_SAMPLING
     assert qwen2_5_omni.talker_sampling().top_k == 40 and qwen3_omni.talker_sampling().top_k == 50
+
+
+def test_qwen3_thinker_only_checkpoint_has_no_voices(tmp_path):
+    folder = tmp_path / "thinking"
+    folder.mkdir()
+    config = json.loads((TINY3 / "config.json").read_text())
+    config["enable_audio_output"] = False
+    (folder / "config.json").write_text(json.dumps(config))
+    assert qwen3_omni.voices(folder, "thinking") == []

@@ -48,6 +48,8 @@ def speaker_ids(folder: Path, name: str) -> dict[str, int]:
 
     try:
         config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+        if config.get("enable_audio_output") is False:
+            return {}  # a thinker-only checkpoint (Qwen3-Omni-30B-A3B-Thinking): text replies only
         speakers = config["talker_config"]["speaker_id"]
         return {str(n).capitalize(): int(i) for n, i in speakers.items()}
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
