@@ -29,227 +29,31 @@ from typing import Optional
 import typer
 
 from .cli import VersionOpt, _OneLineErrors  # imports neither torch nor numpy
+from .models.qwen2_5_omni import presets as qwen2_5_omni
+from .models.qwen3_omni import presets as qwen3_omni
 
-QWEN25, QWEN3 = "qwen2.5-omni", "qwen3-omni"
-
-PRESETS = {
-    # True sizes of Qwen2.5-Omni-7B (see shared notes).
-    "qwen2.5-omni-7b": dict(
-        family=QWEN25,
-        text=dict(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
-                  intermediate_size=18944, vocab_size=152064),
-        talker=dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=12, num_key_value_heads=4,
-                    head_dim=128, intermediate_size=18944, embedding_size=3584),
-        audio=dict(d_model=1280, encoder_layers=32, encoder_attention_heads=20, encoder_ffn_dim=5120),
-        vision=dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16),
-        approximate=False,
-    ),
-    # The 3B thinker is public; its talker sizes are not: the 7B talker's are assumed (approximate).
-    "qwen2.5-omni-3b": dict(
-        family=QWEN25,
-        text=dict(hidden_size=2048, num_hidden_layers=36, num_attention_heads=16, num_key_value_heads=2,
-                  intermediate_size=11008, vocab_size=151936),
-        talker=dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=12, num_key_value_heads=4,
-                    head_dim=128, intermediate_size=18944, embedding_size=2048),
-        audio=dict(d_model=1280, encoder_layers=32, encoder_attention_heads=20, encoder_ffn_dim=5120),
-        vision=dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16),
-        approximate=True,
-    ),
-    # True sizes of Qwen3-Omni-30B-A3B-Instruct, every field set (`_qwen3_30b_config`): 35.26 B parameters.
-    "qwen3-omni-30b-a3b": dict(family=QWEN3, approximate=False),
-    # The built-in tiny checkpoints (assets/), loaded with from_pretrained in float32.
-    "tiny": dict(family=QWEN25, asset="tiny-qwen2.5-omni", approximate=False),
-    "tiny-qwen3": dict(family=QWEN3, asset="tiny-qwen3-omni", approximate=False),
-}
+# Each family's presets module (models/<family>/presets.py) says all the bench needs of it: PRESETS
+# (name -> spec: true sizes or the built-in tiny checkpoint), build_model, prompt, steps, reference, and
+# its words for the table. They import torch only when a function runs.
+FAMILIES = (qwen2_5_omni, qwen3_omni)
+# name -> spec, the true sizes first, then the tiny ones
+PRESETS = dict(sorted(((name, spec) for fam in FAMILIES for name, spec in fam.PRESETS.items()),
+                      key=lambda item: "asset" in item[1]))
+_FAMILY_OF = {name: fam for fam in FAMILIES for name in fam.PRESETS}
 TINY_PRESETS = tuple(name for name, p in PRESETS.items() if "asset" in p)  # those that run on a CPU
-QWEN3_30B_PARAMETERS = 35.26e9  # the real checkpoint's total (thinker with its encoders, talker, code2wav)
 
-# Talker steps a second of audio, per family, and the default reply: 15 s of audio.
-STEPS_PER_SECOND = {QWEN25: 50.0, QWEN3: 12.5}
-DEFAULT_AUDIO_S = 15
+DEFAULT_AUDIO_S = 15  # the default reply: 15 s of audio
 
 
-def family_of(preset: str) -> str:
-    return PRESETS[preset]["family"]
-
-
-def build_config(preset: str):
-    p = PRESETS[preset]
-    if "asset" in p:
-        return _asset_config(preset)
-    if p["family"] == QWEN3:
-        return _qwen3_30b_config()
-    from transformers import Qwen2_5OmniConfig
-
-    width = p["text"]["hidden_size"]
-    text = dict(p["text"], rope_parameters={"rope_type": "default", "rope_theta": 1000000.0,
-                                            "mrope_section": [16, 24, 24]}, max_position_embeddings=32768)
-    talker = dict(p["talker"], rope_parameters={"rope_type": "default", "rope_theta": 1000000.0,
-                                                "mrope_section": [16, 24, 24]}, vocab_size=8448)
-    return Qwen2_5OmniConfig(
-        thinker_config={"text_config": text, "audio_config": dict(p["audio"], output_dim=width),
-                        "vision_config": dict(p["vision"], out_hidden_size=width),
-                        # the real checkpoint's special ids (the library's defaults lack some of them)
-                        "vision_start_token_id": 151652, "vision_end_token_id": 151653, "vision_token_id": 151654},
-        talker_config=talker,
-        token2wav_config={},  # the library's DiT / BigVGAN defaults are the real sizes
-        enable_audio_output=True,
-    )
-
-
-def _asset_folder(preset: str):
-    from .loader import BUILTIN_TINY_DIRS
-
-    name = PRESETS[preset]["asset"]
-    return next(d for d in BUILTIN_TINY_DIRS if d.name == name)
-
-
-def _asset_config(preset: str):
-    from transformers import AutoConfig
-
-    return AutoConfig.from_pretrained(str(_asset_folder(preset)), local_files_only=True)
-
-
-def _qwen3_30b_config():
-    """Qwen3-Omni-30B-A3B-Instruct's config, field by field: transformers' defaults for this class are not
-    the real model (thinker layers and heads, head_dim, talker top-k and shared expert, 16 code groups,
-    accept_hidden_layer 24, the codec and speaker ids)."""
-    from transformers import Qwen3OmniMoeConfig
-
-    def mrope():  # interleaved M-RoPE, 24:20:20 over head_dim/2 = 64 pairs
-        return {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [24, 20, 20],
-                "interleaved": True, "mrope_interleaved": True}
-
-    mm = dict(audio_token_id=151675, image_token_id=151655, video_token_id=151656, audio_start_token_id=151669,
-              audio_end_token_id=151670, vision_start_token_id=151652, position_id_per_seconds=13, seconds_per_chunk=2)
-    text = dict(vocab_size=152064, hidden_size=2048, intermediate_size=768, moe_intermediate_size=768,
-                num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
-                num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
-                max_position_embeddings=65536, rms_norm_eps=1e-6, rope_parameters=mrope(), tie_word_embeddings=False,
-                attention_bias=False, hidden_act="silu")
-    audio = dict(num_mel_bins=128, d_model=1280, encoder_layers=32, encoder_attention_heads=20, encoder_ffn_dim=5120,
-                 downsample_hidden_size=480, output_dim=2048, max_source_positions=1500, n_window=50,
-                 n_window_infer=800, conv_chunksize=500, activation_function="gelu", scale_embedding=False)
-    vision = dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, in_channels=3, patch_size=16,
-                  spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=2048, num_position_embeddings=2304,
-                  deepstack_visual_indexes=[8, 16, 24], hidden_act="gelu_pytorch_tanh")
-    thinker = dict(text_config=text, audio_config=audio, vision_config=vision, user_token_id=872,
-                   vision_end_token_id=151653, **mm)
-    predictor = dict(vocab_size=2048, hidden_size=1024, intermediate_size=3072, num_hidden_layers=5,
-                     num_attention_heads=16, num_key_value_heads=8, head_dim=128, num_code_groups=16,
-                     max_position_embeddings=32768, rms_norm_eps=1e-6, hidden_act="silu",
-                     rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
-    talker_text = dict(vocab_size=3072, hidden_size=1024, intermediate_size=2048, moe_intermediate_size=384,
-                       shared_expert_intermediate_size=768, num_hidden_layers=20, num_attention_heads=16,
-                       num_key_value_heads=2, head_dim=128, num_experts=128, num_experts_per_tok=6,
-                       norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], max_position_embeddings=65536,
-                       rms_norm_eps=1e-6, rope_parameters=mrope(), hidden_act="silu")
-    talker = dict(text_config=talker_text, code_predictor_config=predictor, num_code_groups=16,
-                  thinker_hidden_size=2048, accept_hidden_layer=24, codec_pad_id=2148, codec_bos_id=2149,
-                  codec_eos_token_id=2150, codec_nothink_id=2155, codec_think_bos_id=2156, codec_think_eos_id=2157,
-                  speaker_id={"chelsie": 2301, "ethan": 2302, "aiden": 2303}, spatial_merge_size=2, **mm)
-    code2wav = dict(codebook_size=2048, num_quantizers=16, hidden_size=1024, intermediate_size=3072,
-                    num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=16, sliding_window=72,
-                    max_position_embeddings=8000, rms_norm_eps=1e-5, layer_scale_initial_scale=0.01,
-                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, upsample_rates=[8, 5, 4, 3],
-                    upsampling_ratios=[2, 2], decoder_dim=1536, hidden_act="silu")
-    return Qwen3OmniMoeConfig(
-        thinker_config=thinker, talker_config=talker, code2wav_config=code2wav, enable_audio_output=True,
-        im_start_token_id=151644, im_end_token_id=151645, tts_pad_token_id=151671, tts_bos_token_id=151672,
-        tts_eos_token_id=151673, system_token_id=8948, user_token_id=872, assistant_token_id=77091,
-    )
-
-
-def count_parameters(config) -> int:
-    """Parameters of the model `config` describes, built on the meta device (no memory, a fraction of a second)."""
-    import torch
-
-    from .loader import _quiet_transformers
-
-    cls = _model_class(config)
-    with _quiet_transformers(), torch.device("meta"):
-        model = cls._from_config(config, dtype=torch.bfloat16)
-    return sum(p.numel() for p in model.parameters())
-
-
-def _model_class(config):
-    if config.model_type == "qwen3_omni_moe":
-        from transformers import Qwen3OmniMoeForConditionalGeneration
-
-        return Qwen3OmniMoeForConditionalGeneration
-    from transformers import Qwen2_5OmniForConditionalGeneration
-
-    return Qwen2_5OmniForConditionalGeneration
+def family_of(preset: str):
+    """The presets module of the family `preset` (a key of PRESETS) belongs to."""
+    return _FAMILY_OF[preset]
 
 
 def build_model(preset: str, device, dtype):
-    """Random weights, allocated and initialised on the device (the tiny presets: their checkpoints)."""
-    from .loader import _quiet_transformers
-
-    # The configs' special ids (vision, audio, tts text) lie outside the talker's codec vocabulary as in
-    # the real checkpoint, and transformers warns about each of them: nothing the user can act on.
-    with _quiet_transformers():
-        return _build_model(preset, device, dtype)
-
-
-def _build_model(preset: str, device, dtype):
-    import torch
-
-    p = PRESETS[preset]
-    if "asset" in p:  # float32 whatever --dtype says: the tiny models are made and checked in float32
-        folder = _asset_folder(preset)
-        if p["family"] == QWEN3:
-            from .models.qwen3_omni.checkpoint import load
-        else:
-            from .models.qwen2_5_omni.checkpoint import load
-        model, _voices = load(folder, device, torch.float32, preset)
-        return model.eval()
-    config = build_config(preset)
-    if p["family"] == QWEN3:
-        total = count_parameters(config)
-        progress(f"{preset}: {total / 1e9:.2f} B parameters (config checked on the meta device)")
-        assert abs(total - QWEN3_30B_PARAMETERS) < 0.01e9, f"{preset} has {total / 1e9:.3f} B parameters, not 35.26 B"
-        from transformers import Qwen3OmniMoeForConditionalGeneration
-
-        with torch.device(device):
-            model = Qwen3OmniMoeForConditionalGeneration._from_config(config, dtype=dtype)
-        _init_talker_moe(model, device)
-        return model.eval()
-    from transformers import Qwen2_5OmniForConditionalGeneration
-
-    with torch.device(device):
-        model = Qwen2_5OmniForConditionalGeneration._from_config(config, dtype=dtype)
-    model.token2wav.float()
-    g = torch.Generator(device=device).manual_seed(0)
-    mel = config.token2wav_config.dit_config.mel_dim
-    enc = config.token2wav_config.dit_config.enc_emb_dim
-    model.speaker_map = {
-        "Chelsie": {"bos_token": 151872, "cond": torch.randn(1, enc, device=device, generator=g),
-                    "ref_mel": torch.randn(1, 300, mel, device=device, generator=g)},
-    }
-    return model.eval()
-
-
-def _init_talker_moe(model, device, std: float = 0.02) -> None:
-    """transformers' random init (5.17-5.24) leaves the Qwen3 talker's expert weights uninitialised
-    (torch.empty) and its router at zero (every expert tied: routing by index, not by the input). Normal
-    noise of the library's initializer_range in all three makes the routing real."""
-    import torch
-    from transformers.models.qwen3_omni_moe import modeling_qwen3_omni_moe as m
-
-    g = torch.Generator(device=device).manual_seed(1)
-    with torch.no_grad():
-        for module in model.talker.modules():
-            if isinstance(module, m.Qwen3OmniMoeTalkerTextSparseMoeBlock):
-                for param in (module.experts.gate_up_proj, module.experts.down_proj, module.gate.weight):
-                    param.normal_(0.0, std, generator=g)
-
-
-def voices_of(model) -> dict:
-    """The voices the steps take: Qwen2.5, name -> spk_dict entry; Qwen3, name -> codec id (config.json)."""
-    if model.config.model_type == "qwen3_omni_moe":
-        return {str(n).capitalize(): int(i) for n, i in model.config.talker_config.speaker_id.items()}
-    return model.speaker_map
+    """The preset's model: random weights allocated and initialised on the device (the tiny presets: their
+    checkpoints, in float32)."""
+    return family_of(preset).build_model(preset, device, dtype, progress)[0]
 
 
 class _BenchTokenizer:
@@ -262,90 +66,50 @@ class _BenchTokenizer:
 
 
 @dataclass
-class _Loaded:
-    model: object
-    tokenizer: object
-    speakers: dict
-    generation_config: object
-    is_demo: bool = False
-    name: str = "bench"
-
-
-# How the decode steps run: (fast_decode, graphs, compile). The vocoder follows `graphs` only: in both
-# graph rows its windows are graphs with the DiT compiled (the switch for it is OMNI_NO_COMPILE=1).
-VARIANTS = {
-    "eager": (False, False, False),  # the library's layers, one kernel launch at a time
-    "fused": (True, False, False),  # fused QKV / gate-up fixed-shape step, still launched op by op
-    "graphs": (True, True, False),  # ... replayed as CUDA graphs
-    "graphs+compile": (True, True, True),  # ... with inductor-fused layers (the default on CUDA)
-}
-
-
-@dataclass
 class _Subject:
-    """What a run needs beside the weights: the family, its voice, text EOS ids and talker sampling."""
+    """What a run needs beside the weights: the family (its presets module), its voices and default voice,
+    text EOS ids and talker sampling."""
 
     model: object
-    family: str
+    family: object
+    voices: dict
     voice: str
     eos_ids: list
     talker_sampling: object
 
 
-def _subject(model) -> _Subject:
-    if model.config.model_type == "qwen3_omni_moe":
-        from .models.qwen3_omni import DEFAULT_VOICE, TALKER_SAMPLING
-
-        return _Subject(model, QWEN3, DEFAULT_VOICE, [model.config.im_end_token_id], TALKER_SAMPLING)
-    from .models.qwen2_5_omni import TALKER_SAMPLING
-
-    return _Subject(model, QWEN25, "Chelsie", [151645, 151643], TALKER_SAMPLING)
+def _subject(model, family, voices: dict) -> _Subject:
+    return _Subject(model, family, voices, family.DEFAULT_VOICE, family.text_eos_ids(model), family.TALKER_SAMPLING)
 
 
 def _ours(subject: _Subject, prompt_ids, text_tokens, codes, device, graphs: bool, runs: int,
           variant: str | None = None) -> dict:
     from .runtime.engine import Engine
 
-    model = subject.model
-    context = max(1024, len(prompt_ids) + text_tokens + 8)
     t0 = time.perf_counter()
-    if subject.family == QWEN3:
-        from .models.qwen3_omni.steps import Qwen3Steps
-
-        steps = Qwen3Steps(model, voices_of(model), max_context=context, max_codes=codes, graphs=graphs)
-    else:
-        from .models.qwen2_5_omni.steps import Qwen25Steps
-
-        fast, graphs, compile = VARIANTS[variant] if variant else (None, graphs, None)
-        steps = Qwen25Steps(model, model.speaker_map, max_context=context, max_codes=codes, fast_decode=fast,
-                            graphs=graphs, compile=compile)
+    steps = subject.family.steps(subject.model, subject.voices, max_context=max(1024, len(prompt_ids) + text_tokens + 8),
+                                 max_codes=codes, graphs=graphs, variant=variant)
     engine = Engine(steps, _BenchTokenizer(), eos_ids=subject.eos_ids)
     engine.warmup()
     setup = time.perf_counter() - t0
-    progress(f"engine ready in {setup:.1f} s" + (" (eager steps: nothing to capture)" if subject.family == QWEN3
-                                                 else " (graphs captured, layers compiled)"))
+    progress(f"engine ready in {setup:.1f} s ({subject.family.READY_NOTE})")
     out = _measure(engine, subject, prompt_ids, text_tokens, codes, device, runs)
     out["setup_s"] = setup
     return out
 
 
-SCHEDULES = {"chunk48": 48, "chunk96": 96, "chunk192": 192}  # the vocoder's steady chunk, in codes
-
-
 def _schedules(subject: _Subject, prompt_ids, text_tokens, codes, device, runs: int) -> dict:
-    """Each vocoder schedule on one engine, one after the other in this process (side by side; Qwen2.5)."""
-    from .models.qwen2_5_omni.steps import Qwen25Steps
+    """Each of the family's vocoder schedules on one engine, one after the other in this process (side by side)."""
     from .runtime.engine import Engine
 
-    model = subject.model
-    steps = Qwen25Steps(model, model.speaker_map, max_context=max(1024, len(prompt_ids) + text_tokens + 8),
-                        max_codes=codes)
-    engine = Engine(steps, _BenchTokenizer(), eos_ids=[151645, 151643])
+    family = subject.family
+    steps = family.steps(subject.model, subject.voices, max_context=max(1024, len(prompt_ids) + text_tokens + 8),
+                         max_codes=codes, graphs=True)
+    engine = Engine(steps, _BenchTokenizer(), eos_ids=subject.eos_ids)
     engine.warmup()
     table = {}
-    for name, chunk in SCHEDULES.items():
-        steps.vocoder_chunk_codes = chunk
-        steps.warmup_vocoder()  # windows of this chunk size (captured once, kept on the model)
+    for name in family.SCHEDULES:
+        family.use_schedule(steps, name)
         progress(f"schedule {name}")
         table[name] = _measure(engine, subject, prompt_ids, text_tokens, codes, device, runs)
     return table
@@ -449,165 +213,6 @@ def _median(values):
     return low if low == high else (low + high) / 2
 
 
-def _reference(subject: _Subject, prompt_ids, text_tokens, codes, device) -> dict:
-    """transformers' own generate on the same model and lengths (sampling as in its defaults)."""
-    if subject.family == QWEN3:
-        return _reference_qwen3(subject.model, prompt_ids, text_tokens, codes, device)
-    return _reference_qwen25(subject.model, prompt_ids, text_tokens, codes, device)
-
-
-def _reference_qwen25(model, prompt_ids, text_tokens, codes, device) -> dict:
-    import torch
-    from transformers import LogitsProcessor, LogitsProcessorList
-
-    class AudioOnly(LogitsProcessor):
-        def __call__(self, input_ids, scores):
-            scores[:, 8192:] = float("-inf")
-            return scores
-
-    times = {}
-
-    def timed(name, fn):
-        def wrapper(*a, **k):
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            t = time.perf_counter()
-            out = fn(*a, **k)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            times[name] = time.perf_counter() - t
-            return out
-        return wrapper
-
-    progress("transformers generate ...")
-    originals = (model.thinker.generate, model.talker.generate, model.token2wav.forward)
-    model.thinker.generate = timed("thinker", model.thinker.generate)
-    model.talker.generate = timed("talker", model.talker.generate)
-    model.token2wav.forward = timed("token2wav", model.token2wav.forward)
-    try:
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-        t = time.perf_counter()
-        with torch.no_grad():
-            _, wav = model.generate(
-                torch.tensor([prompt_ids], device=device), speaker="Chelsie",
-                thinker_max_new_tokens=text_tokens, thinker_min_new_tokens=text_tokens, thinker_do_sample=True,
-                talker_max_new_tokens=codes, talker_min_new_tokens=codes,
-                talker_logits_processor=LogitsProcessorList([AudioOnly()]),
-            )
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        wall = time.perf_counter() - t
-    finally:
-        model.thinker.generate, model.talker.generate, model.token2wav.forward = originals
-    audio_s = wav.shape[-1] / 24000
-    progress(f"transformers generate: {wall:.1f} s")
-    return {
-        "time_to_first_text_ms": None,  # nothing is streamed: text and audio appear at the end
-        "time_to_first_audio_ms": 1000 * wall,
-        "thinker_ms_per_token": 1000 * times["thinker"] / text_tokens,
-        "talker_ms_per_step": 1000 * times["talker"] / codes,
-        "vocoder_ms_per_chunk": 1000 * times["token2wav"],  # one call: the whole utterance
-        "vocoder_s_per_audio_s": times["token2wav"] / audio_s,
-        "real_time_factor": wall / audio_s,
-        "total_s": wall,
-        "audio_s": audio_s,
-        "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
-    }
-
-
-
-def _reference_qwen3(model, prompt_ids, text_tokens, frames, device) -> dict:
-    """`Qwen3OmniMoeForConditionalGeneration.generate` at forced lengths: `thinker_min_new_tokens` holds text
-    EOS (<|im_end|>, passed as `thinker_eos_token_id`) off until the last token; the talker's
-    `suppress_tokens` is generate's own list (the top 1024 ids but codec EOS) plus codec EOS, so only audio
-    codes can be sampled and it runs to `talker_max_new_tokens` = frames + 1 (the last codebook-0 id gets no
-    residuals). Thinker sampling as ours; talker and code predictor at generate's defaults (= ours).
-    Nothing streams: the time to first audio is the whole call, timed after one short untimed call (2 text
-    tokens, 2 frames) that takes the first-call costs. Stage times are the wrapped calls' wall
-    times, synchronised (thinker.generate, talker.generate with its nested code predictor generate per
-    frame, code2wav.chunked_decode), the code predictor's summed over its calls."""
-    import warnings
-
-    import torch
-
-    cfg = model.config
-    tcfg = cfg.talker_config
-    vocab = tcfg.text_config.vocab_size
-    suppress = list(range(vocab - 1024, vocab))  # generate's list has every one of them but codec EOS
-    times: dict[str, float] = {}
-    calls: dict[str, int] = {}
-
-    def timed(name, fn):
-        def wrapper(*a, **k):
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            t = time.perf_counter()
-            out = fn(*a, **k)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            times[name] = times.get(name, 0.0) + time.perf_counter() - t
-            calls[name] = calls.get(name, 0) + 1
-            return out
-        return wrapper
-
-    def generate(text: int, frames: int):
-        with torch.no_grad(), warnings.catch_warnings():
-            # Its talker's penalty covers generated codes only (it is given inputs_embeds): expected.
-            warnings.filterwarnings("ignore", message="Passing `repetition_penalty` with `inputs_embeds`")
-            return model.generate(
-                torch.tensor([prompt_ids], device=device), speaker="Ethan",
-                thinker_max_new_tokens=text, thinker_min_new_tokens=text,
-                thinker_eos_token_id=cfg.im_end_token_id,  # its default is the literal 151645
-                thinker_do_sample=True, thinker_temperature=0.7, thinker_top_k=20, thinker_top_p=0.8,
-                thinker_repetition_penalty=1.05,
-                talker_max_new_tokens=frames + 1, talker_suppress_tokens=suppress,
-            )
-
-    # One short untimed call first (ours has its warm-up run too): first-call costs are not the reference's.
-    progress("transformers generate: warm-up call (2 text tokens, 2 frames) ...")
-    generate(min(2, text_tokens), 2)
-    progress("transformers generate ...")
-    predictor = model.talker.code_predictor
-    originals = (model.thinker.generate, model.talker.generate, predictor.generate, model.code2wav.chunked_decode)
-    model.thinker.generate = timed("thinker", model.thinker.generate)
-    model.talker.generate = timed("talker", model.talker.generate)
-    predictor.generate = timed("code_predictor", predictor.generate)
-    model.code2wav.chunked_decode = timed("code2wav", model.code2wav.chunked_decode)
-    try:
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-        t = time.perf_counter()
-        sequences, wav = generate(text_tokens, frames)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        wall = time.perf_counter() - t
-    finally:
-        (model.thinker.generate, model.talker.generate, predictor.generate,
-         model.code2wav.chunked_decode) = originals
-    audio_s = wav.shape[-1] / 24000
-    made = calls.get("code_predictor", 0)  # one call a frame
-    progress(f"transformers generate: {wall:.1f} s, {sequences.shape[1] - len(prompt_ids)} text tokens, "
-             f"{made} frames, {audio_s:.2f} s of audio")
-    return {
-        "time_to_first_text_ms": None,  # nothing is streamed: text and audio appear at the end
-        "time_to_first_audio_ms": 1000 * wall,
-        "thinker_ms_per_token": 1000 * times["thinker"] / text_tokens,
-        # talker + code predictor per frame (the talker's generate makes frames + 1 codebook-0 ids)
-        "talker_ms_per_step": 1000 * times["talker"] / frames,
-        "code_predictor_ms_per_frame": 1000 * times["code_predictor"] / made if made else None,
-        "vocoder_ms_per_chunk": 1000 * times["code2wav"],  # one call: the whole utterance
-        "vocoder_s_per_audio_s": times["code2wav"] / audio_s,
-        "real_time_factor": wall / audio_s,
-        "total_s": wall,
-        "audio_s": audio_s,
-        "text_tokens": sequences.shape[1] - len(prompt_ids),
-        "codes": made,
-        "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
-    }
-
 ROWS = [
     ("time to first text (ms)", "time_to_first_text_ms", "{:.1f}"),
     ("time to first audio (ms)", "time_to_first_audio_ms", "{:.1f}"),
@@ -623,26 +228,18 @@ ROWS = [
     ("peak GPU memory (GiB)", "peak_gib", "{:.1f}"),
 ]
 
-# Qwen3-Omni's talker step is a frame: codebook 0 from the talker, 1-15 from the code predictor.
-QWEN3_LABELS = {
-    "talker_ms_per_step": "talker + code predictor ms/frame",
-    "talker_gap_us": "idle between frames (µs)",
-    "vocoder_ms_per_chunk": "code2wav ms/chunk (steady chunk)",
-    "vocoder_s_per_audio_s": "code2wav s per s of audio",
-}
 
-
-def _table(ours: dict, ref: dict | None, family: str = QWEN25) -> str:
+def _table(ours: dict, ref: dict | None, labels: dict) -> str:
+    """The rows of ROWS, in the family's words (`labels`: key -> its label, None for a row it has not)."""
     def fmt(value, spec):
         return "-" if value is None else spec.format(value)
 
     head = f"{'metric':34} {'omni_cli':>12}" + (f" {'transformers':>14} {'ratio':>8}" if ref else "")
     lines = [head, "-" * len(head)]
     for label, key, spec in ROWS:
-        if family == QWEN3:
-            label = QWEN3_LABELS.get(key, label)
-        elif key == "code_predictor_ms_per_frame":
-            continue  # Qwen2.5-Omni has none
+        label = labels.get(key, label)
+        if label is None:
+            continue
         line = f"{label:34} {fmt(ours.get(key), spec):>12}"
         if ref:
             r = ref.get(key)
@@ -686,28 +283,6 @@ def _pick_preset(preset: str | None, device) -> str:
     return preset
 
 
-def _prompt(model, family: str, prompt_tokens: int) -> list[int]:
-    """A random prompt of `prompt_tokens` ids. Qwen2.5: plain random ids. Qwen3: one user turn of random
-    ordinary ids, then the assistant opener, as its talker needs (the prompt of the talker is the user
-    turns, and the reply starts after `<|im_start|>assistant` + one more token); the newline positions of
-    the chat template are random ordinary ids too."""
-    import torch
-
-    g = torch.Generator().manual_seed(1)
-    if family == QWEN25:
-        vocab = model.config.thinker_config.text_config.vocab_size
-        return torch.randint(0, min(vocab, 150000), (prompt_tokens,), generator=g).tolist()
-    cfg = model.config
-    ordinary = cfg.im_start_token_id - 1  # the ids below <|endoftext|> (the specials follow it)
-    ids = torch.randint(0, ordinary, (prompt_tokens - QWEN3_PROMPT_FRAME + 1,), generator=g).tolist()
-    nl, body = ids[0], ids[1:]
-    start, end = cfg.im_start_token_id, cfg.im_end_token_id
-    return [start, cfg.user_token_id, nl] + body + [end, nl, start, cfg.assistant_token_id, nl]
-
-
-QWEN3_PROMPT_FRAME = 8  # <|im_start|>user\n ... <|im_end|>\n<|im_start|>assistant\n: the rest is the user's
-
-
 @app.command(cls=_OneLineErrors)
 def main(
     preset: Optional[str] = typer.Option(None, "--preset", show_default=False,
@@ -744,24 +319,26 @@ def main(
     dev = pick_device(device)  # a device that is not here: the same one-line UsageError as omni-say's
     preset = _pick_preset(preset, dev)
     family = family_of(preset)
-    if family == QWEN3 and (variants or schedules):
-        raise UsageError(f"--{'variants' if variants else 'schedules'} is for the Qwen2.5-Omni presets "
-                         "(the Qwen3-Omni steps have one variant, eager)")
-    if family == QWEN3 and prompt_tokens <= QWEN3_PROMPT_FRAME:
-        raise UsageError(f"--prompt-tokens must be more than {QWEN3_PROMPT_FRAME} for {preset} (a user turn and "
+    asked = "variants" if variants else "schedules" if schedules else None
+    if asked and not _offers(family, asked):
+        offered = " and ".join(f.TITLE for f in FAMILIES if _offers(f, asked))
+        raise UsageError(f"--{asked} is for the {offered} presets (the {family.TITLE} steps have one variant, "
+                         f"{', '.join(family.VARIANTS)})")
+    if prompt_tokens <= family.PROMPT_FRAME:
+        raise UsageError(f"--prompt-tokens must be more than {family.PROMPT_FRAME} for {preset} (a user turn and "
                          "the assistant opener)")
     if codes is None:
-        codes = int(DEFAULT_AUDIO_S * STEPS_PER_SECOND[family] + 0.5)
-    unit = "frames" if family == QWEN3 else "codes"
+        codes = int(DEFAULT_AUDIO_S * family.CODES_PER_SECOND + 0.5)
     dt = pick_dtype(dtype, dev)
     t = time.perf_counter()
-    model = build_model(preset, dev, dt)
+    model, voices = family.build_model(preset, dev, dt, progress)
     build_s = time.perf_counter() - t
     progress(f"built {preset} on {dev} in {build_s:.1f} s")
-    subject = _subject(model)
-    prompt = _prompt(model, family, prompt_tokens)
+    subject = _subject(model, family, voices)
+    prompt = family.prompt(model, prompt_tokens)
     if variants:
-        table = {name: _ours(subject, prompt, text_tokens, codes, dev, graphs, runs, variant=name) for name in VARIANTS}
+        table = {name: _ours(subject, prompt, text_tokens, codes, dev, graphs, runs, variant=name)
+                 for name in family.VARIANTS}
         typer.echo(json.dumps(table, indent=2) if as_json else _variants_table(table))
         return
     if schedules:
@@ -769,15 +346,16 @@ def main(
         typer.echo(json.dumps(table, indent=2) if as_json else _variants_table(table))
         return
     ours = _ours(subject, prompt, text_tokens, codes, dev, graphs, runs)
-    ref = _reference(subject, prompt, text_tokens, codes, dev) if compare_hf else None
+    ref = family.reference(model, prompt, text_tokens, codes, dev, progress) if compare_hf else None
     meta = {
-        "preset": preset, "family": family, "approximate": PRESETS[preset]["approximate"],
+        "preset": preset, "family": family.FAMILY, "approximate": PRESETS[preset]["approximate"],
         "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else str(dev),
         "dtype": str(next(model.thinker.parameters()).dtype), "torch": torch.__version__,
         "transformers": _transformers_version(), "prompt_tokens": prompt_tokens,
-        # talker steps asked for, in the family's unit (`unit`: codes, or 16-id frames), and per second
-        "text_tokens": text_tokens, "codes": codes, "unit": unit, "steps_per_second": STEPS_PER_SECOND[family],
-        "graphs": graphs and family == QWEN25, "build_s": build_s,
+        # talker steps asked for, in the family's unit (codes, or 16-id frames), and per second
+        "text_tokens": text_tokens, "codes": codes, "unit": family.UNIT,
+        "steps_per_second": float(family.CODES_PER_SECOND),
+        "graphs": graphs and family.GRAPHS, "build_s": build_s,
         "date": time.strftime("%Y-%m-%d"),
         "parameters_b": sum(p.numel() for p in model.parameters()) / 1e9,
     }
@@ -786,8 +364,13 @@ def main(
         return
     note = " (approximate: talker sizes assumed)" if meta["approximate"] else ""
     print(f"{preset}{note} on {meta['device']}, {meta['dtype']}, {meta['parameters_b']:.3g} B parameters; "
-          f"prompt {prompt_tokens}, text {text_tokens}, {unit} {codes}", file=sys.stderr)
-    typer.echo(_table(ours, ref, family))
+          f"prompt {prompt_tokens}, text {text_tokens}, {family.UNIT} {codes}", file=sys.stderr)
+    typer.echo(_table(ours, ref, family.LABELS))
+
+
+def _offers(family, flag: str) -> bool:
+    """Whether `family` has something for --variants (more than one) or --schedules to compare."""
+    return len(family.VARIANTS) > 1 if flag == "variants" else bool(family.SCHEDULES)
 
 
 def _transformers_version() -> str:

@@ -15,21 +15,17 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 import time
 
 import pytest
 import torch
 
 from conftest import run_omni_say
-from omni_cli.bench import (
-    DEFAULT_PRESET,
-    QWEN3_30B_PARAMETERS,
-    _median,
-    _pick_preset,
-    bench_app,
-    build_config,
-    count_parameters,
-)
+from omni_cli.bench import DEFAULT_PRESET, FAMILIES, PRESETS, _median, _pick_preset, bench_app, family_of
+from omni_cli.models import qwen2_5_omni, qwen3_omni
+from omni_cli.models.qwen3_omni.presets import build_config, count_parameters
 
 
 def bench(capsys, *args):
@@ -235,4 +231,21 @@ def test_qwen3_30b_config_is_the_real_model():
     assert (vision.depth, vision.hidden_size, vision.out_hidden_size) == (27, 1152, 2048)
     assert config.code2wav_config.upsample_rates == [8, 5, 4, 3] and config.code2wav_config.decoder_dim == 1536
     total = count_parameters(config)
-    assert abs(total - QWEN3_30B_PARAMETERS) < 0.01e9, total
+    assert abs(total - 35.26e9) < 0.01e9, total
+    assert PRESETS["qwen3-omni-30b-a3b"]["parameters"] == 35.26e9  # what build_model checks it against
+
+
+def test_each_family_gives_the_bench_the_same_names_and_its_own_presets():
+    """bench.py knows no family: each presets module has the same interface, its steps a second are its
+    package's, and every preset name maps to the family that owns it; importing it all needs no torch."""
+    interface = ("PRESETS", "FAMILY", "TITLE", "UNIT", "CODES_PER_SECOND", "DEFAULT_VOICE", "TALKER_SAMPLING",
+                 "PROMPT_FRAME", "GRAPHS", "READY_NOTE", "VARIANTS", "SCHEDULES", "LABELS", "build_config",
+                 "build_model", "text_eos_ids", "prompt", "steps", "reference")
+    for fam, package in zip(FAMILIES, (qwen2_5_omni, qwen3_omni)):
+        assert all(hasattr(fam, name) for name in interface), fam.__name__
+        assert fam.CODES_PER_SECOND == package.CODES_PER_SECOND and fam.TITLE == package.TITLE
+        assert all(family_of(name) is fam for name in fam.PRESETS)
+    assert sorted(PRESETS) == sorted(n for fam in FAMILIES for n in fam.PRESETS)
+    code = "import sys, omni_cli.bench; print('torch' in sys.modules, 'transformers' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["False", "False"]
