@@ -10,6 +10,7 @@ of a reply, and `load` / `build_steps` (checkpoint.py, steps.py), which import t
     talker.py      talker prefill / decode_one (thinker_to_talker_proj, codec_head)
     fused.py       the fused fixed-shape decode step (CUDA graphs, torch.compile)
     vocoder.py     streaming token2wav: block-wise DiT windows + BigVGAN with overlap trimming
+    presets.py     omni-bench: true-size configs with random weights, transformers' generate timed
 """
 
 from __future__ import annotations

@@ -9,6 +9,7 @@ defaults of a reply; and `load` / `build_steps` (checkpoint.py, steps.py), which
     thinker.py     the MoE thinker's prefill / decode_one over a static cache
     talker.py      the MoE talker and its code predictor: one frame a step
     code2wav.py    streaming code2wav: causal, a sliding-window cache and left context
+    presets.py     omni-bench: true-size configs with random weights, transformers' generate timed
 """
 
 from __future__ import annotations
