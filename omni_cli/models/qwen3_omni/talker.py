@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 
 from ...config import SamplingOptions
+from . import TALKER_SAMPLING
 from ...runtime import compat
 from ...runtime.decoder import forward_layers
 from ...runtime.kv_cache import StaticKVCache
@@ -44,7 +45,7 @@ from ...runtime.sampling import mark_seen, select
 PROJECTION_ROWS = 16
 
 # Talker sampling defaults of `generate` (its signature; generation_config.json is not read for them).
-TALKER_DEFAULTS = SamplingOptions(do_sample=True, temperature=0.9, top_k=50, top_p=1.0, repetition_penalty=1.05)
+TALKER_DEFAULTS = TALKER_SAMPLING
 # The code predictor's: `prepare_inputs_for_generation` passes top_k 50 and top_p 0.8 when sampling; its own
 # generation config has no temperature (1.0) and no penalty; its do_sample mirrors the talker's.
 PREDICTOR_DEFAULTS = SamplingOptions(do_sample=True, temperature=1.0, top_k=50, top_p=0.8, repetition_penalty=1.0)
