@@ -347,7 +347,7 @@ def _checked_voice(options, model):
 
 
 def _list_devices() -> None:
-    from .audio.sinks import output_devices
+    from .audio.speaker import output_devices
 
     devices = output_devices()
     if not devices:
@@ -506,7 +506,8 @@ def say(
 
         # Outputs and voice first: a bad path or format, a missing sound device or an unknown voice
         # should not cost a minute of loading.
-        from .audio.sinks import AudioFileSink, SpeakerSink
+        from .audio.sinks import AudioFileSink
+        from .audio.speaker import SpeakerSink
 
         outputs.file = AudioFileSink(output, format) if output is not None and not to_stdout else None
         if play:
@@ -634,7 +635,7 @@ def chat(
         options = ReplyOptions(voice=voice, seed=seed, greedy=greedy, max_text_tokens=max_text_tokens,
                                max_codes=max_codes, temperature=temperature, top_p=top_p, top_k=top_k).check()
         from .chat import CHAT_PLAY_HINT, ChatRepl, line_reader
-        from .audio.sinks import SpeakerSink
+        from .audio.speaker import SpeakerSink
 
         if not mute:
             SpeakerSink(audio_device, hint=CHAT_PLAY_HINT)  # PortAudio and a device, before loading

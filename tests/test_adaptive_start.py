@@ -1,4 +1,4 @@
-"""The speaker's adaptive start (SpeakerSink, omni_cli/audio/sinks.py) against a fake device paced at real time.
+"""The speaker's adaptive start (SpeakerSink, omni_cli/audio/speaker.py) against a fake device paced at real time.
 
 A producer delivers blocks the way the streamed vocoder does: growing chunks (0.04, 0.48, then 0.96 s,
 the vocoder's default schedule), each one arriving when a producer at a given real-time factor (RTF:
@@ -16,7 +16,7 @@ import time
 import numpy as np
 
 from audio_device import FakeSoundDevice, assert_underruns_reported, heard
-from omni_cli.audio.sinks import SpeakerSink
+from omni_cli.audio.speaker import SpeakerSink
 
 SR = 24_000
 SCHEDULE = [0.04, 0.48] + [0.96] * 3  # seconds of audio per block: the vocoder's growing chunks, 3.4 s

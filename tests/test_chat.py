@@ -34,7 +34,7 @@ from omni_cli.chat import ChatRepl, line_reader
 from omni_cli.config import ReplyOptions
 from omni_cli.errors import OutputError, UsageError
 from omni_cli.prompt import DEFAULT_SYSTEM, Conversation, check_prompt, fit
-from omni_cli.audio.sinks import SpeakerSink
+from omni_cli.audio.speaker import SpeakerSink
 from omni_cli.ui import StreamWrapper, make_console, make_history, make_session
 
 

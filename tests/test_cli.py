@@ -51,7 +51,8 @@ def test_help_is_instant_and_exits_0(run_cli):
 
 def test_importing_the_cli_imports_no_torch():
     code = (
-        "import sys, omni_cli, omni_cli.cli, omni_cli.config, omni_cli.errors, omni_cli.audio.sinks, omni_cli.loader, "
+        "import sys, omni_cli, omni_cli.cli, omni_cli.config, omni_cli.errors, omni_cli.audio.sinks, omni_cli.audio.speaker, "
+        "omni_cli.loader, "
         "omni_cli.ui, omni_cli.chat\n"
         f"print(','.join(sorted(m for m in {HEAVY!r} if m in sys.modules)))"
     )
@@ -335,7 +336,7 @@ def test_list_audio_devices_without_portaudio(run_cli, no_portaudio):
 @pytest.fixture
 def fake(monkeypatch):
     import omni_cli
-    import omni_cli.audio.sinks
+    import omni_cli.audio.speaker
 
     state = SimpleNamespace(assistant=FakeAssistant(), load_args=None, sd=FakeSoundDevice(speed=20.0))
 
@@ -345,7 +346,7 @@ def fake(monkeypatch):
         return state.assistant
 
     monkeypatch.setattr(omni_cli, "load", load)
-    monkeypatch.setattr(omni_cli.audio.sinks, "import_sounddevice", lambda hint=None: state.sd)
+    monkeypatch.setattr(omni_cli.audio.speaker, "import_sounddevice", lambda hint=None: state.sd)
     return state
 
 
@@ -446,7 +447,7 @@ def test_list_audio_devices(fake):
 
 @pytest.mark.parametrize("spec, index", [("2", 2), ("usb", 2), ("Fake Speakers", 0), ("speak", 0)])
 def test_audio_device_by_index_or_name(fake, spec, index):
-    from omni_cli.audio.sinks import SpeakerSink
+    from omni_cli.audio.speaker import SpeakerSink
 
     seen = []
     real_open = SpeakerSink.open

@@ -68,7 +68,7 @@ def test_api_plays_every_sample_of_the_reply_in_order(tmp_path):
     env, raw = device_env(tmp_path)
     script = (
         "import json, sys, numpy as np, omni_cli\n"
-        "from omni_cli.audio.sinks import SpeakerSink\n"
+        "from omni_cli.audio.speaker import SpeakerSink\n"
         "a = omni_cli.load()\n"
         "sink = SpeakerSink()\n"
         "reply = a.say('Hello there', seed=0, sink=sink)\n"

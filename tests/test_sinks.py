@@ -19,8 +19,8 @@ import soundfile as sf
 
 from audio_device import FakeSoundDevice
 from omni_cli.errors import AudioDeviceError, OutputError, UsageError
-from omni_cli.audio.sinks import (NullSink, Sink, SpeakerSink, TeeSink, WavSink, WavStreamSink, find_output_device,
-                                  output_devices, wav_header)
+from omni_cli.audio.sinks import NullSink, Sink, TeeSink, WavSink, WavStreamSink, wav_header
+from omni_cli.audio.speaker import SpeakerSink, find_output_device, output_devices
 
 from fakes import RecordingSink  # a test double (tests/fakes.py)
 
