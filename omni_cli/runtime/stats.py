@@ -6,6 +6,7 @@ It knows no model family and no thread: the turn passes it what happened, it doe
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -69,6 +70,45 @@ class StepClock:
             out["talker_gap_us_median"] = sorted(gaps)[len(gaps) // 2]
             out["talker_gap_us_mean"] = sum(gaps) / len(gaps)
         return out
+
+
+class CallTimer:
+    """Synchronised wall time of chosen calls inside something that does not stream (transformers'
+    `generate`, benchmarked): `with timer.wrapping((obj, "attr", "name"), ...):` replaces each `obj.attr`
+    by a timed wrapper and puts the original back after; `times[name]` sums its calls' seconds and
+    `calls[name]` counts them. The device is synchronised around each call, so the times are the work's."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.times: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def wrap(self, name: str, fn):
+        def timed(*args, **kwargs):
+            self.sync()
+            t = time.perf_counter()
+            out = fn(*args, **kwargs)
+            self.sync()
+            self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - t
+            self.calls[name] = self.calls.get(name, 0) + 1
+            return out
+
+        return timed
+
+    @contextlib.contextmanager
+    def wrapping(self, *targets: tuple[object, str, str]):
+        originals = [(obj, attr, getattr(obj, attr)) for obj, attr, _name in targets]
+        for obj, attr, name in targets:
+            setattr(obj, attr, self.wrap(name, getattr(obj, attr)))
+        try:
+            yield self
+        finally:
+            for obj, attr, fn in originals:
+                setattr(obj, attr, fn)
 
 
 def turn_stats(st: TurnState, clock: StepClock, t0: float, end: float, audio_seconds: float) -> dict:

@@ -171,28 +171,15 @@ def reference(model, prompt_ids, text_tokens: int, codes: int, device, progress=
             scores[:, 8192:] = float("-inf")
             return scores
 
-    times = {}
+    from ...runtime.stats import CallTimer
 
-    def timed(name, fn):
-        def wrapper(*a, **k):
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            t = time.perf_counter()
-            out = fn(*a, **k)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            times[name] = time.perf_counter() - t
-            return out
-        return wrapper
-
+    timer = CallTimer(device)
+    times = timer.times
     progress("transformers generate ...")
-    originals = (model.thinker.generate, model.talker.generate, model.token2wav.forward)
-    model.thinker.generate = timed("thinker", model.thinker.generate)
-    model.talker.generate = timed("talker", model.talker.generate)
-    model.token2wav.forward = timed("token2wav", model.token2wav.forward)
-    try:
+    with timer.wrapping((model.thinker, "generate", "thinker"), (model.talker, "generate", "talker"),
+                        (model.token2wav, "forward", "token2wav")):
+        timer.sync()
         if device.type == "cuda":
-            torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
         t = time.perf_counter()
         with torch.no_grad():
@@ -202,11 +189,8 @@ def reference(model, prompt_ids, text_tokens: int, codes: int, device, progress=
                 talker_max_new_tokens=codes, talker_min_new_tokens=codes,
                 talker_logits_processor=LogitsProcessorList([AudioOnly()]),
             )
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        timer.sync()
         wall = time.perf_counter() - t
-    finally:
-        model.thinker.generate, model.talker.generate, model.token2wav.forward = originals
     audio_s = wav.shape[-1] / 24000
     progress(f"transformers generate: {wall:.1f} s")
     return {

@@ -212,21 +212,10 @@ def reference(model, prompt_ids, text_tokens: int, frames: int, device, progress
     tcfg = cfg.talker_config
     vocab = tcfg.text_config.vocab_size
     suppress = list(range(vocab - 1024, vocab))  # generate's list has every one of them but codec EOS
-    times: dict[str, float] = {}
-    calls: dict[str, int] = {}
+    from ...runtime.stats import CallTimer
 
-    def timed(name, fn):
-        def wrapper(*a, **k):
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            t = time.perf_counter()
-            out = fn(*a, **k)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            times[name] = times.get(name, 0.0) + time.perf_counter() - t
-            calls[name] = calls.get(name, 0) + 1
-            return out
-        return wrapper
+    timer = CallTimer(device)
+    times, calls = timer.times, timer.calls
 
     def generate(text: int, frames: int):
         with torch.no_grad(), warnings.catch_warnings():
@@ -245,24 +234,16 @@ def reference(model, prompt_ids, text_tokens: int, frames: int, device, progress
     progress("transformers generate: warm-up call (2 text tokens, 2 frames) ...")
     generate(min(2, text_tokens), 2)
     progress("transformers generate ...")
-    predictor = model.talker.code_predictor
-    originals = (model.thinker.generate, model.talker.generate, predictor.generate, model.code2wav.chunked_decode)
-    model.thinker.generate = timed("thinker", model.thinker.generate)
-    model.talker.generate = timed("talker", model.talker.generate)
-    predictor.generate = timed("code_predictor", predictor.generate)
-    model.code2wav.chunked_decode = timed("code2wav", model.code2wav.chunked_decode)
-    try:
+    with timer.wrapping((model.thinker, "generate", "thinker"), (model.talker, "generate", "talker"),
+                        (model.talker.code_predictor, "generate", "code_predictor"),
+                        (model.code2wav, "chunked_decode", "code2wav")):
+        timer.sync()
         if device.type == "cuda":
-            torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
         t = time.perf_counter()
         sequences, wav = generate(text_tokens, frames)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        timer.sync()
         wall = time.perf_counter() - t
-    finally:
-        (model.thinker.generate, model.talker.generate, predictor.generate,
-         model.code2wav.chunked_decode) = originals
     audio_s = wav.shape[-1] / 24000
     made = calls.get("code_predictor", 0)  # one call a frame
     progress(f"transformers generate: {wall:.1f} s, {sequences.shape[1] - len(prompt_ids)} text tokens, "
