@@ -28,8 +28,8 @@ from typing import Any
 
 from omni_cli.runtime import compat
 
-from .tokenizer_kit import (CORPUS, folder_size, qwen2_tokenizer, save_legacy_tokenizer_files,  # noqa: F401
-                            stop_row, train_bpe, unprintable_byte_ids)
+from .tokenizer_kit import (CORPUS, WHISPER_FEATURES, chat_template, folder_size,  # noqa: F401 (folder_size: scripts)
+                            qwen2_tokenizer, save_legacy_tokenizer_files, stop_row, train_bpe, unprintable_byte_ids)
 
 # --- token layout -----------------------------------------------------------------------------------
 # Real Qwen2.5-Omni: the BPE vocabulary ends at 151642 and <|endoftext|> is 151643. Here the BPE has
@@ -426,27 +426,8 @@ def _bpe() -> tuple[dict[str, int], tuple[tuple[str, str], ...]]:
 
 # Our own Jinja chat template in the Qwen2.5-Omni form. A conversation that doesn't start with a system
 # turn gets the default system prompt, as Qwen's templates do.
-CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{% if loop.first and message['role'] != 'system' %}"
-    "<|im_start|>system\n" + DEFAULT_SYSTEM_PROMPT + "<|im_end|>\n"
-    "{% endif %}"
-    "<|im_start|>{{ message['role'] }}\n"
-    "{% if message['content'] is string %}"
-    "{{ message['content'] }}"
-    "{% else %}"
-    "{% for part in message['content'] %}"
-    "{% if part['type'] == 'text' %}{{ part['text'] }}"
-    "{% elif part['type'] in ('audio', 'audio_url') %}<|audio_bos|><|AUDIO|><|audio_eos|>"
-    "{% elif part['type'] in ('image', 'image_url') %}<|vision_bos|><|IMAGE|><|vision_eos|>"
-    "{% elif part['type'] in ('video', 'video_url') %}<|vision_bos|><|VIDEO|><|vision_eos|>"
-    "{% endif %}"
-    "{% endfor %}"
-    "{% endif %}"
-    "<|im_end|>\n"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
+CHAT_TEMPLATE = chat_template("<|audio_bos|><|AUDIO|><|audio_eos|>", "<|vision_bos|><|IMAGE|><|vision_eos|>",
+                              "<|vision_bos|><|VIDEO|><|vision_eos|>", default_system=DEFAULT_SYSTEM_PROMPT)
 
 
 def make_tokenizer():
@@ -457,26 +438,15 @@ def make_tokenizer():
 # --- files ----------------------------------------------------------------------------------------
 
 PREPROCESSOR_CONFIG: dict[str, Any] = {
-    "chunk_length": 300,
-    "dither": 0.0,
-    "feature_extractor_type": "WhisperFeatureExtractor",
-    "feature_size": 128,
-    "hop_length": 160,
+    **WHISPER_FEATURES,
     "image_mean": [0.48145466, 0.4578275, 0.40821073],
     "image_processor_type": "Qwen2VLImageProcessor",
     "image_std": [0.26862954, 0.26130258, 0.27577711],
     "max_pixels": 12845056,
     "merge_size": 2,
     "min_pixels": 3136,
-    "n_fft": 400,
-    "n_samples": 4800000,
-    "nb_max_frames": 30000,
-    "padding_side": "right",
-    "padding_value": 0.0,
     "patch_size": 14,
     "processor_class": "Qwen2_5OmniProcessor",
-    "return_attention_mask": True,
-    "sampling_rate": 16000,
     "temporal_patch_size": 2,
 }
 

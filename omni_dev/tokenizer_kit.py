@@ -9,7 +9,6 @@ model family. tokenizers and torch are imported inside the functions.
 
 from __future__ import annotations
 
-import functools
 import json
 from pathlib import Path
 from typing import Any
@@ -243,3 +242,50 @@ def stop_row(weight, seed: int):
 def folder_size(folder: str | Path) -> int:
     """Total bytes of the files under a folder."""
     return sum(p.stat().st_size for p in Path(folder).rglob("*") if p.is_file())
+
+
+def chat_template(audio: str, image: str, video: str, default_system: str | None = None) -> str:
+    """A Qwen-Omni chat template: `<|im_start|>role\n...<|im_end|>\n` turns, content parts rendered as text
+    or as a family's placeholder for an audio / image / video part (e.g. "<|audio_bos|><|AUDIO|><|audio_eos|>"),
+    and the assistant opener as the generation prompt. `default_system`: a system turn put first when the
+    conversation has none (Qwen2.5-Omni's template does that; Qwen3-Omni's does not)."""
+    system = ("{% if loop.first and message['role'] != 'system' %}"
+              "<|im_start|>system\n" + default_system + "<|im_end|>\n"
+              "{% endif %}") if default_system is not None else ""
+    return (
+        "{% for message in messages %}"
+        + system
+        + "<|im_start|>{{ message['role'] }}\n"
+        "{% if message['content'] is string %}"
+        "{{ message['content'] }}"
+        "{% else %}"
+        "{% for part in message['content'] %}"
+        "{% if part['type'] == 'text' %}{{ part['text'] }}"
+        "{% elif part['type'] in ('audio', 'audio_url') %}" + audio
+        + "{% elif part['type'] in ('image', 'image_url') %}" + image
+        + "{% elif part['type'] in ('video', 'video_url') %}" + video
+        + "{% endif %}"
+        "{% endfor %}"
+        "{% endif %}"
+        "<|im_end|>\n"
+        "{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+
+
+# The audio side of a Qwen-Omni `preprocessor_config.json` (transformers' WhisperFeatureExtractor at
+# 16 kHz, 128 mel bins), the same in both families; each adds its processor class (and image keys).
+WHISPER_FEATURES: dict[str, Any] = {
+    "chunk_length": 300,
+    "dither": 0.0,
+    "feature_extractor_type": "WhisperFeatureExtractor",
+    "feature_size": 128,
+    "hop_length": 160,
+    "n_fft": 400,
+    "n_samples": 4800000,
+    "nb_max_frames": 30000,
+    "padding_side": "right",
+    "padding_value": 0.0,
+    "return_attention_mask": True,
+    "sampling_rate": 16000,
+}

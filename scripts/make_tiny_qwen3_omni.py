@@ -46,6 +46,8 @@ if str(ROOT) not in sys.path:
 from omni_cli.runtime import compat  # noqa: E402  (parameter names across transformers versions)
 from omni_dev.tokenizer_kit import (  # noqa: E402  (the project's tokenizer toolkit; no family in it)
     CORPUS,
+    WHISPER_FEATURES,
+    chat_template,
     folder_size,
     qwen2_tokenizer,
     save_legacy_tokenizer_files,
@@ -461,24 +463,8 @@ def _bpe() -> tuple[dict[str, int], tuple[tuple[str, str], ...]]:
 
 
 # Our own Jinja chat template in the Qwen3-Omni prompt form (no default system turn is added).
-CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "<|im_start|>{{ message['role'] }}\n"
-    "{% if message['content'] is string %}"
-    "{{ message['content'] }}"
-    "{% else %}"
-    "{% for part in message['content'] %}"
-    "{% if part['type'] == 'text' %}{{ part['text'] }}"
-    "{% elif part['type'] in ('audio', 'audio_url') %}<|audio_start|><|audio_pad|><|audio_end|>"
-    "{% elif part['type'] in ('image', 'image_url') %}<|vision_start|><|image_pad|><|vision_end|>"
-    "{% elif part['type'] in ('video', 'video_url') %}<|vision_start|><|video_pad|><|vision_end|>"
-    "{% endif %}"
-    "{% endfor %}"
-    "{% endif %}"
-    "<|im_end|>\n"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
+CHAT_TEMPLATE = chat_template("<|audio_start|><|audio_pad|><|audio_end|>",
+                              "<|vision_start|><|image_pad|><|vision_end|>", "<|vision_start|><|video_pad|><|vision_end|>")
 
 
 def make_tokenizer():
@@ -488,21 +474,7 @@ def make_tokenizer():
 
 # --- files ----------------------------------------------------------------------------------------
 
-PREPROCESSOR_CONFIG: dict[str, Any] = {
-    "chunk_length": 300,
-    "dither": 0.0,
-    "feature_extractor_type": "WhisperFeatureExtractor",
-    "feature_size": 128,
-    "hop_length": 160,
-    "n_fft": 400,
-    "n_samples": 4800000,
-    "nb_max_frames": 30000,
-    "padding_side": "right",
-    "padding_value": 0.0,
-    "processor_class": "Qwen3OmniMoeProcessor",
-    "return_attention_mask": True,
-    "sampling_rate": 16000,
-}
+PREPROCESSOR_CONFIG: dict[str, Any] = {**WHISPER_FEATURES, "processor_class": "Qwen3OmniMoeProcessor"}
 
 
 def save_checkpoint(folder: str | Path, seed: int = 0) -> Path:
