@@ -1,6 +1,7 @@
 """A small toolkit for building tiny Qwen-family checkpoints: a byte-level BPE trained on a fixed English
-text, a Qwen2-style fast tokenizer around it (special tokens, chat template), the legacy tokenizer files
-real folders carry, and two weight helpers (the ids of unprintable byte tokens; a seeded "stop" row).
+text, a Qwen2-style fast tokenizer around it (special tokens, chat template), the Qwen-Omni chat template
+and Whisper feature block both families share, the legacy tokenizer files real folders carry, and two
+weight helpers (the ids of unprintable byte tokens; a seeded "stop" row).
 
 Used by the tiny-model generators (omni_dev/tiny_qwen2_5.py, scripts/make_tiny_qwen3_omni.py) and the
 tests; never by the omni_cli package. Deterministic: the same inputs give the same files. It knows no

@@ -155,7 +155,7 @@ def cache_kwargs(cache, module=None) -> dict:
 
 
 def layer_cache_kwargs(cache, layer=None) -> dict:
-    """The same as `cache_kwargs`, named for the decoder-layer loops (`forward_layers`, `run_layers`)."""
+    """The same as `cache_kwargs`, named for the decoder-layer loops (`runtime.decoder.forward_layers`)."""
     return cache_kwargs(cache, layer)
 
 

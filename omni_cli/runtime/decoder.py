@@ -25,23 +25,32 @@ def forward_layers(model, embeds: torch.Tensor, cache: StaticKVCache, mrope: boo
     a decode step attending to the whole valid cache. `mrope`: the stack's rotary takes the three M-RoPE
     rows of positions ([3, 1, n]); False for a plain RoPE stack ([1, n]: Qwen3-Omni's code predictor).
     """
+    return forward_layers_keeping(model, embeds, cache, None, mrope)[0]
+
+
+def forward_layers_keeping(model, embeds: torch.Tensor, cache: StaticKVCache, keep: int | None,
+                           mrope: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`forward_layers`, also returning what transformers records as `hidden_states[keep]`: the input
+    embeddings for 0, the output of layer keep-1, the final-normed state when keep is the last layer
+    (transformers replaces the last recorded state by the normed one); None when `keep` is None."""
     n = embeds.shape[1]
     start = cache.length
     positions = torch.arange(start, start + n, device=embeds.device).view(1, 1, n)
     positions = positions.expand(3, 1, n) if mrope else positions[0]
     position_embeddings = model.rotary_emb(embeds, positions)
+    layers = model.layers
+    cache_kw = compat.layer_cache_kwargs(cache, layers[0])  # the same keyword for every layer of a stack
     hidden = embeds
+    kept = embeds if keep == 0 else None
     with _prefill_attention(n > 1 and embeds.device.type == "cuda"):
-        for layer in model.layers:
-            hidden = layer(
-                hidden,
-                attention_mask=None,
-                position_embeddings=position_embeddings,
-                **compat.layer_cache_kwargs(cache, layer),
-                use_cache=True,
-            )
+        for i, layer in enumerate(layers):
+            hidden = layer(hidden, attention_mask=None, position_embeddings=position_embeddings, use_cache=True,
+                           **cache_kw)
+            if keep is not None and i + 1 == keep:
+                kept = hidden
     cache.advance(n)
-    return model.norm(hidden)
+    normed = model.norm(hidden)
+    return normed, (normed if keep is not None and keep >= len(layers) else kept)
 
 
 def _prefill_attention(enabled: bool):

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from ...runtime import compat
-from ...runtime.decoder import _prefill_attention
+from ...runtime.decoder import forward_layers_keeping
 from ...runtime.kv_cache import StaticKVCache
 
 
@@ -33,40 +33,6 @@ class ThinkerOut:
     # accept_hidden_layer-1, or the final-normed state when that is the last layer (transformers replaces
     # the last recorded hidden state by the normed one). The talker reads it only at multimodal positions.
     accepted: torch.Tensor | None = None
-
-
-def run_layers(
-    model, embeds: torch.Tensor, cache: StaticKVCache, keep: int | None = None
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`embeds` [1, n, W] through `model.layers` and `model.norm`, appending n positions to `cache`.
-
-    Returns (final-normed hidden, the reference's hidden_states[keep] or None). The same plumbing as
-    `runtime.decoder.forward_layers` (mask-free SDPA, causal for a prefill), plus the intermediate state
-    the talker may need.
-    """
-    n = embeds.shape[1]
-    start = cache.length
-    # The thinker's rotary takes [3, batch, n] positions (temporal, height, width): equal rows for text.
-    positions = torch.arange(start, start + n, device=embeds.device).view(1, 1, n).expand(3, 1, n)
-    position_embeddings = model.rotary_emb(embeds, positions)
-    hidden = embeds
-    kept = embeds if keep == 0 else None
-    layers = model.layers
-    last = keep is not None and keep >= len(layers)
-    with _prefill_attention(n > 1 and embeds.device.type == "cuda"):
-        for i, layer in enumerate(layers):
-            hidden = layer(
-                hidden,
-                attention_mask=None,
-                position_embeddings=position_embeddings,
-                **compat.layer_cache_kwargs(cache, layer),
-                use_cache=True,
-            )
-            if keep is not None and i + 1 == keep:
-                kept = hidden
-    cache.advance(n)
-    normed = model.norm(hidden)
-    return normed, (normed if last else kept)
 
 
 class Thinker:
@@ -83,7 +49,7 @@ class Thinker:
         return self.embed_tokens(ids)
 
     def _forward(self, embeds: torch.Tensor) -> ThinkerOut:
-        hidden, accepted = run_layers(self.model, embeds, self.cache, self.accept_layer)
+        hidden, accepted = forward_layers_keeping(self.model, embeds, self.cache, self.accept_layer)
         # The reference projects every fed position and keeps the last row: the same matmul keeps the
         # picked token bit-identical (a one-row matmul may round differently from an L-row one).
         logits = self.lm_head(hidden)[:, -1].float()
