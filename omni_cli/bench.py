@@ -29,13 +29,12 @@ from typing import Optional
 import typer
 
 from .cli import VersionOpt, _OneLineErrors  # imports neither torch nor numpy
-from .models.qwen2_5_omni import presets as qwen2_5_omni
-from .models.qwen3_omni import presets as qwen3_omni
+from .models import presets_modules
 
 # Each family's presets module (models/<family>/presets.py) says all the bench needs of it: PRESETS
 # (name -> spec: true sizes or the built-in tiny checkpoint), build_model, prompt, steps, reference, and
 # its words for the table. They import torch only when a function runs.
-FAMILIES = (qwen2_5_omni, qwen3_omni)
+FAMILIES = tuple(presets_modules())
 # name -> spec, the true sizes first, then the tiny ones
 PRESETS = dict(sorted(((name, spec) for fam in FAMILIES for name, spec in fam.PRESETS.items()),
                       key=lambda item: "asset" in item[1]))

@@ -30,3 +30,8 @@ def family(model_type: str | None, label: str = "the model") -> ModuleType:
         raise ModelError(f"{label} is {what}, not Qwen2.5-Omni (qwen2_5_omni) or Qwen3-Omni (qwen3_omni_moe): "
                          "omni-cli runs those two families")
     return importlib.import_module(f".{name}", __name__)
+
+
+def presets_modules() -> list[ModuleType]:
+    """Each family's omni-bench presets (models/<family>/presets.py; torch is imported only when used)."""
+    return [importlib.import_module(f".{name}.presets", __name__) for name in FAMILIES.values()]
