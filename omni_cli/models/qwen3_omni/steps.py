@@ -28,8 +28,9 @@ class Qwen3Steps:
 
     def __init__(self, model, voices: dict[str, int], *, max_context: int = 4096, max_codes: int = 1024,
                  graphs: bool = True) -> None:
+        # `voices` (the loader's name -> codec id map) is not kept: the talker reads the same speaker map
+        # from the model's config, and the name is checked before a turn starts.
         self.model = model
-        self.voices = voices
         self.max_context = max_context
         self.max_codes = max_codes
         self.graphs = graphs  # no graphs for this family yet (a later change)
