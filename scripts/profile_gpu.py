@@ -74,12 +74,12 @@ def steps(engine: Engine, report: dict) -> None:
     th.cache.length = tk.cache.length = 100
     out = {}
     with torch.inference_mode():
-        out["thinker_graph_ms"] = device_ms(lambda: th.graphs(101), 100)
+        out["thinker_graph_ms"] = device_ms(lambda: th.fused.graphs(101), 100)
         out["talker_graph_ms"] = device_ms(lambda: tk.graphs(101), 200)
-        out["thinker_step_eager_ms"] = device_ms(lambda: th._fused_step(256), 20)
+        out["thinker_step_eager_ms"] = device_ms(lambda: th.fused._step(256), 20)
         out["talker_step_eager_ms"] = device_ms(lambda: tk._fused_step(256), 20)
         out["talker_kernels"] = kernels(lambda: tk._fused_step(256), top=15)
-        out["thinker_kernels"] = kernels(lambda: th._fused_step(256), top=10)
+        out["thinker_kernels"] = kernels(lambda: th.fused._step(256), top=10)
         logits = torch.randn(1, tk.codec_head.out_features, device=DEV)
         seen = torch.zeros_like(logits, dtype=torch.bool)
         gen = torch.Generator(device=DEV).manual_seed(0)

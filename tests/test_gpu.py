@@ -65,7 +65,8 @@ def test_tiny_graphed_equals_eager_equals_transformers():
     eager, graphed = engines(model, eos, 256)
     a = run(eager, ids, 16, 200)
     b = run(graphed, ids, 16, 200)
-    assert graphed.steps.thinker.graphs.enabled and graphed.steps.thinker.graphs.graphs  # really replayed graphs
+    graphs = graphed.steps.thinker.fused.graphs
+    assert graphs.enabled and graphs.graphs  # really replayed graphs
     assert a.text_ids == ref_text and a.codes == ref_codes
     assert b.text_ids == ref_text and b.codes == ref_codes
 
@@ -174,3 +175,127 @@ def test_qwen3_tiny_on_cuda_equals_transformers():
     assert reply.text_ids == sequences[0, len(ids):].tolist()
     assert reply.codes == caught["codes"][0].T.tolist()
     assert len(reply.audio) == 1920 * len(reply.codes) - 555
+
+
+# -- Qwen3-Omni ------------------------------------------------------------------------------------------
+
+def qwen3_engines(model, voices, tokenizer, eos, max_codes):
+    """(eager: the library's layers, graphed: the fused steps replayed as CUDA graphs, captured)."""
+    from omni_cli.models.qwen3_omni.steps import Qwen3Steps
+
+    eager = Engine(Qwen3Steps(model, voices, max_context=512, max_codes=max_codes, fast_decode=False), tokenizer,
+                   eos_ids=eos)
+    graphed = Engine(Qwen3Steps(model, voices, max_context=512, max_codes=max_codes, graphs=True), tokenizer,
+                     eos_ids=eos)
+    graphed.warmup()
+    assert graphed.steps.talker.step_graphs.graphs and graphed.steps.talker.frame_graphs.graphs
+    assert graphed.steps.thinker.fused.graphs.graphs
+    return eager, graphed
+
+
+def qwen3_run(engine, ids, n_text, frames, **kw):
+    from omni_cli.models.qwen3_omni.talker import Talker
+
+    req = TurnRequest(ids, "Ethan", GREEDY, Talker.default_sampling()[0].greedy(), n_text, frames, seed=0, **kw)
+    for event in engine.stream(req):
+        if isinstance(event, Done):
+            return event.reply
+
+
+def qwen3_reference(model, ids, n_text, frames, eos, forced=False):
+    """transformers' greedy generate on the model's device: (text ids, codes as 16-id frames). `forced`:
+    text EOS held off until `n_text` tokens and codec EOS suppressed (exactly `frames` frames)."""
+    import warnings
+
+    cfg = model.config.talker_config
+    vocab = cfg.text_config.vocab_size
+    kw = {}
+    if forced:
+        kw = dict(thinker_min_new_tokens=n_text, talker_suppress_tokens=list(range(vocab - 1024, vocab)))
+    caught = {}
+    hook = model.code2wav.register_forward_pre_hook(lambda _m, args: caught.setdefault("codes", args[0]))
+    try:
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Passing `repetition_penalty` with `inputs_embeds`")
+            sequences, _wav = model.generate(
+                torch.tensor([ids], device="cuda"), speaker="ethan", thinker_max_new_tokens=n_text,
+                thinker_eos_token_id=eos, thinker_do_sample=False, talker_do_sample=False,
+                talker_max_new_tokens=frames + 1, **kw)
+    finally:
+        hook.remove()
+    return sequences[0, len(ids):].tolist(), caught["codes"][0].T.tolist()
+
+
+def test_qwen3_tiny_graphed_equals_eager_equals_transformers():
+    import qwen3_reference as ref
+
+    model = ref.model("tiny").cuda()
+    voices = {str(n).capitalize(): int(i) for n, i in model.config.talker_config.speaker_id.items()}
+    ids = ref.prompt_ids([{"role": "user", "content": "Hello there! What is the weather like today?"}])
+    eos = [ref.im_end()]
+    ref_text, ref_codes = qwen3_reference(model, ids, 12, 40, eos)
+    eager, graphed = qwen3_engines(model, voices, ref.tokenizer(), eos, 64)
+    a, b = qwen3_run(eager, ids, 12, 40), qwen3_run(graphed, ids, 12, 40)
+    assert a.text_ids == ref_text and a.codes == ref_codes
+    assert b.text_ids == ref_text and b.codes == ref_codes
+
+
+def qwen3_true_widths(dtype):
+    """Qwen3-Omni-30B-A3B at true widths: the whole talker, code predictor and code2wav, and 4 of the
+    thinker's 48 layers (in float32 all 48 would not fit in one H200: 141 GB)."""
+    from omni_cli.models.qwen3_omni import presets
+
+    config = presets.build_config("qwen3-omni-30b-a3b")
+    config.thinker_config.text_config.num_hidden_layers = 4
+    config.talker_config.accept_hidden_layer = 2  # within the 4 layers (the talker reads its state)
+    from transformers import Qwen3OmniMoeForConditionalGeneration
+
+    with torch.device("cuda"):
+        model = Qwen3OmniMoeForConditionalGeneration._from_config(config, dtype=dtype)
+    presets._init_talker_moe(model, "cuda")
+    voices = {str(n).capitalize(): int(i) for n, i in config.talker_config.speaker_id.items()}
+    return model.eval(), voices
+
+
+@pytest.fixture(scope="module")
+def qwen3_big():
+    """In float32: bfloat16 rounding flips a random model's near-flat argmaxes within a few steps."""
+    return qwen3_true_widths(torch.float32)
+
+
+def test_qwen3_true_size_graphed_equals_eager_equals_transformers_over_200_frames(qwen3_big):
+    model, voices = qwen3_big
+    from omni_cli.models.qwen3_omni import presets
+
+    ids = presets.prompt(model, 60)
+    eos = [model.config.im_end_token_id]
+    ref_text, ref_codes = qwen3_reference(model, ids, 32, 200, eos, forced=True)
+    eager, graphed = qwen3_engines(model, voices, _Tok(), eos, 256)
+    a = qwen3_run(eager, ids, 32, 200, force_lengths=True)
+    b = qwen3_run(graphed, ids, 32, 200, force_lengths=True)
+    first = next((i for i, (x, y) in enumerate(zip(a.codes, b.codes)) if x != y), None)
+    print("frames: ref", len(ref_codes), "eager", len(a.codes), "graphed", len(b.codes), "first difference", first)
+    assert a.text_ids == ref_text and a.codes == ref_codes
+    assert b.text_ids == a.text_ids and b.codes == a.codes
+    assert len(a.codes) == 200
+
+
+def test_qwen3_loop_runs_under_sync_debug_error(monkeypatch):
+    """In bfloat16, the dtype a GPU runs: there the prompts are graphs too (in float32 the library's
+    experts, which the talker's prompt runs through, copy from the host)."""
+    from omni_cli.models.qwen3_omni.steps import Qwen3Steps
+    from omni_cli.runtime import turn as turn_mod
+
+    def no_vocoder(self):  # the vocoder thread copies audio to the host by design; leave it out here
+        for _ in self.codes_ch:
+            pass
+        self._worker_done()
+
+    monkeypatch.setattr(turn_mod.Turn, "_vocoder_main", no_vocoder)
+    model, voices = qwen3_true_widths(torch.bfloat16)
+    from omni_cli.models.qwen3_omni import presets
+
+    eng = Engine(Qwen3Steps(model, voices, max_context=512, max_codes=256), _Tok(), eos_ids=[model.config.im_end_token_id])
+    eng.warmup()
+    reply = qwen3_run(eng, presets.prompt(model, 60), 16, 200, force_lengths=True, sync_debug=True)
+    assert len(reply.codes) == 200

@@ -24,24 +24,25 @@ GREEDY = SamplingOptions(do_sample=False)
 HELLO = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there!"}]
 
 
-def engine_for(model, max_codes: int = 32):
-    """The runtime's engine over our steps for `model` (the tiny tokenizer; <|im_end|> ends the text)."""
+def engine_for(model, max_codes: int = 32, fast_decode: bool = True):
+    """The runtime's engine over our steps for `model` (the tiny tokenizer; <|im_end|> ends the text).
+    `fast_decode=False`: every step through the library's layers (the fused steps bypass them)."""
     from omni_cli.models.qwen3_omni.steps import Qwen3Steps
     from omni_cli.runtime.engine import Engine
 
     voices = {str(n).capitalize(): int(i) for n, i in model.config.talker_config.speaker_id.items()}
-    steps = Qwen3Steps(model, voices, max_context=256, max_codes=max_codes)
+    steps = Qwen3Steps(model, voices, max_context=256, max_codes=max_codes, fast_decode=fast_decode)
     return Engine(steps, ref.tokenizer(), eos_ids=[ref.im_end()])
 
 
 def run(engine, ids: list[int], *, voice: str, frames: int, text_tokens: int, talker: SamplingOptions | None = None,
-        seed: int = 0):
+        seed: int = 0, thinker: SamplingOptions = GREEDY):
     """One turn through the runtime: the Reply (text_ids, codes as 16-id frames, audio, stats)."""
     from omni_cli.models.qwen3_omni.talker import Talker
     from omni_cli.runtime.events import Done, TurnRequest
 
     talker = talker or Talker.default_sampling()[0].greedy()
-    req = TurnRequest(input_ids=list(ids), voice=voice, thinker=GREEDY, talker=talker, max_text_tokens=text_tokens,
+    req = TurnRequest(input_ids=list(ids), voice=voice, thinker=thinker, talker=talker, max_text_tokens=text_tokens,
                       max_codes=frames, seed=seed)
     done = [e for e in engine.stream(req) if isinstance(e, Done)]
     return done[0].reply
@@ -91,7 +92,7 @@ def _same_inputs(ours: list, theirs: list, missing: int) -> None:
 def test_talker_and_code_predictor_inputs_are_the_references(name, messages, voice, text_tokens, frames):
     model = ref.model(name)
     ids = ref.prompt_ids(messages)
-    engine = engine_for(model)
+    engine = engine_for(model, fast_decode=False)  # the layers' inputs: the library's path
     with _Inputs(model) as theirs:
         ref.reference_generate(model, ids, voice=voice, frames=frames, text_tokens=text_tokens)
     with _Inputs(model) as ours:
@@ -101,6 +102,26 @@ def test_talker_and_code_predictor_inputs_are_the_references(name, messages, voi
     assert ours.talker[0].shape[1] > 9 and all(x.shape[1] == 1 for x in ours.talker[1:])
     _same_inputs(ours.talker, theirs.talker, missing=1)
     _same_inputs(ours.predictor, theirs.predictor, missing=0)  # 15 calls a frame: 2 prefill rows, then 14 of one
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_fused_steps_sample_what_the_library_layers_sample(seed):
+    """The fused steps (fast decode: what CUDA graphs replay) and the library's layers draw the same
+    seeded picks, thinker and all 16 codebooks, with the reference's sampling settings: both paths read
+    one buffer of randomness per frame, and their logits differ only in the last bits."""
+    from omni_cli.models.qwen3_omni.talker import Talker
+
+    model = ref.model("tiny")
+    ids = ref.prompt_ids(HELLO)
+    sampled = SamplingOptions(do_sample=True, temperature=0.9, top_k=50, top_p=0.95, repetition_penalty=1.05)
+    replies = []
+    for fast in (True, False):
+        engine = engine_for(model, fast_decode=fast)
+        req_talker = Talker.default_sampling()[0]
+        replies.append(run(engine, ids, voice="Ethan", frames=12, text_tokens=8, talker=req_talker, seed=seed,
+                           thinker=sampled))
+    assert replies[0].text_ids == replies[1].text_ids
+    assert replies[0].codes == replies[1].codes and len(replies[0].codes) >= 4
 
 
 def test_voices_differ():

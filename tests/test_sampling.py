@@ -22,7 +22,7 @@ from transformers.generation.utils import GenerationMixin
 
 from omni_cli.config import SamplingOptions
 from omni_cli.models.qwen2_5_omni import TALKER_SAMPLING as TALKER_DEFAULTS
-from omni_cli.runtime.sampling import distribution, draw, race_winner, select
+from omni_cli.runtime.sampling import SamplingParams, distribution, draw, pick, race_winner, select
 
 THINKER_LIKE = SamplingOptions(do_sample=True, temperature=0.7, top_k=20, top_p=0.8, repetition_penalty=1.05)
 
@@ -128,6 +128,27 @@ def test_distribution_is_transformers(name):
         assert 1 < kept < vocab
     if case.suppress_ids:
         assert (ours[0, case.suppress_ids] == 0).all()
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_pick_with_device_settings_is_select(name):
+    """`pick` (settings as device tensors, for graphs) picks what `select` picks: greedy, and sampled with
+    the same Exp(1) draws, over 200 draws; one SamplingParams refilled from case to case."""
+    case = CASES[name]
+    vocab = case.logits.shape[-1]
+    seen, suppress = masks(vocab, case.seen_ids, case.suppress_ids)
+    params = SamplingParams(vocab, "cpu")
+    params.set(SamplingOptions(do_sample=False, top_k=3, temperature=0.5))  # stale values must not leak
+    params.set(case.opts.greedy())
+    assert torch.equal(pick(case.logits, params, seen, suppress, torch.ones(1, vocab)),
+                       select(case.logits, case.opts.greedy(), seen, suppress))
+    params.set(case.opts)
+    race = torch.empty(200, vocab).exponential_(1, generator=torch.Generator().manual_seed(0))
+    logits = case.logits.expand(200, -1)
+    rows = [None if m is None else m.expand(200, -1) for m in (seen, suppress)]
+    ours = pick(logits, params, *rows, race)
+    theirs = race_winner(distribution(case.logits, case.opts, seen, suppress), race)
+    assert torch.equal(ours, theirs)
 
 
 def test_seen_mask_changes_the_distribution():

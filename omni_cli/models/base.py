@@ -44,6 +44,9 @@ class Vocoder(Protocol):
     codes_for_first_audio: int  # talker steps the first block needs
     chunk_log: list  # per decode call: (units made final, seconds); units per code: `log_units_per_code`
     log_units_per_code: int
+    # Optional: True asks the engine thread to wait (once, bounded) for the first block after the
+    # steps it needs, on accelerators too (always on a CPU).
+    quiet_first_chunk: bool
 
     def push(self, codes: Sequence[Any]) -> "list[np.ndarray]": ...
 

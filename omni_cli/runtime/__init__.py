@@ -11,6 +11,7 @@
     channel.py         the bounded channel the threads talk through
     kv_cache.py        static KV cache
     decoder.py         a decoder stack's forward over the static cache (the library's layers)
+    fused.py           the fixed-shape one-token step of a stack (dense or MoE), for graphs and compile
     graphs.py          CUDA graphs and torch.compile behind one switch
     sampling.py        sync-free, transformers-exact token selection
     compat.py          the transformers versions' differences

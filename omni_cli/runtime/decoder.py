@@ -42,7 +42,7 @@ def forward_layers_keeping(model, embeds: torch.Tensor, cache: StaticKVCache, ke
     cache_kw = compat.layer_cache_kwargs(cache, layers[0])  # the same keyword for every layer of a stack
     hidden = embeds
     kept = embeds if keep == 0 else None
-    with _prefill_attention(n > 1 and embeds.device.type == "cuda"):
+    with no_cudnn_attention(n > 1 and embeds.device.type == "cuda"):
         for i, layer in enumerate(layers):
             hidden = layer(hidden, attention_mask=None, position_embeddings=position_embeddings, use_cache=True,
                            **cache_kw)
@@ -53,8 +53,9 @@ def forward_layers_keeping(model, embeds: torch.Tensor, cache: StaticKVCache, ke
     return normed, (normed if keep is not None and keep >= len(layers) else kept)
 
 
-def _prefill_attention(enabled: bool):
-    """On CUDA, a prefill's attention leaves cuDNN's kernel out of SDPA's choices.
+def no_cudnn_attention(enabled: bool):
+    """On CUDA, attention over inputs of changing length (a prefill, a streaming codec's chunks) leaves
+    cuDNN's kernel out of SDPA's choices.
 
     cuDNN builds an execution plan for each new input shape and keeps it per host thread: every prompt
     of a new length paid that build, twice a turn (thinker and talker). Measured on an H200, 7B thinker,

@@ -106,3 +106,70 @@ def capture_stream(device: torch.device) -> torch.cuda.Stream:
     different from step 96 on). Graphs that may replay concurrently must be captured on different streams.
     """
     return torch.cuda.Stream(device)
+
+
+PREFILL_BUCKETS = (32, 64, 128, 256, 512)  # prompt lengths with a graph (longer prompts run eagerly)
+
+
+class PrefillGraphs:
+    """A prompt's forward through the library's layers (`decoder.forward_layers_keeping`), replayed as one
+    CUDA graph per length bucket: the prompt is padded to the bucket with zero rows after its end.
+
+    Without a graph a prefill issues thousands of small kernels from Python (a 48-layer mixture of experts:
+    ~80-120 ms for 60 tokens on an H200, most of it launch overhead). Padding changes nothing before the
+    end: attention is causal, routing and every other op work row by row, and the cache rows the padding
+    writes lie past the prompt, where the next step writes and masks anyway. Results can differ from the
+    unpadded forward in the last bits (a matmul's kernel depends on its row count). Eager where graphs
+    are off (CPU, switched off) or the prompt is longer than the largest bucket.
+    """
+
+    def __init__(self, model, cache, width: int, dtype, device: torch.device, enabled: bool, keep: int | None = None,
+                 buckets: tuple[int, ...] = PREFILL_BUCKETS) -> None:
+        from .decoder import forward_layers_keeping
+
+        self.model, self.cache, self.keep = model, cache, keep
+        self.forward = forward_layers_keeping
+        self.enabled = graphs_wanted(enabled, device)
+        self.buckets = [b for b in buckets if b <= cache.max_len] if self.enabled else []
+        self.device = device
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple]] = {}
+        if self.buckets:
+            self.inputs = torch.zeros(1, self.buckets[-1], width, device=device, dtype=dtype)
+            self.pool = torch.cuda.graph_pool_handle()
+            self.capture_stream = capture_stream(device)
+
+    def __call__(self, embeds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(hidden [1, n, W], the kept layer's output or None) for `embeds` [1, n, W], from an empty cache."""
+        n = embeds.shape[1]
+        self.cache.reset()
+        size = next((b for b in self.buckets if b >= n), None)
+        if size is None or size not in self.graphs:
+            return self.forward(self.model, embeds, self.cache, self.keep)
+        self.inputs[:, :n].copy_(embeds)
+        self.inputs[:, n:size].zero_()
+        graph, (hidden, kept) = self.graphs[size]
+        graph.replay()
+        self.cache.advance(n)
+        return hidden[:, :n], (None if kept is None else kept[:, :n])
+
+    def capture_all(self) -> None:
+        """Capture every bucket (the engine's warm-up, nothing else on the GPU; the cache is left empty)."""
+        for size in self.buckets:
+            if size not in self.graphs:
+                self.graphs[size] = self._capture(size)
+        self.cache.reset()
+
+    def _capture(self, size: int):
+        x = self.inputs[:, :size]
+        side = self.capture_stream
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side), torch.inference_mode():
+            for _ in range(2):
+                self.cache.reset()
+                self.forward(self.model, x, self.cache, self.keep)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        self.cache.reset()
+        with torch.inference_mode(), torch.cuda.graph(graph, pool=self.pool, stream=side):
+            outputs = self.forward(self.model, x, self.cache, self.keep)
+        return graph, outputs

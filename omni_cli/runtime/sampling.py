@@ -107,3 +107,49 @@ def select(
 def mark_seen(seen: torch.Tensor, token: torch.Tensor) -> None:
     """Add `token` ([1] long) to the `seen` mask in place (device-side)."""
     seen.scatter_(1, token.view(1, 1), True)
+
+
+class SamplingParams:
+    """`SamplingOptions` as device tensors, refilled in place by `set`: a CUDA graph captured once over
+    `pick` serves every setting (greedy or sampled, any temperature, top-k, top-p or penalty)."""
+
+    def __init__(self, vocab: int, device) -> None:
+        self.vocab = vocab
+        self.do_sample = torch.zeros((), dtype=torch.bool, device=device)
+        self.temperature = torch.ones((), device=device)
+        self.top_k = torch.full((), vocab, dtype=torch.long, device=device)
+        self.top_p = torch.ones((), device=device)
+        self.penalty = torch.ones((), device=device)
+
+    def set(self, opts: SamplingOptions) -> None:
+        """Host -> device copies: call between turns, not in a hot loop."""
+        self.do_sample.fill_(bool(opts.do_sample))
+        self.temperature.fill_(float(opts.temperature))
+        self.top_k.fill_(min(opts.top_k, self.vocab) if opts.top_k else self.vocab)  # 0 = off = keep all
+        self.top_p.fill_(float(opts.top_p))
+        self.penalty.fill_(float(opts.repetition_penalty))
+
+
+def pick(logits: torch.Tensor, params: SamplingParams, seen: torch.Tensor | None, suppress: torch.Tensor | None,
+         race: torch.Tensor) -> torch.Tensor:
+    """`select` with the settings as device tensors and the randomness given (`race` [1, vocab], i.i.d.
+    Exp(1), drawn by the caller outside any graph): the same picks and the same distribution as `select`
+    (a filter at its "off" value removes nothing: temperature 1 divides exactly, top-k of the whole
+    vocabulary keeps all, top-p 1 removes only tokens of probability 0). Both picks are computed and one
+    is kept on the device. Returns [1] long."""
+    if seen is not None:
+        p = params.penalty
+        logits = torch.where(seen, torch.where(logits < 0, logits * p, logits / p), logits)
+    if suppress is not None:
+        logits = logits.masked_fill(suppress, float("-inf"))
+    greedy = logits.argmax(dim=-1)
+    scaled = logits / params.temperature
+    ranked = torch.sort(scaled, dim=-1, descending=True)[0]
+    kth = ranked.gather(-1, (params.top_k - 1).view(1, 1).expand(scaled.shape[0], 1))
+    scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    sorted_logits, sorted_idx = torch.sort(scaled, descending=False)
+    remove_sorted = sorted_logits.softmax(dim=-1).cumsum(dim=-1) <= (1 - params.top_p)
+    remove_sorted[..., -1:] = False
+    scaled = scaled.masked_fill(remove_sorted.scatter(-1, sorted_idx, remove_sorted), float("-inf"))
+    sampled = race_winner(scaled.softmax(dim=-1), race)
+    return torch.where(params.do_sample, sampled, greedy)

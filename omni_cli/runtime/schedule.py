@@ -67,7 +67,9 @@ class Schedule:
         # beyond what the first chunk needs only slow that chunk down (one core, built-in model:
         # first audio ~225 -> ~165 ms). The engine thread therefore waits, once, at `hold_at` talker
         # steps (set by the vocoder thread on a CPU) until the first audio exists. On an accelerator
-        # the steps are only issued by the CPU and the vocoder has its own stream: no hold.
+        # the steps are only issued by the CPU and the vocoder has its own stream: no hold, unless the
+        # vocoder asks for one (`quiet_first_chunk`: its first chunk runs eagerly, issued from Python,
+        # and slows down a lot beside the talker's graphs).
         self.first_audio = threading.Event()
         self.hold_at: int | None = None
 

@@ -179,7 +179,7 @@ class Turn:
             voc = self.steps.vocoder(self.req.voice, self.req.seed, self.req.max_codes)
             self.state.vocoder_chunks = voc.chunk_log  # read after the turn, for the stats
             self.state.vocoder_units_per_code = voc.log_units_per_code
-            if self.steps.device.type == "cpu":
+            if self.steps.device.type == "cpu" or getattr(voc, "quiet_first_chunk", False):
                 self.schedule.hold_at = voc.codes_for_first_audio
         except BaseException as exc:  # noqa: BLE001 - travels to the caller
             self.schedule.first_audio.set()

@@ -8,7 +8,6 @@ of a reply, and `load` / `build_steps` (checkpoint.py, steps.py), which import t
     steps.py       ModelSteps for the runtime: reply vector, talker sampling, vocoder, warm-up
     thinker.py     thinker prefill / decode_one over a static cache
     talker.py      talker prefill / decode_one (thinker_to_talker_proj, codec_head)
-    fused.py       the fused fixed-shape decode step (CUDA graphs, torch.compile)
     vocoder.py     streaming token2wav: block-wise DiT windows + BigVGAN with overlap trimming
     presets.py     omni-bench: true-size configs with random weights, transformers' generate timed
 """

@@ -36,7 +36,7 @@ class Talker:
 
     def enable_fast_decode(self, graphs: bool, compile: bool = False) -> None:
         """Decode through the fused fixed-shape step (`fused.py`), replayed as CUDA graphs when possible."""
-        from .fused import FusedDecoder
+        from ...runtime.fused import FusedDecoder
         from ...runtime.graphs import StepGraphs
 
         dev = self.cache.keys[0].device

@@ -34,25 +34,14 @@ class Thinker:
         self.cache = cache
 
     def enable_fast_decode(self, graphs: bool, compile: bool = False) -> None:
-        """Decode through the fused fixed-shape step (`fused.py`), replayed as CUDA graphs when possible."""
-        from .fused import FusedDecoder
-        from ...runtime.graphs import StepGraphs
+        """Decode through the fused fixed-shape step (`runtime/fused.py`), replayed as CUDA graphs when possible."""
+        from ...runtime.fused import TokenDecoder
 
-        dev = self.cache.keys[0].device
-        self.fused = FusedDecoder(self.model, self.cache, compile=compile)
-        self.static_token = torch.zeros(1, dtype=torch.long, device=dev)
-        self.static_pos = torch.zeros(1, dtype=torch.long, device=dev)
-        self.graphs = StepGraphs(self._fused_step, dev, self.cache.max_len, graphs)
+        self.fused = TokenDecoder(self.model, self.cache, self.embed, self.lm_head, graphs=graphs, compile=compile)
 
     def capture_graphs(self) -> None:
         if self.fused is not None:
-            with torch.inference_mode():
-                self.graphs.capture_all()
-
-    def _fused_step(self, span: int):
-        embeds = self.embed(self.static_token.view(1, 1))
-        hidden = self.fused.step(embeds, self.static_pos, span)
-        return embeds, hidden, self.lm_head(hidden)[:, -1].float()
+            self.fused.capture()
 
     fused = None
 
@@ -71,13 +60,8 @@ class Thinker:
 
     def decode_one(self, token: torch.Tensor) -> ThinkerOut:
         """Feed one token ([1] long, on device) and return its vectors and the next logits."""
-        if self.fused is not None:
-            # The outputs live in static (graph) buffers until the next step: callers use them at once.
-            self.static_token.copy_(token)
-            self.static_pos.fill_(self.cache.length)
-            embeds, hidden, logits = self.graphs(self.cache.length + 1)
-            self.cache.advance(1)
-            return ThinkerOut(embeds, hidden, logits)
+        if self.fused is not None:  # outputs in static (graph) buffers until the next step: use them at once
+            return ThinkerOut(*self.fused(token))
         embeds = self.embed(token.view(1, 1))
         hidden = forward_layers(self.model, embeds, self.cache)
         return ThinkerOut(embeds, hidden, self.lm_head(hidden)[:, -1].float())

@@ -43,6 +43,7 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from ...runtime import compat
+from ...runtime.decoder import no_cudnn_attention
 
 
 def decoded_lag(config) -> int:
@@ -90,6 +91,9 @@ class StreamingCode2Wav:
         self.max_frames, self.chunk, self.left_context = max_frames, chunk, left_context
         self.first_chunk = self.codes_for_first_audio = first_chunk  # no look-ahead: the first chunk alone
         self.log_units_per_code = 1  # chunk_log counts frames, one per talker step
+        # The chunks run eagerly (hundreds of kernels issued from Python): beside the talker's graphs on
+        # a GPU the first one took 90 ms instead of 13 (H200, true size), so the engine waits for it.
+        self.quiet_first_chunk = True
         self.samples_per_frame = int(np.prod(config.upsampling_ratios + config.upsample_rates))  # 1920
         self.reset()
 
@@ -147,9 +151,13 @@ class StreamingCode2Wav:
         t, start, m = time.perf_counter(), self.done, self.model
         codes = torch.from_numpy(np.ascontiguousarray(self.codes[start:end].T[None])).to(self.device, non_blocking=True)
         hidden = m.code_embedding(codes + m.code_offset).mean(1)
-        # Positions continue from the cache's length, so RoPE sees the whole decode's positions.
-        hidden = m.pre_transformer(inputs_embeds=hidden, **compat.cache_kwargs(self.cache, m.pre_transformer),
-                                   use_cache=True).last_hidden_state
+        # Positions continue from the cache's length, so RoPE sees the whole decode's positions. Every
+        # chunk attends over a new (chunk, cache) shape: without cuDNN's attention, which builds a plan
+        # per shape (measured on an H200, true size: 134 ms for the second chunk, 0.8-1.2 s for 25-frame
+        # chunks, against ~20 ms for the first).
+        with no_cudnn_attention(self.device.type == "cuda"):
+            hidden = m.pre_transformer(inputs_embeds=hidden, **compat.cache_kwargs(self.cache, m.pre_transformer),
+                                       use_cache=True).last_hidden_state
         window = torch.cat([self.context, hidden], dim=1)
         wav = self._convs(window)
         # The window's sample 0 is the first sample of its first frame; skip what was emitted before.

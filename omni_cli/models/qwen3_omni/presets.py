@@ -18,8 +18,8 @@ from . import CODES_PER_SECOND, DEFAULT_VOICE, TALKER_SAMPLING, TITLE  # noqa: F
 FAMILY = "qwen3-omni"  # as the bench's JSON names it
 UNIT = "frames"  # a talker step: one 16-id frame (codebook 0 from the talker, 1-15 from the code predictor)
 PROMPT_FRAME = 8  # <|im_start|>user\n ... <|im_end|>\n<|im_start|>assistant\n: the rest is the user's
-GRAPHS = False  # the steps are all eager for now, whatever --graphs says
-READY_NOTE = "eager steps: nothing to capture"  # what the engine's warm-up did
+GRAPHS = True  # the steps follow --graphs
+READY_NOTE = "graphs captured, layers compiled"  # what the engine's warm-up did
 
 PRESETS = {
     # True sizes of Qwen3-Omni-30B-A3B-Instruct, every field set (`_config_30b`); `parameters`: the real
@@ -188,7 +188,7 @@ def prompt(model, prompt_tokens: int) -> list[int]:
 
 
 def steps(model, voices: dict, *, max_context: int, max_codes: int, graphs: bool, variant: str | None = None):
-    """The engine's steps (`max_codes`: frames); eager whatever `graphs` says, the one variant."""
+    """The engine's steps (`max_codes`: frames); the one variant."""
     from .steps import Qwen3Steps
 
     return Qwen3Steps(model, voices, max_context=max_context, max_codes=max_codes, graphs=graphs)

@@ -5,8 +5,12 @@ code2wav for the audio. A talker step is one 80 ms frame: codebook 0 from the ta
 from the code predictor (talker.py); the runtime gets the frame's 16 ids at once. What the talker reads
 for a reply token is `text_projection` of its thinker embedding (`reply_vector`).
 
-It does not know the turn's threads, the boundary or the schedule (runtime/), nor prompts. Speed
-(CUDA graphs for the MoE steps and the code predictor) is not here yet: every step runs eagerly.
+It does not know the turn's threads, the boundary or the schedule (runtime/), nor prompts.
+
+Speed: with fast decode (the default), the thinker's decode step, the talker's step and the frame (the
+code predictor's 15 steps with all 16 picks) are fixed-shape functions over static buffers
+(`runtime/fused.py`); on CUDA they are compiled and replayed as CUDA graphs captured in `warmup`. Prompts
+(thinker and talker prefill) run through the library's layers.
 """
 
 from __future__ import annotations
@@ -27,13 +31,13 @@ class Qwen3Steps:
     audio_limit = CODEBOOK_SIZE
 
     def __init__(self, model, voices: dict[str, int], *, max_context: int = 4096, max_codes: int = 1024,
-                 graphs: bool = True) -> None:
+                 graphs: bool = True, fast_decode: bool | None = None, compile: bool | None = None) -> None:
         # `voices` (the loader's name -> codec id map) is not kept: the talker reads the same speaker map
         # from the model's config, and the name is checked before a turn starts.
         self.model = model
         self.max_context = max_context
         self.max_codes = max_codes
-        self.graphs = graphs  # no graphs for this family yet (a later change)
+        self.graphs = graphs
         self.device = next(model.thinker.parameters()).device
         dtype = next(model.thinker.parameters()).dtype
         text_config = model.config.thinker_config.text_config
@@ -53,6 +57,18 @@ class Qwen3Steps:
             self.talker = Talker(model, cache, predictor)
             self.stop_codes = tuple(self.talker.stop_codes)
             self.text_eos_vec, self.text_pad_vec = self.talker.text_eos_vec, self.talker.text_pad_vec
+        if self.device.type == "cuda":
+            from ...runtime.engine import configure_cuda
+
+            configure_cuda(float32_llm=dtype == torch.float32)
+        self.fast_decode = True if fast_decode is None else fast_decode
+        if self.fast_decode:
+            from ...runtime.graphs import compile_wanted
+
+            compile = compile_wanted(graphs if compile is None else compile, self.device)
+            self.thinker.enable_fast_decode(graphs, compile)
+            if self.has_talker:
+                self.talker.enable_fast_decode(graphs, compile)
 
     # -- thinker -------------------------------------------------------------------------------------
     def prefill(self, input_ids: torch.Tensor):
@@ -78,7 +94,27 @@ class Qwen3Steps:
         return StreamingCode2Wav(self.model.code2wav, max_frames=max_codes)
 
     def warmup(self) -> None:
-        """Nothing to capture yet: this family's steps run eagerly."""
+        """Capture the CUDA graphs (thinker and talker steps for every span bucket, the frame) and
+        compile, on this thread, with nothing else running: turns only replay them."""
+        if self.device.type != "cuda":
+            return
+        self.thinker.capture_graphs()
+        if self.has_talker:
+            self.talker.capture_graphs()
+            self.warmup_vocoder()
+        torch.cuda.synchronize(self.device)
+
+    def warmup_vocoder(self, frames: int = 100) -> None:
+        """One utterance through code2wav (chunks 4, 8, 16, 25, ...): the first call of each kernel and
+        shape is slow (measured on an H200, true size: the first chunk of a process ~1 s), so a first
+        reply must not pay it."""
+        from .code2wav import StreamingCode2Wav
+
+        voc = StreamingCode2Wav(self.model.code2wav, max_frames=frames)
+        codes = torch.randint(0, voc.config.codebook_size, (frames, voc.config.num_quantizers),
+                              generator=torch.Generator().manual_seed(0))
+        voc.push(codes.tolist())
+        voc.finish()
 
 
 class _TalkerTurn:

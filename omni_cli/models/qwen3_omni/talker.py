@@ -20,6 +20,14 @@ Steps take and return device tensors only (no host sync); every id and mask tens
 `stop_codes`), or the vocoder. Audio/image/video user turns (`hidden_projection` at their positions and
 the talker's M-RoPE positions from `get_rope_index`) are not handled yet: positions are a 1-D offset,
 exact for text.
+
+Two paths do the same steps. The library's layers (`forward_layers`) run the prompt and, without fast
+decode, every step. With fast decode (`enable_fast_decode`, on accelerators) a step is two fixed-shape
+functions over static buffers, each replayed as one CUDA graph: the talker's step (`runtime/fused.py`,
+one graph per attention-span bucket) and the frame (codebook 0's pick, then the code predictor's 15
+steps and picks: one graph for all 16 picks). Sampling settings are device tensors and the randomness is
+drawn into a buffer before each frame (`runtime/sampling.pick`), so one capture serves every setting
+and both paths draw the same picks from the same seed.
 """
 
 from __future__ import annotations
@@ -31,7 +39,7 @@ from . import TALKER_SAMPLING
 from ...runtime import compat
 from ...runtime.decoder import forward_layers
 from ...runtime.kv_cache import StaticKVCache
-from ...runtime.sampling import mark_seen, select
+from ...runtime.sampling import SamplingParams, mark_seen, pick
 
 # The reference projects the whole assistant segment (opener + every fed reply token) through
 # `text_projection` in ONE matmul after the thinker has finished; a stream must project each reply token
@@ -99,6 +107,17 @@ class Talker:
         self._suppress[0, self.codec_eos] = False
         self._seen = torch.zeros(1, vocab, dtype=torch.bool, device=dev)
         self._codec_ids = None  # set by `begin`
+        self.talker_params = SamplingParams(vocab, dev)
+        self.predictor_params = SamplingParams(self.audio_limit, dev)
+        # Exp(1) draws for one frame's picks (row k: codebook k), drawn before each frame outside any graph.
+        self._race = torch.ones(self.frame_width, vocab, device=dev)
+        # The code predictor's positions: its two prefill rows, then one per codebook after the first.
+        self._predictor_pos = [torch.tensor([0, 1], device=dev)]
+        self._predictor_pos += [torch.tensor([k + 1], device=dev) for k in range(1, self.frame_width - 1)]
+        # What the talker's step leaves for the frame: its last hidden state and codebook-0 logits (static,
+        # so that the frame's graph reads them in place).
+        self._hidden = torch.zeros(1, 1, self.codec_head.in_features, device=dev, dtype=dtype)
+        self._logits = torch.zeros(1, vocab, device=dev)
         with torch.no_grad():
             # As the reference: the three tts entries projected together (one 3-row matmul).
             special = torch.tensor([[cfg.tts_bos_token_id, cfg.tts_eos_token_id, cfg.tts_pad_token_id]], device=dev)
@@ -164,9 +183,57 @@ class Talker:
         )
         self._seen.zero_()
         self._suppress[0, self.codec_eos] = force_audio
-        self._talker_opts = talker
-        self._predictor_opts = predictor
+        self.talker_params.set(talker)
+        self.predictor_params.set(predictor)
         self._generator = generator
+
+    fused = predictor_fused = prefill_graphs = None
+    _pick = staticmethod(pick)
+
+    def enable_fast_decode(self, graphs: bool, compile: bool = False) -> None:
+        """Steps through the fused fixed-shape functions (`runtime/fused.py`), replayed as CUDA graphs
+        when possible: the talker's step (one graph per span bucket) and the frame (one graph)."""
+        from ...runtime.fused import FusedDecoder
+        from ...runtime.graphs import PrefillGraphs, StepGraphs, compile_fn
+
+        dev = self._seen.device
+        self.fused = FusedDecoder(self.model, self.cache, compile=compile, as_sum=True)
+        # The code predictor (5 layers) compiled as one function, fused across its layers: measured on an
+        # H200, true size, the frame's graph 4.0 ms against 4.4-4.8 ms compiled layer by layer.
+        self.predictor_fused = FusedDecoder(self.predictor, self.predictor_cache, compile=compile, mrope=False,
+                                            whole=True, as_sum=True)
+        self._in_frame = torch.zeros(self.frame_width, dtype=torch.long, device=dev)
+        self._in_vec = torch.zeros_like(self.text_pad_vec)
+        self._in_pos = torch.zeros(1, dtype=torch.long, device=dev)
+        self.step_graphs = StepGraphs(self._fused_step, dev, self.cache.max_len, graphs)
+        self.prefill_graphs = PrefillGraphs(self.model, self.cache, self._hidden.shape[-1], self._hidden.dtype, dev,
+                                            graphs and self._hidden.dtype == torch.bfloat16)  # as the thinker's
+        # The 16 picks of a frame, compiled: a sampled pick is ~20 small kernels eagerly (two sorts and two
+        # softmaxes of the vocabulary among them), a third of the frame's device time.
+        self._pick = compile_fn(pick, fullgraph=True) if compile else pick
+        # The frame does not depend on the talker's span: one "bucket", the predictor cache's length.
+        self.frame_graphs = StepGraphs(self._fused_frame, dev, self.predictor_cache.max_len, graphs)
+
+    def capture_graphs(self) -> None:
+        """Capture the frame's graph and the step's for every span bucket (the engine's warm-up). The
+        capture's warm-up runs write the sampling state: `begin` resets it for every turn."""
+        if self.fused is None:
+            return
+        self.talker_params.set(self.default_sampling()[0])
+        self.predictor_params.set(self.default_sampling()[1])
+        with torch.inference_mode():
+            self.step_graphs.capture_all()
+            self.frame_graphs.capture_all()
+        self.prefill_graphs.capture_all()
+
+    def _fused_step(self, span: int) -> None:
+        x = self._embed_frame(self._in_frame) + self._in_vec
+        hidden = self.fused.step(x, self._in_pos, span)
+        self._hidden.copy_(hidden)
+        self._logits.copy_(self.codec_head(hidden)[:, -1].float())
+
+    def _fused_frame(self, span: int) -> torch.Tensor:
+        return self._frame(self._hidden, self._logits)
 
     def prefill(self, prompt, first_vec: torch.Tensor) -> torch.Tensor:
         """The talker prompt from the thinker's prefill output and R[0]; returns frame 0 ([16] long).
@@ -186,31 +253,62 @@ class Talker:
         codec = torch.cat([self._no_codec, self.codec_embed(self._codec_ids).unsqueeze(0)], dim=1)
         x = torch.cat([user, text + codec], dim=1)
         self.cache.reset()
-        hidden = forward_layers(self.model, x, self.cache)
+        if self.prefill_graphs is None:
+            hidden = forward_layers(self.model, x, self.cache)
+        else:
+            hidden, _ = self.prefill_graphs(x)
         # `codec_head` over every prompt position, last row kept: the reference's matmul shape.
         logits = self.codec_head(hidden)[:, -1].float()
-        return self._frame(hidden[:, -1:], logits)
+        self._draw()
+        if self.fused is None:
+            return self._frame(hidden[:, -1:], logits)
+        self._hidden.copy_(hidden[:, -1:])
+        self._logits.copy_(logits)
+        return self.frame_graphs(self.predictor_cache.max_len).clone()  # out of the graph's buffer
 
     def step(self, frame: torch.Tensor, vec: torch.Tensor) -> torch.Tensor:
         """Feed the previous frame ([16] long) with one text entry ([1, 1, D]); returns the next frame."""
+        self._draw()
+        if self.fused is None:
+            x = self._embed_frame(frame) + vec
+            hidden = forward_layers(self.model, x, self.cache)
+            return self._frame(hidden, self.codec_head(hidden)[:, -1].float())
+        self._in_frame.copy_(frame)
+        self._in_vec.copy_(vec)
+        self._in_pos.fill_(self.cache.length)
+        self.step_graphs(self.cache.length + 1)
+        self.cache.advance(1)
+        return self.frame_graphs(self.predictor_cache.max_len).clone()  # out of the graph's buffer
+
+    def _embed_frame(self, frame: torch.Tensor) -> torch.Tensor:
+        """[1, 1, D]: the frame's 16 codebook embeddings, summed as the reference sums them (one reduction
+        over the stacked entries; the text entry is added after)."""
         parts = [self.codec_embed(frame[0:1]).view(1, 1, -1)]
         parts += [emb(frame[k + 1 : k + 2]).view(1, 1, -1) for k, emb in enumerate(self.predictor_embeds)]
-        # Summed as the reference sums them: one reduction over the stacked 16 entries, then the text.
-        x = torch.cat(parts, dim=1).sum(1, keepdim=True) + vec
-        hidden = forward_layers(self.model, x, self.cache)
-        return self._frame(hidden, self.codec_head(hidden)[:, -1].float())
+        return torch.cat(parts, dim=1).sum(1, keepdim=True)
+
+    def _draw(self) -> None:
+        """The frame's randomness, from the turn's generator (greedy picks ignore it)."""
+        self._race.exponential_(1, generator=self._generator)
 
     def _frame(self, hidden: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         """Codebook 0 from `logits`, then codebooks 1..15 from the code predictor; [16] long."""
-        c0 = select(logits, self._talker_opts, self._seen, self._suppress, self._generator)
+        c0 = self._pick(logits, self.talker_params, self._seen, self._suppress, self._race[0:1])
         mark_seen(self._seen, c0)
         codes = [c0]
-        self.predictor_cache.reset()
         x = torch.cat([hidden[:, -1:], self.codec_embed(c0).view(1, 1, -1)], dim=1)
         for k, head in enumerate(self.predictor_heads):
             if k:
                 x = self.predictor_embeds[k - 1](codes[-1]).view(1, 1, -1)
-            h = forward_layers(self.predictor, x, self.predictor_cache, mrope=False)
-            logits = head(h)[:, -1].float()  # over both prefill rows, as the reference
-            codes.append(select(logits, self._predictor_opts, None, None, self._generator))
+            logits = head(self._predict(x, k))[:, -1].float()  # over both prefill rows, as the reference
+            race = self._race[k + 1 : k + 2, : logits.shape[-1]]
+            codes.append(self._pick(logits, self.predictor_params, None, None, race))
         return torch.cat(codes)
+
+    def _predict(self, x: torch.Tensor, k: int) -> torch.Tensor:
+        """The code predictor's layers on the rows for codebook k+1 (k = 0: its two prefill rows)."""
+        if self.predictor_fused is None:
+            if k == 0:
+                self.predictor_cache.reset()
+            return forward_layers(self.predictor, x, self.predictor_cache, mrope=False)
+        return self.predictor_fused.step(x, self._predictor_pos[k], self.predictor_cache.max_len)

@@ -11,6 +11,10 @@ Positions are a host-side 1-D offset expanded to the three interleaved M-RoPE ro
 text (the reference's `get_rope_index` gives the same position on every row); audio, image and video
 prompts (the encoders, `get_rope_index` and its delta, deepstack) are not handled yet. It knows nothing
 of sampling, the talker or threads.
+
+With fast decode (`enable_fast_decode`), `decode_one` runs the fused fixed-shape step (`runtime/fused.py`:
+the experts routed on the device), on CUDA replayed as one CUDA graph per span bucket; the prompt goes
+through the library's layers, on CUDA replayed as one graph per prompt-length bucket (`PrefillGraphs`).
 """
 
 from __future__ import annotations
@@ -45,11 +49,37 @@ class Thinker:
         self.cache = cache
         self.accept_layer = accept_hidden_layer
 
+    def enable_fast_decode(self, graphs: bool, compile: bool = False) -> None:
+        """Decode through the fused fixed-shape step (`runtime/fused.py`), replayed as CUDA graphs when possible."""
+        from ...runtime.fused import TokenDecoder
+
+        from ...runtime.graphs import PrefillGraphs
+
+        self.fused = TokenDecoder(self.model, self.cache, self.embed, self.lm_head, graphs=graphs, compile=compile,
+                                  as_sum=True)
+        weight = self.embed_tokens.weight
+        # The library's experts are graph-safe in bfloat16 only (in float32 its grouped matmul copies from
+        # the host): float32 prompts run eagerly.
+        self.prefill_graphs = PrefillGraphs(self.model, self.cache, weight.shape[1], weight.dtype, weight.device,
+                                            graphs and weight.dtype == torch.bfloat16, keep=self.accept_layer)
+
+    def capture_graphs(self) -> None:
+        if self.fused is not None:
+            self.fused.capture()
+            self.prefill_graphs.capture_all()
+
+    prefill_graphs = None
+
+    fused = None
+
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(ids)
 
-    def _forward(self, embeds: torch.Tensor) -> ThinkerOut:
-        hidden, accepted = forward_layers_keeping(self.model, embeds, self.cache, self.accept_layer)
+    def _forward(self, embeds: torch.Tensor, prefill: bool = False) -> ThinkerOut:
+        if prefill and self.prefill_graphs is not None:  # a graph per prompt-length bucket (fast decode)
+            hidden, accepted = self.prefill_graphs(embeds)
+        else:
+            hidden, accepted = forward_layers_keeping(self.model, embeds, self.cache, self.accept_layer)
         # The reference projects every fed position and keeps the last row: the same matmul keeps the
         # picked token bit-identical (a one-row matmul may round differently from an L-row one).
         logits = self.lm_head(hidden)[:, -1].float()
@@ -58,8 +88,11 @@ class Thinker:
     def prefill(self, input_ids: torch.Tensor) -> ThinkerOut:
         """Run the whole prompt ([1, L] ids) from an empty cache."""
         self.cache.reset()
-        return self._forward(self.embed(input_ids))
+        return self._forward(self.embed(input_ids), prefill=True)
 
     def decode_one(self, token: torch.Tensor) -> ThinkerOut:
-        """Feed one token ([1] long, on device) and return its vectors and the next logits."""
-        return self._forward(self.embed(token.view(1, 1)))
+        """Feed one token ([1] long, on device) and return its vectors and the next logits (with fast
+        decode they live in the graph's buffers until the next step: callers use them at once)."""
+        if self.fused is None:
+            return self._forward(self.embed(token.view(1, 1)))
+        return ThinkerOut(*self.fused(token))

@@ -1,0 +1,264 @@
+"""A fixed-shape decode step for a decoder stack of transformers' Qwen layers, ready to be captured as a
+CUDA graph: Qwen2 (Qwen2.5-Omni's thinker and talker), Qwen3 dense (Qwen3-Omni's code predictor) and
+Qwen3 mixture-of-experts (Qwen3-Omni's thinker and talker, with or without a shared expert).
+
+`FusedDecoder` fuses each layer's q/k/v projections into one matrix and a dense MLP's gate/up into
+another, *in place*: the library's `q_proj`, `k_proj`, ... keep working as views into the fused storage,
+so the reference-exact prefill path and this decode path share one copy of the weights (no extra memory).
+Expert weights are used as the library stores them (`gate_up_proj` [E, 2I, H], `down_proj` [E, H, I]).
+
+`step(embeds, pos, span)` runs n tokens (n = 1 for a decode step; a few for the code predictor's
+prefill): the RoPE angles come from a table (the same float32 math the library does per call), the new
+keys/values are written at *device-side* positions, and attention reads the first `span` cache rows (a
+host-chosen bucket, so shapes are fixed per bucket) under a mask of the valid ones. A mixture-of-experts
+layer routes on the device (softmax, top-k, the experts' rows read by index): no host sync, no Python
+branch on a tensor value, no allocation that depends on data.
+
+It does not know which LLM it runs, nor sampling. Its float results can differ from the library's
+layer-by-layer path in the last bits (fused matmuls and the experts' reduction order may round
+differently); tests compare the tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .graphs import compile_fn
+from .kv_cache import StaticKVCache
+
+
+def _fuse_rows(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Stack the weights (and biases) of `linears` into one matrix and re-point each module at its rows."""
+    weight = torch.cat([m.weight.data for m in linears], dim=0)
+    bias = None
+    if linears[0].bias is not None:
+        bias = torch.cat([m.bias.data for m in linears], dim=0)
+    row = 0
+    for m in linears:
+        n = m.weight.shape[0]
+        m.weight.data = weight[row : row + n]
+        if bias is not None:
+            m.bias.data = bias[row : row + n]
+        row += n
+    return weight, bias
+
+
+def _check_silu(act) -> None:
+    if type(act).__name__ not in ("SiLU", "SiLUActivation"):
+        raise ValueError(f"the fused step assumes SiLU-gated MLPs, not {type(act).__name__}")
+
+
+def _norm(module) -> tuple[torch.Tensor, float] | tuple[None, float]:
+    return (None, 0.0) if module is None else (module.weight, module.variance_epsilon)
+
+
+class _Layer:
+    """One layer's tensors, fused, as plain tensors (so a compiled layer function can take them as arguments)."""
+
+    def __init__(self, layer) -> None:
+        attn, mlp = layer.self_attn, layer.mlp
+        self.in_norm = _norm(layer.input_layernorm)
+        self.post_norm = _norm(layer.post_attention_layernorm)
+        self.q_norm = _norm(getattr(attn, "q_norm", None))  # Qwen3: RMSNorm over each head
+        self.k_norm = _norm(getattr(attn, "k_norm", None))
+        self.qkv_w, self.qkv_b = _fuse_rows([attn.q_proj, attn.k_proj, attn.v_proj])
+        self.split = (attn.q_proj.weight.shape[0], attn.k_proj.weight.shape[0], attn.v_proj.weight.shape[0])
+        self.o_w = attn.o_proj.weight
+        self.head_dim = attn.head_dim
+        self.scaling = attn.scaling
+        self.mlp, self.routing = _mlp_tensors(mlp)
+
+
+def _mlp_tensors(mlp) -> tuple[tuple, tuple[int, bool] | None]:
+    """(tensors, routing): a dense MLP's (gate_up, down) with routing None, or a sparse block's
+    (router, experts' gate_up, experts' down[, shared gate_up, shared down, shared gate]) with
+    routing (top_k, renormalise the top-k weights)."""
+    if not hasattr(mlp, "experts"):
+        _check_silu(mlp.act_fn)
+        return (_fuse_rows([mlp.gate_proj, mlp.up_proj])[0], mlp.down_proj.weight), None
+    experts, router = mlp.experts, mlp.gate
+    _check_silu(experts.act_fn)
+    tensors = (router.weight, experts.gate_up_proj, experts.down_proj)
+    shared = getattr(mlp, "shared_expert", None)
+    if shared is not None:
+        _check_silu(shared.act_fn)
+        gate_up, _ = _fuse_rows([shared.gate_proj, shared.up_proj])
+        tensors += (gate_up, shared.down_proj.weight, mlp.shared_expert_gate.weight)
+    return tensors, (router.top_k, bool(router.norm_topk_prob))
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The library's Qwen RMSNorm, op for op (float32 statistics, result cast back, then scaled)."""
+    dtype = x.dtype
+    x32 = x.to(torch.float32)
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(dtype)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE as the library applies it (rotate-half convention)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return (x * cos) + (rotated * sin)
+
+
+def gated(x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           as_sum: bool = False) -> torch.Tensor:
+    """`F.linear` for the few rows of a decode step. With `as_sum`, compiled, it is a product and a float32
+    sum, which inductor makes one reduction kernel (the input's norm fused into its loads): for Qwen3-Omni's
+    small matrices (1024-2048 wide) that streams the weight near the memory's bandwidth where a GEMM
+    library's one-row kernel reaches a fraction of it (H200: 5-12 µs a matrix against ~3 µs of reading;
+    thinker step 4.25 -> 3.8 ms, talker step 1.8 -> 1.2 ms). For Qwen2.5-Omni-7B's large ones (3584 x
+    18944) it was slower than cuBLAS (thinker 5.0 -> 7.5 ms a token): those stay GEMMs."""
+    if not (as_sum and torch.compiler.is_compiling()):
+        return F.linear(x, weight, bias)
+    out = (x.unsqueeze(-2) * weight).sum(-1, dtype=torch.float32)
+    return (out if bias is None else out + bias).to(x.dtype)
+
+
+def picked_matvec(weights: torch.Tensor, idx: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """weights[idx] @ x for every pick: weights [E, out, in], idx [n, k], x [n, k or 1, in] -> [n, k, out].
+
+    Compiled, it is written as a product and a sum so that inductor makes one reduction kernel that reads
+    the picked experts' rows in place (a matmul would first copy them out: 3x the memory traffic of a
+    step that is all weight reading). Eager, the product would round each term to the weights' dtype,
+    so it is a batched matmul over the gathered weights, which accumulates in float32 as the library does.
+    """
+    if torch.compiler.is_compiling():
+        return (weights[idx] * x.unsqueeze(-2)).sum(-1, dtype=torch.float32).to(x.dtype)
+    return torch.matmul(weights[idx], x.unsqueeze(-1)).squeeze(-1)
+
+
+def moe_mlp(x: torch.Tensor, tensors: tuple, top_k: int, renormalise: bool, as_sum: bool = False) -> torch.Tensor:
+    """A sparse MoE block on x [1, n, H]: the library's routing (float32 softmax, top-k, optional
+    renormalisation, weights cast back), the picked experts, summed in top-k order as the library's
+    grouped path sums them; plus the sigmoid-gated shared expert when there is one."""
+    router_w, gate_up, down = tensors[:3]
+    rows = x.view(-1, x.shape[-1])  # [n, H]
+    probs = linear(rows, router_w, as_sum=as_sum).softmax(dim=-1, dtype=torch.float32)
+    # The top k by one sort (one kernel for 128 experts, where topk launches two); a stable sort orders
+    # ties by index, a case of measure zero for float routing scores.
+    weight, idx = (t[..., :top_k] for t in torch.sort(probs, dim=-1, descending=True, stable=True))  # [n, k]
+    if renormalise:
+        weight = weight / weight.sum(dim=-1, keepdim=True)
+    weight = weight.to(x.dtype)
+    h = gated(picked_matvec(gate_up, idx, rows.unsqueeze(1)))  # [n, k, I]
+    out = (picked_matvec(down, idx, h) * weight.unsqueeze(-1)).sum(dim=1)  # [n, H]
+    if len(tensors) > 3:
+        shared_gate_up, shared_down, shared_gate = tensors[3:]
+        shared = linear(gated(linear(rows, shared_gate_up, as_sum=as_sum)), shared_down, as_sum=as_sum)
+        out = out + torch.sigmoid(linear(rows, shared_gate, as_sum=as_sum)) * shared
+    return out.view_as(x)
+
+
+def layer_step(hidden, in_w, post_w, qkv_w, qkv_b, q_norm_w, k_norm_w, o_w, mlp, keys, values, pos, cos, sin,
+               valid, eps: float, split: tuple[int, int, int], head_dim: int, scaling: float,
+               routing: tuple[int, bool] | None, as_sum: bool = False):
+    """One decoder layer for n tokens. Pure function of tensors: what `torch.compile` fuses. `as_sum`:
+    the projections as reductions (`linear`)."""
+    n = hidden.shape[1]
+    x = rms_norm(hidden, in_w, eps)
+    q, k, v = linear(x, qkv_w, qkv_b, as_sum).split(split, dim=-1)
+    q, k, v = (t.view(1, n, -1, head_dim) for t in (q, k, v))
+    if q_norm_w is not None:  # Qwen3: per-head norms before RoPE (the layer's eps, as the library's)
+        q, k = rms_norm(q, q_norm_w, eps), rms_norm(k, k_norm_w, eps)
+    q = rotate(q.transpose(1, 2), cos, sin)
+    k = rotate(k.transpose(1, 2), cos, sin)
+    v = v.transpose(1, 2)
+    keys.index_copy_(2, pos, k)
+    values.index_copy_(2, pos, v)
+    span = valid.shape[-1]
+    att = F.scaled_dot_product_attention(q, keys[:, :, :span], values[:, :, :span], attn_mask=valid,
+                                         scale=scaling, enable_gqa=True)
+    hidden = hidden + linear(att.transpose(1, 2).reshape(1, n, -1), o_w, as_sum=as_sum)
+    x = rms_norm(hidden, post_w, eps)
+    if routing is None:
+        gate_up_w, down_w = mlp
+        return hidden + linear(gated(linear(x, gate_up_w, as_sum=as_sum)), down_w, as_sum=as_sum)
+    return hidden + moe_mlp(x, mlp, *routing, as_sum=as_sum)
+
+
+class FusedDecoder:
+    def __init__(self, model, cache: StaticKVCache, compile: bool = False, mrope: bool = True,
+                 whole: bool = False, as_sum: bool = False) -> None:
+        """`model`: the library's decoder stack (`.layers`, `.norm`, `.rotary_emb`); `cache`: its static cache.
+
+        `compile`: run each layer through `torch.compile` (inductor fuses the many small element-wise
+        kernels of a one-token step); the same compiled code serves every layer of a kind. `whole`:
+        compile the whole step instead (fusion across layer boundaries too; for small stacks, whose
+        compile time is short). `mrope`: the stack's rotary takes three M-RoPE rows of positions (False:
+        plain RoPE). `as_sum`: compiled projections as reductions (`linear`: for small matrices).
+        """
+        self.layers = [_Layer(layer) for layer in model.layers]
+        for L in self.layers:  # the per-head norms share the layer's eps in every Qwen3 config
+            if L.q_norm[0] is not None and (L.q_norm[1] != L.in_norm[1] or L.k_norm[1] != L.in_norm[1]):
+                raise ValueError("the fused step assumes one RMSNorm eps per layer")
+        self.norm = (model.norm.weight, model.norm.variance_epsilon)
+        self.cache = cache
+        param = next(model.parameters())
+        positions = torch.arange(cache.max_len, device=param.device).view(1, 1, -1)
+        positions = positions.expand(3, 1, -1) if mrope else positions[0]
+        with torch.no_grad():
+            probe = torch.zeros(1, 1, 1, device=param.device, dtype=param.dtype)
+            cos, sin = model.rotary_emb(probe, positions)  # [1, max_len, head_dim], the library's math
+        self.cos, self.sin = cos[0], sin[0]
+        self.span_index = torch.arange(cache.max_len, device=param.device)
+        self.as_sum = as_sum
+        self.layer_fn = compile_fn(layer_step, fullgraph=True) if compile and not whole else layer_step
+        if compile and whole:
+            self.step = compile_fn(self.step, fullgraph=True)
+
+    def step(self, embeds: torch.Tensor, pos: torch.Tensor, span: int) -> torch.Tensor:
+        """`embeds` [1, n, W] at positions `pos` ([n] long, device), attending to `span` ≥ max(pos)+1 rows."""
+        n = embeds.shape[1]
+        cos = self.cos.index_select(0, pos).view(1, 1, n, -1)
+        sin = self.sin.index_select(0, pos).view(1, 1, n, -1)
+        valid = (self.span_index[:span].view(1, span) <= pos.view(n, 1)).view(1, 1, n, span)
+        hidden = embeds
+        for i, L in enumerate(self.layers):
+            hidden = self.layer_fn(
+                hidden, L.in_norm[0], L.post_norm[0], L.qkv_w, L.qkv_b, L.q_norm[0], L.k_norm[0], L.o_w, L.mlp,
+                self.cache.keys[i], self.cache.values[i], pos, cos, sin, valid,
+                L.in_norm[1], L.split, L.head_dim, L.scaling, L.routing, self.as_sum,
+            )
+        return rms_norm(hidden, *self.norm)
+
+
+class TokenDecoder:
+    """A language model's one-token decode (embed -> fused stack -> head) over static buffers, replayed
+    as one CUDA graph per span bucket (`StepGraphs`), or run eagerly with the same math where graphs are
+    off. Its outputs live in the graph's buffers until the next call: callers use them at once."""
+
+    def __init__(self, model, cache: StaticKVCache, embed, head, *, graphs: bool, compile: bool = False,
+                 as_sum: bool = False) -> None:
+        from .graphs import StepGraphs
+
+        dev = cache.keys[0].device
+        self.fused = FusedDecoder(model, cache, compile=compile, as_sum=as_sum)
+        self.cache, self.embed, self.head = cache, embed, head
+        self.token = torch.zeros(1, dtype=torch.long, device=dev)
+        self.pos = torch.zeros(1, dtype=torch.long, device=dev)
+        self.graphs = StepGraphs(self._step, dev, cache.max_len, graphs)
+
+    def _step(self, span: int):
+        embeds = self.embed(self.token.view(1, 1))
+        hidden = self.fused.step(embeds, self.pos, span)
+        return embeds, hidden, self.head(hidden)[:, -1].float()
+
+    def capture(self) -> None:
+        with torch.inference_mode():
+            self.graphs.capture_all()
+
+    def __call__(self, token: torch.Tensor):
+        """Feed `token` ([1] long, device) at the cache's next position: (embeds, hidden, float32 logits)."""
+        self.token.copy_(token)
+        self.pos.fill_(self.cache.length)
+        out = self.graphs(self.cache.length + 1)
+        self.cache.advance(1)
+        return out
