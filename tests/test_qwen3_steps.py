@@ -124,6 +124,28 @@ def test_fused_steps_sample_what_the_library_layers_sample(seed):
     assert replies[0].codes == replies[1].codes and len(replies[0].codes) >= 4
 
 
+def test_talker_step_k_follows_thinker_step_k():
+    """R[k] is the projected embedding of token k: talker step k runs as soon as token k is sampled (the
+    talker prompt right after the thinker's prefill), not after the thinker step that feeds token k. The
+    first audio's 4 frames then wait for 3 thinker steps, not 4."""
+    engine = engine_for(ref.model("tiny"))
+    steps, order = engine.steps, []
+    decode_one, talker_turn = steps.decode_one, steps.talker_turn
+
+    def logged_turn(*args, **kwargs):
+        turn = talker_turn(*args, **kwargs)
+        prefill, step = turn.prefill, turn.step
+        turn.prefill = lambda *a: (order.append("talker"), prefill(*a))[1]
+        turn.step = lambda *a: (order.append("talker"), step(*a))[1]
+        return turn
+
+    steps.decode_one = lambda token: (order.append("thinker"), decode_one(token))[1]
+    steps.talker_turn = logged_turn
+    reply = run(engine, ref.prompt_ids(HELLO), voice="Ethan", frames=6, text_tokens=8)
+    assert len(reply.codes) >= 4
+    assert order[:6] == ["talker", "thinker"] * 3
+
+
 def test_voices_differ():
     engine = engine_for(ref.model("tiny"))
     ids = ref.prompt_ids(HELLO)

@@ -13,8 +13,9 @@ sampling and stats. They meet here:
   and a streaming vocoder for the audio.
 
 The schedule is the same for every family: thinker step j feeds reply token j-1 (giving its text entry
-R[j-1]) and samples token j; talker step k is fed R[k], or the text-EOS entry at the index of the
-text's end (EOS, or the last token when the text stops by length), or text-pad after it.
+R[j-1], or R[j] at once from the sampled token where `token_vector` gives it) and samples token j;
+talker step k is fed R[k], or the text-EOS entry at the index of the text's end (EOS, or the last token
+when the text stops by length), or text-pad after it.
 
 It holds no code that runs: Protocols only (documentation the type checker can read).
 """
@@ -80,6 +81,13 @@ class ModelSteps(Protocol):
     def decode_one(self, token: "torch.Tensor") -> ThinkerOutput: ...
 
     def reply_vector(self, out: ThinkerOutput) -> "torch.Tensor": ...
+
+    # True where a token's text entry depends on the token alone (Qwen3-Omni: its projected embedding):
+    # `token_vector` gives it as soon as the token is sampled, so talker step k need not wait for the
+    # thinker step that feeds token k. False where that step's hidden state is needed (Qwen2.5-Omni).
+    vector_from_token: bool
+
+    def token_vector(self, token: "torch.Tensor") -> "torch.Tensor": ...  # only where vector_from_token
 
     def talker_turn(self, prompt_ids: list[int], voice: str, sampling: "SamplingOptions", generator,
                     force_audio: bool) -> TalkerTurn: ...

@@ -2,7 +2,9 @@
 
 The thinker prefills the prompt and samples reply token 0. Thinker step j feeds token j-1 (giving its
 text entry R[j-1]) and samples token j. Talker step k needs R[k], so it runs right after thinker step
-k+1: codes, and so audio, exist long before the text is finished. Once the text has ended, the talker
+k+1, or right after thinker step k where the family makes R[k] from token k alone (`token_vector`:
+Qwen3-Omni; the fewest thinker tokens the reference's data dependency allows): codes, and so audio,
+exist long before the text is finished. Once the text has ended, the talker
 is fed the text-EOS entry once, then text-pad, until it samples a stop code.
 
 Every sampled id goes to the async output boundary (`boundary.py`) at once; the schedule never reads a
@@ -45,6 +47,7 @@ class _Decode:
     toks: list = field(default_factory=list)  # reply token k, on the device
     replies: list = field(default_factory=list)  # R[k]: the talker's text entry for reply token k
     ended_before: list = field(default_factory=list)  # [k]: a text EOS was sampled before token k
+    early: bool = False  # R[k] from token k alone (`token_vector`), not from the step that feeds it
 
 
 class Schedule:
@@ -83,6 +86,7 @@ class Schedule:
         self.clock.end("thinker_prefill", mark)
         self.state.times["prefill_issued"] = time.perf_counter()
         d.first, d.toks = first, [tok]
+        self._early_vector(d, tok)
         with _sync_debug(self.req.sync_debug and self.steps.device.type == "cuda"):
             self._steps(d)
 
@@ -100,10 +104,11 @@ class Schedule:
         d.ended_before = [torch.zeros(1, dtype=torch.bool, device=dev)]
         if self.audio:
             d.talker = s.talker_turn(list(req.input_ids), req.voice, req.talker, d.gen, req.force_lengths)
+            d.early = s.vector_from_token
         return d
 
     def _steps(self, d: _Decode) -> None:
-        """The hot loop: thinker step j, then talker step k as soon as its text entry exists."""
+        """The hot loop: talker step k as soon as its text entry exists, then thinker step j."""
         s, req, st, out = self.steps, self.req, self.state, self.out
         j, k = 1, 0
         ids = None
@@ -112,40 +117,46 @@ class Schedule:
             if self.hold_at is not None and k >= self.hold_at:
                 self.first_audio.wait(FIRST_AUDIO_HOLD)  # bounded: a chunk that never comes costs little
                 self.hold_at = None
+            vec = None if self._talker_finished(k) else self._reply_vector(k, d)  # None: the thinker goes first
+            if vec is not None:
+                out.wait_for("code", k, self.stop)
+                t = time.perf_counter()
+                mark = self.clock.start()
+                ids = d.talker.prefill(d.first, vec) if k == 0 else d.talker.step(ids, vec)
+                out.push("code", k, ids)
+                self.clock.end("talker" if k else "talker_prefill", mark)
+                k += 1
+                t_talker += time.perf_counter() - t
+                st.times["talker_last_step"] = time.perf_counter()
             text_end = st.text_end
             if j < self.n_max and (text_end is None or j < text_end):
                 out.wait_for("text", j, self.stop)
                 t = time.perf_counter()
                 mark = self.clock.start()
                 o = s.decode_one(d.toks[j - 1])
-                d.replies.append(s.reply_vector(o))
+                if not d.early:
+                    d.replies.append(s.reply_vector(o))
                 d.ended_before.append(d.ended_before[-1] | torch.isin(d.toks[j - 1], d.eos))
                 tok = select(o.logits, req.thinker, d.seen_text, d.no_eos, d.gen)
                 mark_seen(d.seen_text, tok)
                 out.push("text", j, tok)
                 self.clock.end("thinker", mark)
                 d.toks.append(tok)
+                self._early_vector(d, tok)
                 j += 1
                 t_thinker += time.perf_counter() - t
             thinker_finished = j >= self.n_max or (st.text_end is not None and j >= st.text_end)
-            talker_finished = not self.audio or st.codes_end is not None or k >= req.max_codes
-            if thinker_finished and talker_finished:
+            if thinker_finished and self._talker_finished(k):
                 break
-            if talker_finished:
-                continue
-            vec = self._reply_vector(k, d)
-            if vec is None:
-                continue  # R[k] does not exist yet: the thinker goes first
-            out.wait_for("code", k, self.stop)
-            t = time.perf_counter()
-            mark = self.clock.start()
-            ids = d.talker.prefill(d.first, vec) if k == 0 else d.talker.step(ids, vec)
-            out.push("code", k, ids)
-            self.clock.end("talker" if k else "talker_prefill", mark)
-            k += 1
-            t_talker += time.perf_counter() - t
-            st.times["talker_last_step"] = time.perf_counter()
         st.times.update(thinker_steps=j - 1, talker_steps=k, thinker_time=t_thinker, talker_time=t_talker)
+
+    def _talker_finished(self, k: int) -> bool:
+        return not self.audio or self.state.codes_end is not None or k >= self.req.max_codes
+
+    def _early_vector(self, d: _Decode, tok: torch.Tensor) -> None:
+        """R[k] as soon as token k is sampled, where the family's text entry needs the token alone."""
+        if self.audio and d.early:
+            d.replies.append(self.steps.token_vector(tok))
 
     def _reply_vector(self, k: int, d: _Decode):
         """Talker text entry k: R[k], text-EOS for the text's last token, text-pad after it."""

@@ -26,6 +26,7 @@ class Qwen25Steps:
     codes_per_second = 50.0  # one code is 20 ms of audio
     sample_rate = 24_000
     audio_limit = AUDIO_CODE_LIMIT
+    vector_from_token = False  # R[k] needs the hidden state of the thinker step that feeds token k
 
     def __init__(self, model, speakers: dict, *, max_context: int = 4096, max_codes: int = 4096,
                  graphs: bool = True, fast_decode: bool | None = None, compile: bool | None = None,

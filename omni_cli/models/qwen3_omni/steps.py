@@ -29,6 +29,7 @@ class Qwen3Steps:
     codes_per_second = 12.5
     sample_rate = 24_000
     audio_limit = CODEBOOK_SIZE
+    vector_from_token = True  # R[k] is the projected thinker embedding of token k (`token_vector`)
 
     def __init__(self, model, voices: dict[str, int], *, max_context: int = 4096, max_codes: int = 1024,
                  graphs: bool = True, fast_decode: bool | None = None, compile: bool | None = None) -> None:
@@ -79,6 +80,11 @@ class Qwen3Steps:
 
     def reply_vector(self, out) -> torch.Tensor:
         return self.talker.reply_vector(out)
+
+    def token_vector(self, token: torch.Tensor) -> torch.Tensor:
+        """R[k] from reply token k alone (its thinker embedding, projected): talker step k need not wait
+        for thinker step k+1, which feeds the token (first audio one thinker step sooner)."""
+        return self.talker.text_entry(self.thinker.embed(token.view(1, 1)))
 
     # -- talker and vocoder --------------------------------------------------------------------------
     def talker_turn(self, prompt_ids: list[int], voice: str, sampling, generator, force_audio: bool) -> "_TalkerTurn":

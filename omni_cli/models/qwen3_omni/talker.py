@@ -138,7 +138,11 @@ class Talker:
 
     def reply_vector(self, out) -> torch.Tensor:
         """[1, 1, D]: the text entry of the token `out` fed (its thinker input embedding, projected)."""
-        return self._project(out.embeds[:, -1:])
+        return self.text_entry(out.embeds[:, -1:])
+
+    def text_entry(self, embeds: torch.Tensor) -> torch.Tensor:
+        """[1, 1, D]: the text entry of a token from its thinker embedding ([1, 1, W])."""
+        return self._project(embeds)
 
     def begin(
         self,
