@@ -139,6 +139,16 @@ AudioDeviceOpt = Annotated[Optional[str], typer.Option("--audio-device", metavar
 ListDevicesOpt = Annotated[bool, typer.Option("--list-audio-devices", help="List the sound output devices and exit.")]
 VerboseOpt = Annotated[bool, typer.Option("--verbose", help="Timing on stderr after each reply: time to first text and audio, real-time factor, underruns.")]
 DebugOpt = Annotated[bool, typer.Option("--debug", help="Show tracebacks on errors.")]
+ServerOpt = Annotated[Optional[str], typer.Option(
+    "--server", metavar="URL", show_default=False, envvar="OMNI_SERVER",
+    help="Send the request to an omni-serve (or another OpenAI-compatible Qwen-Omni server, e.g. vLLM-Omni) "
+    "at URL instead of loading the model (default: $OMNI_SERVER; without it, an omni-serve on "
+    "127.0.0.1:8484 serving the same model is used when it answers).")]
+ApiKeyOpt = Annotated[Optional[str], typer.Option(
+    "--api-key", metavar="KEY", show_default=False, envvar="OMNI_API_KEY",
+    help="The server's API key (default: $OMNI_API_KEY).")]
+LocalOpt = Annotated[bool, typer.Option(
+    "--local", envvar="OMNI_LOCAL", help="Load the model in this process even when an omni-serve answers (so does OMNI_LOCAL=1).")]
 
 
 def _err(message: str) -> None:
@@ -332,6 +342,37 @@ def _load(model, device, dtype, err, quiet: bool = False, **runtime):
         return omni_cli.load(model, device=device, dtype=dtype, **kwargs)
 
 
+def _remote(server: str | None, api_key: str | None, local: bool, model: str | None, quiet: bool):
+    """The server to use instead of loading the model, or None: `--server URL` (a ServerError if it
+    does not answer), else an omni-serve on the default address serving the same model (said on
+    stderr), unless --local. No torch is imported on this path."""
+    from .api.client import RemoteAssistant, find_local_server, model_key
+
+    if server:
+        remote = RemoteAssistant.connect(server, api_key)
+        if model is not None and remote.info.get("key") not in (None, model_key(model)) and model != remote.name:
+            raise UsageError(f"the server at {remote.url} serves {remote.name}, not {model}: leave out -m, "
+                             "or leave out --server to load it here")
+        return remote
+    if local:
+        return None
+    remote = find_local_server(model, api_key)
+    if remote is not None and not quiet:
+        _err(f"note: using omni-serve at {remote.url} ({remote.name}); --local loads the model here instead")
+    return remote
+
+
+def _remote_voice(options, remote):
+    """`options` with its voice checked against the server's voices (as `_checked_voice` does locally)."""
+    if options.voice is None or not remote.voices:
+        return options
+    from dataclasses import replace
+
+    from .loader import check_voice
+
+    return replace(options, voice=check_voice(remote.voices, options.voice))
+
+
 def _checked_voice(options, model):
     """`options` with its voice checked against the model's voices (spk_dict.pt or config.json, read
     without torch) before the model loads (an unknown voice is a usage error in a fraction of a second,
@@ -466,6 +507,9 @@ def say(
     max_codes: MaxCodesOpt = None,
     text_only: Annotated[bool, typer.Option("--text-only", help="Answer in text only: no speech is generated.")] = False,
     audio_device: AudioDeviceOpt = None,
+    server: ServerOpt = None,
+    api_key: ApiKeyOpt = None,
+    local: LocalOpt = False,
     list_voices: Annotated[bool, typer.Option("--list-voices", help="List the model's voices (read from the checkpoint, without loading it) and exit.")] = False,
     list_audio_devices: ListDevicesOpt = False,
     verbose: VerboseOpt = False,
@@ -512,10 +556,14 @@ def say(
         outputs.file = AudioFileSink(output, format) if output is not None and not to_stdout else None
         if play:
             outputs.speaker = SpeakerSink(audio_device)
-        if not text_only:
-            options = _checked_voice(options, model)
         _, err = _consoles()
-        assistant = _load(model, device, dtype, err, quiet=quiet, **({} if graphs else {"graphs": False}))
+        assistant = _remote(server, api_key, local, model, quiet)
+        if assistant is not None:
+            options = options if text_only else _remote_voice(options, assistant)
+        else:
+            if not text_only:
+                options = _checked_voice(options, model)
+            assistant = _load(model, device, dtype, err, quiet=quiet, **({} if graphs else {"graphs": False}))
         if to_stdout:
             with _stdout_for_wav() as wav_file:
                 reply = _say_once(assistant, text, options, outputs, wav_file, _TextOut(None if quiet else sys.stderr),
@@ -553,8 +601,8 @@ class _Outputs:
 
 def _say_once(assistant, text: str, options, outputs: _Outputs, wav_file, text_out: _TextOut, interrupt):
     """One reply: text to `text_out`, speech to `outputs` (and, for -o -, a WAV stream on `wav_file`)."""
-    from .assistant import AudioBlock, Done, TextDelta
     from .audio.sinks import TeeSink, WavStreamSink
+    from .runtime.events import AudioBlock, Done, TextDelta
     from .ui import AudioClock, stop_on_interrupt
 
     if wav_file is not None:
@@ -612,6 +660,9 @@ def chat(
     mute: Annotated[bool, typer.Option("--mute", help="Start muted: replies in text only (/unmute to hear them).")] = False,
     audio_device: AudioDeviceOpt = None,
     list_audio_devices: ListDevicesOpt = False,
+    server: ServerOpt = None,
+    api_key: ApiKeyOpt = None,
+    local: LocalOpt = False,
     history_file: Annotated[Optional[Path], typer.Option("--history-file", metavar="FILE", show_default=False, dir_okay=False, help="Where the input history is kept (default: ~/.local/share/omni-cli/chat_history).")] = None,
     no_history: Annotated[bool, typer.Option("--no-history", help="Keep no input history on disk (so does OMNI_NOHISTORY=1).")] = False,
     load: Annotated[Optional[Path], typer.Option(
@@ -639,9 +690,13 @@ def chat(
 
         if not mute:
             SpeakerSink(audio_device, hint=CHAT_PLAY_HINT)  # PortAudio and a device, before loading
-        options = _checked_voice(options, model)
         out, err = _consoles()
-        assistant = _load(model, device, dtype, err, max_context=max_context, **({} if graphs else {"graphs": False}))
+        assistant = _remote(server, api_key, local, model, quiet=False)
+        if assistant is not None:
+            options = _remote_voice(options, assistant)
+        else:
+            options = _checked_voice(options, model)
+            assistant = _load(model, device, dtype, err, max_context=max_context, **({} if graphs else {"graphs": False}))
 
         def speaker():
             sink = SpeakerSink(audio_device, hint=CHAT_PLAY_HINT)
@@ -670,7 +725,7 @@ def _chat_in_terminal(repl, err, assistant, history_file, no_history) -> int:
 
     path = None if (no_history or history_disabled_by_env()) else (history_file or default_history_file())
     session = make_session(make_history(path, lambda m: err.print(m, style="yellow", markup=False)))
-    where = getattr(getattr(assistant, "loaded", None), "device", None)
+    where = getattr(getattr(assistant, "loaded", None), "device", None) or getattr(assistant, "url", None)
     sound = "muted" if repl.muted else f"voice {repl.voice}"
     err.print(f"[dim]{assistant.name}{f' on {where}' if where else ''} · {sound} · /? for help · Ctrl-D to leave[/dim]")
 

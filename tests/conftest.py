@@ -34,6 +34,11 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # Before anything imports huggingface_hub (it reads this once, at import).
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.pop("OMNI_MODEL", None)
+# The commands use an omni-serve that answers on 127.0.0.1:8484: one running on this machine must not
+# answer the tests' commands. The server tests say --server (and clear this) themselves.
+os.environ["OMNI_LOCAL"] = "1"
+for name in ("OMNI_SERVER", "OMNI_API_KEY"):
+    os.environ.pop(name, None)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TINY_MODEL = REPO_ROOT / "assets" / "tiny-qwen2.5-omni"

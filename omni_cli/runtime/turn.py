@@ -210,6 +210,7 @@ class Turn:
         audio = np.concatenate(self._pcm) if self._pcm else np.zeros(0, dtype=np.float32)
         rate = self.steps.sample_rate
         stats = turn_stats(st, self.clock, t0, end, len(audio) / rate)
+        stats["prompt_tokens"] = len(self.req.input_ids)
         return Reply(self.detok.text(st.text_ids), list(st.text_ids), list(st.codes), audio, rate, stats)
 
 

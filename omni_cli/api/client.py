@@ -1,0 +1,336 @@
+"""The commands' side of a server: `RemoteAssistant` talks to `omni-serve` (or a vLLM-Omni deployment) over
+the OpenAI-compatible chat completions API and acts like a local `Assistant` for omni-say and omni-chat:
+`stream(prompt, options, sink=..., conversation=...)` yields the same `TextDelta`, `AudioBlock` and
+`Done(Reply)` events, and feeds the sink the same way (started, written block by block, closed at the end,
+aborted on an interrupt or an error), so the faces need no second code path.
+
+It reads both streamed shapes: OpenAI's (`delta.content`, or for a spoken reply `delta.audio.transcript`
+and `delta.audio.data`, base64 PCM16 at 24 kHz) and vLLM-Omni's (a top-level `"modality"`; audio as base64
+in `delta.content` with `audio_metadata` {format, sample_rate_hz, ...}). Closing the event stream closes
+the connection: the server stops the reply.
+
+No torch here, nor anywhere it imports: a client face starts in a fraction of a second.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+import time
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+from ..config import ReplyOptions
+from ..errors import OmniError, UsageError
+from ..prompt import Conversation
+from ..runtime.events import AudioBlock, Done, Reply, TextDelta
+from . import protocol as p
+
+SERVER_ENV = "OMNI_SERVER"
+API_KEY_ENV = "OMNI_API_KEY"
+DEFAULT_URL = f"http://127.0.0.1:{p.DEFAULT_PORT}"
+PROBE_TIMEOUT = 0.5  # seconds a command waits for a local omni-serve to answer before loading the model
+
+
+class ServerError(OmniError):
+    """The server answered with an error, or could not be reached. Exit code 1 (2 for a request it refused)."""
+
+
+def model_key(model: str | os.PathLike | None) -> str:
+    """What names a model the same way on both sides without loading or downloading it: a folder's
+    resolved path, else the text (a hub id); None: $OMNI_MODEL, else the built-in tiny model."""
+    from ..loader import MODEL_ENV, TINY_MODEL_DIR
+
+    if model is None:
+        model = os.environ.get(MODEL_ENV, "").strip() or TINY_MODEL_DIR
+    path = Path(os.fspath(model)).expanduser()
+    return str(path.resolve()) if path.exists() else os.fspath(model)
+
+
+def base_url(url: str) -> str:
+    """`url` without a trailing slash or `/v1`; http:// added when no scheme is given."""
+    url = url.strip().rstrip("/")
+    if "://" not in url:
+        url = f"http://{url}"
+    return url[: -len("/v1")] if url.endswith("/v1") else url
+
+
+def find_local_server(model: str | None, api_key: str | None = None) -> "RemoteAssistant | None":
+    """An omni-serve on the default address serving the same model, or None (nothing there, another
+    model, or no answer within PROBE_TIMEOUT)."""
+    try:
+        remote = RemoteAssistant.connect(DEFAULT_URL, api_key, timeout=PROBE_TIMEOUT)
+    except OmniError:
+        return None
+    return remote if remote.info.get("key") == model_key(model) else None
+
+
+class RemoteAssistant:
+    """A served model, used like a local `Assistant` (the attributes the faces read, and `stream`)."""
+
+    def __init__(self, url: str, api_key: str | None, model: dict, transport=None) -> None:
+        """`model`: the server's entry in `GET /v1/models`; `transport`: an httpx transport (tests)."""
+        import httpx
+
+        self.url = base_url(url)
+        self.api_key = api_key
+        self.name = model.get("id", "?")
+        self.info = model.get("omni") or {}
+        self.is_demo = bool(self.info.get("is_demo", False))
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        # Long reads: a queued request waits for the ones before it.
+        self.http = httpx.Client(base_url=self.url, headers=headers, timeout=httpx.Timeout(10.0, read=None),
+                                 transport=transport)
+
+    @classmethod
+    def connect(cls, url: str, api_key: str | None = None, timeout: float = 10.0, transport=None) -> "RemoteAssistant":
+        """Ask the server what it serves (`GET /v1/models`); a ServerError if it cannot say."""
+        import httpx
+
+        url = base_url(url)
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        try:
+            with httpx.Client(headers=headers, timeout=timeout, transport=transport) as http:
+                response = http.get(f"{url}/v1/models")
+        except httpx.HTTPError as exc:
+            raise ServerError(f"no server answers at {url} ({type(exc).__name__}): start one with omni-serve, "
+                              "or leave out --server to load the model here") from None
+        _check(response, url)
+        models = response.json().get("data") or []
+        if not models:
+            raise ServerError(f"the server at {url} serves no model")
+        return cls(url, api_key, models[0], transport=transport)
+
+    # -- what the faces read --------------------------------------------------------------------------
+    @property
+    def voices(self) -> list[str]:
+        return list(self.info.get("voices") or [])
+
+    @property
+    def has_audio(self) -> bool:
+        return bool(self.info.get("has_audio", True))
+
+    @property
+    def default_voice(self) -> str | None:
+        return self.info.get("default_voice") or (self.voices[0] if self.voices else None)
+
+    @property
+    def default_system(self) -> str:
+        return self.info.get("default_system", "")
+
+    @property
+    def sample_rate(self) -> int:
+        return int(self.info.get("sample_rate", p.SAMPLE_RATE))
+
+    @property
+    def speech_steps(self) -> tuple[str, float]:
+        name, rate = self.info.get("speech_steps") or ("codes", 50.0)
+        return str(name), float(rate)
+
+    @property
+    def speaks_only_under_default_system(self) -> bool:
+        return bool(self.info.get("speaks_only_under_default_system", False))
+
+    def conversation(self, system: str | None = None) -> "RemoteChat":
+        return RemoteChat(self, Conversation(system=self.default_system if system is None else system))
+
+    def close(self) -> None:
+        self.http.close()
+
+    # -- a reply --------------------------------------------------------------------------------------
+    def say(self, prompt: str, options: ReplyOptions | None = None, **kwargs) -> Reply:
+        events = self.stream(prompt, options, **kwargs)
+        try:
+            for event in events:
+                if isinstance(event, Done):
+                    return event.reply
+        finally:
+            events.close()
+        raise ServerError("the reply ended without its last event")
+
+    def stream(self, prompt: str, options: ReplyOptions | None = None, *, sink=None,
+               conversation: Conversation | None = None, **fields) -> Iterator[TextDelta | AudioBlock | Done]:
+        """The reply's events as the server streams them; the audio also goes to `sink`."""
+        from dataclasses import replace
+
+        opts = replace(options or ReplyOptions(), **fields).check()
+        body = self._body(prompt, opts, conversation)
+        reader = _Reader(sink)
+        t0 = time.perf_counter()
+        try:
+            with self.http.stream("POST", "/v1/chat/completions", json=body) as response:
+                if response.status_code != 200:
+                    response.read()
+                    _check(response, self.url)
+                for data in _events(response):
+                    for event in reader.feed(data, t0):
+                        yield event
+            reply = reader.reply(t0)
+        except BaseException:
+            reader.abort()
+            raise
+        if conversation is not None:
+            conversation.add(prompt, reply.text)
+        yield Done(reply)
+
+    def _body(self, prompt: str, opts: ReplyOptions, conversation: Conversation | None) -> dict:
+        messages = conversation.messages(prompt) if conversation is not None else [{"role": "user", "content": prompt}]
+        spoken = not opts.text_only and self.has_audio
+        body: dict = {"model": self.name, "messages": messages, "stream": True,
+                      "modalities": ["text", "audio"] if spoken else ["text"]}
+        if spoken:
+            body["audio"] = {"voice": opts.voice or self.default_voice, "format": "pcm16"}
+        for key, value in (("temperature", opts.temperature), ("top_p", opts.top_p), ("top_k", opts.top_k),
+                           ("seed", opts.seed), ("max_completion_tokens", opts.max_text_tokens)):
+            if value is not None:
+                body[key] = value
+        extra = {k: v for k, v in (("max_codes", opts.max_codes), ("greedy", opts.greedy or None)) if v is not None}
+        if extra:
+            body["omni"] = extra
+        return body
+
+
+class RemoteChat:
+    """A conversation against a server: the history stays here and goes with every request."""
+
+    def __init__(self, assistant: RemoteAssistant, conversation: Conversation) -> None:
+        self.assistant = assistant
+        self.history = conversation
+
+    def say(self, prompt: str, options: ReplyOptions | None = None, **kwargs) -> Reply:
+        return self.assistant.say(prompt, options, conversation=self.history, **kwargs)
+
+    def stream(self, prompt: str, options: ReplyOptions | None = None, **kwargs):
+        return self.assistant.stream(prompt, options, conversation=self.history, **kwargs)
+
+    def clear(self) -> None:
+        self.history.clear()
+
+
+class _Reader:
+    """Streamed chunks -> events; the sink fed as the local engine feeds it."""
+
+    def __init__(self, sink) -> None:
+        self.sink = sink
+        self.started = False
+        self.text: list[str] = []
+        self.pcm: list[np.ndarray] = []
+        self.rate = p.SAMPLE_RATE
+        self.omni: dict = {}
+        self.times: dict[str, float] = {}
+
+    def feed(self, data: dict, t0: float) -> list:
+        if "error" in data:  # the reply failed on the server after it started
+            raise ServerError(f"the server's reply failed: {_message(data)}")
+        self.omni = data.get("omni") or self.omni
+        events = []
+        for choice in data.get("choices") or []:
+            delta = choice.get("delta") or {}
+            text, audio, rate = _delta_parts(data, choice, delta)
+            if text:
+                self.times.setdefault("time_to_first_text", time.perf_counter() - t0)
+                self.text.append(text)
+                events.append(TextDelta(text))
+            if audio is not None and len(audio):
+                self.times.setdefault("time_to_first_audio", time.perf_counter() - t0)
+                events.append(self._audio(audio, rate))
+        return events
+
+    def _audio(self, pcm: np.ndarray, rate: int) -> AudioBlock:
+        if self.pcm and rate != self.rate:
+            raise ServerError(f"the server changed the sample rate mid-reply ({self.rate} -> {rate} Hz)")
+        self.rate = rate
+        if self.sink is not None:
+            if not self.started:
+                self.sink.start(rate)
+                self.started = True
+            self.sink.write(pcm)
+        self.pcm.append(pcm)
+        return AudioBlock(pcm, rate)
+
+    def reply(self, t0: float) -> Reply:
+        if self.sink is not None and self.started:
+            self.sink.close()
+        stats = dict(self.omni.get("stats") or {})
+        server = {f"server_{k}": stats.pop(k) for k in ("time_to_first_audio", "time_to_first_text", "total_time")
+                  if k in stats}
+        stats.update(server, **self.times, total_time=time.perf_counter() - t0)
+        audio = np.concatenate(self.pcm) if self.pcm else np.zeros(0, dtype=np.float32)
+        return Reply("".join(self.text), [], [], audio, self.rate, stats)
+
+    def abort(self) -> None:
+        if self.sink is not None and self.started:
+            try:
+                self.sink.abort()
+            except Exception:  # noqa: BLE001 - the error being raised is what counts
+                pass
+
+
+def _delta_parts(data: dict, choice: dict, delta: dict) -> tuple[str, np.ndarray | None, int]:
+    """(text, audio, sample rate) of one choice's delta, in either server's shape."""
+    modality = data.get("modality")
+    if modality == "audio":  # vLLM-Omni: base64 audio in delta.content, described by audio_metadata
+        meta = choice.get("audio_metadata") or data.get("audio_metadata") or {}
+        content = delta.get("content")
+        if not content:
+            return "", None, p.SAMPLE_RATE
+        return "", *_decode_audio(base64.b64decode(content), meta)
+    text = delta.get("content") or ""
+    audio = delta.get("audio") or {}
+    text += audio.get("transcript") or ""
+    data_b64 = audio.get("data")
+    return text, (p.from_pcm16(base64.b64decode(data_b64)) if data_b64 else None), p.SAMPLE_RATE
+
+
+def _decode_audio(raw: bytes, meta: dict) -> tuple[np.ndarray, int]:
+    """Audio bytes as vLLM-Omni describes them: a WAV (or other file) or raw PCM16 / float32 samples."""
+    fmt = str(meta.get("format", "")).lower()
+    rate = int(meta.get("sample_rate_hz") or meta.get("sample_rate") or p.SAMPLE_RATE)
+    if raw[:4] in (b"RIFF", b"fLaC", b"OggS") or fmt in ("wav", "flac", "ogg", "mp3"):
+        import soundfile
+
+        pcm, rate = soundfile.read(io.BytesIO(raw), dtype="float32", always_2d=True)
+        return pcm.mean(axis=1) if pcm.shape[1] > 1 else pcm[:, 0], int(rate)
+    if fmt in ("f32", "f32le", "float32", "pcm_f32le"):
+        return np.frombuffer(raw, dtype="<f4").astype(np.float32), rate
+    return p.from_pcm16(raw), rate  # pcm, pcm16, s16le, or not said
+
+
+def _events(response) -> Iterator[dict]:
+    """The JSON objects of a server-sent event stream, until `[DONE]`."""
+    for line in response.iter_lines():
+        if not line.startswith("data:"):
+            continue  # comments, event names, blank separators
+        payload = line[5:].strip()
+        if payload == "[DONE]":
+            return
+        try:
+            yield json.loads(payload)
+        except json.JSONDecodeError:
+            raise ServerError(f"the server sent something that is not JSON: {payload[:80]!r}") from None
+
+
+def _message(data: dict) -> str:
+    err = data.get("error")
+    if isinstance(err, dict):
+        return str(err.get("message") or err)
+    return str(err or data.get("detail") or data)
+
+
+def _check(response, url: str) -> None:
+    """A ServerError (UsageError for what the request itself got wrong) for a response that is not 200."""
+    if response.status_code == 200:
+        return
+    try:
+        message = _message(response.json())
+    except (json.JSONDecodeError, ValueError):
+        message = response.text[:200] or response.reason_phrase
+    if response.status_code == 401:
+        raise ServerError(f"the server at {url} wants an API key: {message} (give --api-key or set {API_KEY_ENV})")
+    if 400 <= response.status_code < 500:
+        raise UsageError(f"the server refused the request ({response.status_code}): {message}")
+    raise ServerError(f"the server failed ({response.status_code}): {message}")

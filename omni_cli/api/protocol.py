@@ -1,0 +1,242 @@
+"""The OpenAI-compatible chat completions API, as plain data: a request body checked and turned into what
+the assistant takes (a prompt, the conversation before it, `ReplyOptions`), and the response shapes built
+(a completion, streamed chunks as server-sent events, PCM16 audio in base64).
+
+The shapes are OpenAI's (`POST /v1/chat/completions` with `modalities: ["text", "audio"]` and `audio:
+{voice, format}`): streamed, the text of a spoken reply comes as `delta.audio.transcript` and the speech
+as `delta.audio.data` (base64 PCM16, mono, 24 kHz); a text-only reply as `delta.content`; not streamed,
+`message.audio.data` is a whole file (WAV by default). What omni-cli adds is optional and namespaced: a
+request's `top_k` and `omni: {max_codes, greedy}`, a response's `omni` field (the reply's stats) and
+`GET /v1/models`' `omni` field (voices, default system prompt, sample rate).
+
+It knows neither the HTTP server (api/server.py) nor the client (api/client.py), and no torch: the client
+imports it too.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..config import ReplyOptions
+
+SAMPLE_RATE = 24_000  # OpenAI's PCM16 is 24 kHz mono, as both model families speak
+DEFAULT_PORT = 8484  # omni-serve's port on 127.0.0.1 (the commands look for it there)
+QUEUE_HEADER = "X-Omni-Queue-Position"  # requests ahead of this one when it was queued (0: none)
+WHOLE_FORMATS = ("wav", "flac", "mp3", "opus", "pcm16")  # `audio.format` of a reply that is not streamed
+
+
+class RequestError(Exception):
+    """A request the API refuses: an HTTP status and an OpenAI-shaped error body."""
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.param, self.code = status, param, code
+
+    def body(self) -> dict:
+        kind = {401: "authentication_error", 404: "not_found_error"}.get(self.status, "invalid_request_error")
+        return {"error": {"message": str(self), "type": kind, "param": self.param, "code": self.code}}
+
+
+@dataclass
+class ChatRequest:
+    """A checked chat completions request, in the assistant's terms."""
+
+    prompt: str  # the last user message
+    turns: list[dict] = field(default_factory=list)  # the user/assistant messages before it
+    system: str | None = None  # None: the model's default system prompt
+    options: ReplyOptions = field(default_factory=ReplyOptions)
+    stream: bool = False
+    audio: bool = False  # "audio" in modalities
+    audio_format: str = "pcm16"
+    model: str | None = None
+    include_usage: bool = False
+
+
+def parse_chat_request(body: object) -> ChatRequest:
+    """Check a decoded JSON body; raise RequestError (400) saying which field is wrong and how."""
+    if not isinstance(body, dict):
+        raise RequestError("the body must be a JSON object")
+    system, turns = None, []
+    for i, message in enumerate(_messages(body)):
+        role, content = message["role"], message["content"]
+        if role == "system":
+            if turns:
+                raise RequestError("a system message must come before the conversation", param=f"messages[{i}]")
+            system = content if system is None else f"{system}\n{content}"
+            continue
+        want = "user" if len(turns) % 2 == 0 else "assistant"
+        if role != want:
+            raise RequestError(f"messages[{i}] is a {role} message where a {want} message was expected: the "
+                               "conversation alternates user and assistant, starting and ending with user",
+                               param=f"messages[{i}]")
+        turns.append({"role": role, "content": content})
+    if not turns or turns[-1]["role"] != "user":
+        raise RequestError("the last message must be the user's", param="messages")
+    modalities = body.get("modalities", ["text"])
+    if not isinstance(modalities, list) or not modalities or not set(modalities) <= {"text", "audio"}:
+        raise RequestError('modalities must be ["text"] or ["text", "audio"]', param="modalities")
+    stream = _typed(body, "stream", bool, False)
+    audio = "audio" in modalities
+    spec = body.get("audio") or {}
+    if not isinstance(spec, dict):
+        raise RequestError("audio must be an object: {\"voice\": ..., \"format\": ...}", param="audio")
+    voice = _typed(spec, "voice", str, None, "audio.voice")
+    fmt = _typed(spec, "format", str, "pcm16" if stream else "wav", "audio.format").lower()
+    if stream and fmt != "pcm16":
+        raise RequestError("a streamed reply's audio is PCM16: give audio.format \"pcm16\"", param="audio.format")
+    if fmt not in WHOLE_FORMATS:
+        raise RequestError(f"audio.format must be one of {', '.join(WHOLE_FORMATS)}", param="audio.format")
+    if _typed(body, "n", int, 1) != 1:
+        raise RequestError("n must be 1", param="n")
+    extra = body.get("omni") or {}
+    if not isinstance(extra, dict):
+        raise RequestError("omni must be an object", param="omni")
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    options = ReplyOptions(
+        voice=voice, greedy=_typed(extra, "greedy", bool, False, "omni.greedy"), seed=_typed(body, "seed", int, None),
+        max_text_tokens=_number(max_tokens, "max_completion_tokens", int),
+        max_codes=_typed(extra, "max_codes", int, None, "omni.max_codes"), text_only=not audio,
+        temperature=_number(body.get("temperature"), "temperature", float),
+        top_p=_number(body.get("top_p"), "top_p", float), top_k=_number(body.get("top_k"), "top_k", int))
+    stream_options = body.get("stream_options") or {}
+    return ChatRequest(
+        prompt=turns[-1]["content"], turns=turns[:-1], system=system, options=options, stream=stream, audio=audio,
+        audio_format=fmt, model=_typed(body, "model", str, None),
+        include_usage=bool(isinstance(stream_options, dict) and stream_options.get("include_usage")))
+
+
+def _messages(body: dict) -> list[dict]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise RequestError("messages must be a non-empty list of {\"role\": ..., \"content\": ...}", param="messages")
+    out = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise RequestError(f"messages[{i}] must be an object with a role", param=f"messages[{i}]")
+        role = "system" if message["role"] == "developer" else message["role"]
+        if role not in ("system", "user", "assistant"):
+            raise RequestError(f"messages[{i}] has role {message['role']!r}: system, user or assistant only",
+                               param=f"messages[{i}].role")
+        out.append({"role": role, "content": _content(message, i)})
+    return out
+
+
+def _content(message: dict, i: int) -> str:
+    """A message's text: a string, or text parts (other parts are input this server does not take yet)."""
+    content = message.get("content")
+    if content is None and message["role"] == "assistant" and isinstance(message.get("audio"), dict):
+        content = message["audio"].get("transcript")  # a spoken reply given back with its transcript
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise RequestError(f"messages[{i}] has a {kind!r} part: this server takes text parts only",
+                                   param=f"messages[{i}].content")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise RequestError(f"messages[{i}].content must be a string or a list of text parts",
+                       param=f"messages[{i}].content")
+
+
+def _typed(obj: dict, key: str, kind: type, default, name: str | None = None):
+    value = obj.get(key, default)
+    if value is None or value is default:
+        return value
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise RequestError(f"{name or key} must be a {kind.__name__}", param=name or key)
+    return value
+
+
+def _number(value, name: str, kind: type):
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and value != int(value)):
+        raise RequestError(f"{name} must be a{'n integer' if kind is int else ' number'}", param=name)
+    return kind(value)
+
+
+# -- responses -----------------------------------------------------------------------------------------
+
+
+def new_ids() -> tuple[str, str, int]:
+    """(completion id, audio id, created): a reply's identifiers."""
+    return f"chatcmpl-{uuid.uuid4().hex}", f"audio_{uuid.uuid4().hex}", int(time.time())
+
+
+def pcm16(block: np.ndarray) -> bytes:
+    """float32 samples in [-1, 1] -> little-endian PCM16 (x 32768, rounded, clipped: the inverse of
+    `from_pcm16`, so a round trip through a 16-bit WAV is exact)."""
+    return np.clip(np.rint(np.asarray(block, dtype=np.float32) * 32768.0), -32768, 32767).astype("<i2").tobytes()
+
+
+def from_pcm16(data: bytes) -> np.ndarray:
+    return np.frombuffer(data, dtype="<i2").astype(np.float32) / 32768.0
+
+
+def b64(data: bytes) -> str:
+    return base64.b64encode(data).decode("ascii")
+
+
+def chunk(ids: tuple[str, str, int], model: str, delta: dict | None = None, finish: str | None = None,
+          **extra) -> dict:
+    """One `chat.completion.chunk`; `extra`: top-level fields (usage, omni)."""
+    cid, _audio_id, created = ids
+    choices = [] if delta is None else [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]
+    return {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
+            "choices": choices, **extra}
+
+
+def sse(data: dict | str) -> bytes:
+    """One server-sent event (`data: ...` and a blank line)."""
+    text = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+    return f"data: {text}\n\n".encode("utf-8")
+
+
+def audio_file(pcm: np.ndarray, fmt: str) -> bytes:
+    """A whole reply's speech as a file in `fmt` (WAV PCM16 by default; pcm16: raw samples)."""
+    if fmt == "pcm16":
+        return pcm16(pcm)
+    import soundfile
+
+    from ..audio.sinks import FILE_FORMATS
+
+    major, subtype, _ = FILE_FORMATS["ogg" if fmt == "opus" else fmt]
+    if fmt == "opus":
+        subtype = "OPUS"
+    out = io.BytesIO()
+    soundfile.write(out, np.asarray(pcm, dtype=np.float32), SAMPLE_RATE, format=major, subtype=subtype)
+    return out.getvalue()
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def completion(ids: tuple[str, str, int], model: str, text: str, finish: str, use: dict, audio: bytes | None,
+               omni: dict) -> dict:
+    """A whole `chat.completion`: the text as `content`, or, spoken, as the audio's transcript."""
+    cid, audio_id, created = ids
+    message: dict = {"role": "assistant", "content": text, "refusal": None}
+    if audio is not None:
+        message["content"] = None
+        message["audio"] = {"id": audio_id, "data": b64(audio), "expires_at": created + 3600, "transcript": text}
+    return {"id": cid, "object": "chat.completion", "created": created, "model": model,
+            "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": None}],
+            "usage": use, "omni": omni}
+
+
+def models_list(name: str, info: dict) -> dict:
+    """`GET /v1/models`: the one model served, with what a client needs to act like a local one."""
+    return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "omni-cli",
+                                        "omni": info}]}

@@ -1,0 +1,131 @@
+"""`omni-serve`: one model loaded once and kept, behind the OpenAI-compatible chat completions API
+(api/server.py), on 127.0.0.1:8484 by default. omni-say and omni-chat use it when it answers there for
+the same model (or with `--server URL`).
+
+Flags: the model and device flags of the other commands, the reply defaults (sampling, limits; a
+request's own fields win), `--host`, `--port`, `--api-key` (or $OMNI_API_KEY). Without a key the server
+listens on a loopback address only: another host is a usage error (exit 2), since anyone who can reach
+it could use the GPU. Ctrl-C or SIGTERM stop it: a reply in progress is cut, the port freed.
+
+It is a face: flags in, the app served by uvicorn; no model logic.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import os
+import sys
+from typing import Annotated, Optional
+
+import typer
+
+from .api.protocol import DEFAULT_PORT
+from .cli import (
+    DebugOpt, DeviceOpt, DtypeOpt, GraphsOpt, GreedyOpt, MaxCodesOpt, MaxTextOpt, ModelOpt, SeedOpt, TemperatureOpt,
+    TopKOpt, TopPOpt, VersionOpt, _err, _exit_on, _load, _OneLineErrors, _report_library_logs,
+)
+from .config import ReplyOptions
+from .errors import UsageError
+
+serve_app = typer.Typer(
+    name="omni-serve",
+    help="Keep a Qwen-Omni model loaded and serve it with the OpenAI-compatible chat completions API "
+    "(text and streamed speech); omni-say and omni-chat use it when it runs.",
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+@serve_app.command(cls=_OneLineErrors)
+def serve(
+    model: ModelOpt = None,
+    host: Annotated[str, typer.Option("--host", metavar="ADDRESS", help="Address to listen on (another than loopback needs --api-key).")] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", min=0, max=65535, metavar="PORT", help="Port to listen on (0: any free one).")] = DEFAULT_PORT,
+    api_key: Annotated[Optional[str], typer.Option("--api-key", metavar="KEY", show_default=False, envvar="OMNI_API_KEY", help="Every request must carry Authorization: Bearer KEY (default: $OMNI_API_KEY; none: loopback only).")] = None,
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = "auto",
+    graphs: GraphsOpt = True,
+    seed: SeedOpt = None,
+    greedy: GreedyOpt = False,
+    temperature: TemperatureOpt = None,
+    top_p: TopPOpt = None,
+    top_k: TopKOpt = None,
+    max_text_tokens: MaxTextOpt = None,
+    max_codes: MaxCodesOpt = None,
+    debug: DebugOpt = False,
+    version: VersionOpt = False,
+) -> None:
+    """Serve a model on http://HOST:PORT/v1 (OpenAI-compatible: /v1/chat/completions, /v1/models, /health)."""
+    _report_library_logs()
+    try:
+        api_key = api_key or None
+        if not is_loopback(host) and api_key is None:
+            raise UsageError(f"refusing to listen on {host} without --api-key (or OMNI_API_KEY): anyone who can "
+                             "reach it could use this machine; give a key, or keep the default 127.0.0.1")
+        defaults = ReplyOptions(seed=seed, greedy=greedy, temperature=temperature, top_p=top_p, top_k=top_k,
+                                max_text_tokens=max_text_tokens, max_codes=max_codes).check()
+        import socket
+
+        listener = _listen(host, port, socket)  # a port in use is an error before a minute of loading
+        from .ui import make_console
+
+        assistant = _load(model, device, dtype, make_console("stderr"), **({} if graphs else {"graphs": False}))
+        _serve(assistant, model, listener, api_key, defaults)
+    except BaseException as exc:  # noqa: BLE001 - every way out is reported, none with a traceback
+        if isinstance(exc, (SystemExit, typer.Exit)):
+            raise
+        _exit_on(exc, debug)
+
+
+def _listen(host: str, port: int, socket):
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise UsageError(f"cannot listen on {host}:{port}: {exc.strerror or exc} (is another omni-serve running? "
+                         "pick another --port)") from None
+    sock.listen(128)
+    return sock
+
+
+def _serve(assistant, model, listener, api_key, defaults: ReplyOptions) -> None:
+    import uvicorn
+
+    from .api.client import model_key
+    from .api.server import create_app
+
+    app = create_app(assistant, assistant.name, api_key=api_key, key=model_key(model), defaults=defaults)
+    host, port = listener.getsockname()[:2]
+    shown = f"[{host}]" if ":" in host else host
+    _err(f"omni-serve: {assistant.name} at http://{shown}:{port}/v1 (OpenAI-compatible chat completions)"
+         + ("" if api_key else " · loopback only, no API key") + " · Ctrl-C to stop")
+    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=1, lifespan="on",
+                            access_log=bool(os.environ.get("OMNI_ACCESS_LOG")))
+    server = uvicorn.Server(config)
+    server.run(sockets=[listener])
+    logging.getLogger(__name__).debug("stopped")
+    _err("omni-serve: stopped")
+
+
+def serve_main() -> None:
+    """The `omni-serve` program."""
+    try:
+        serve_app(prog_name="omni-serve")
+    except SystemExit as exc:
+        sys.stdout.flush()
+        raise exc
