@@ -129,3 +129,7 @@ def serve_main() -> None:
     except SystemExit as exc:
         sys.stdout.flush()
         raise exc
+
+
+if __name__ == "__main__":
+    serve_main()

@@ -4,8 +4,8 @@ chat completions API (api/protocol.py), streamed as server-sent events or whole.
 The engine answers one request at a time. Requests queue on one worker thread (`EngineWorker`) in arrival
 order; each response says how many were ahead of it (`X-Omni-Queue-Position`). A job hands its events to
 the request's asyncio task through a queue; when the client goes away (Starlette cancels the streaming
-task, or a whole-reply request sees the disconnect), the job is cancelled and the worker closes the
-reply's event stream at the next event, which stops the engine's threads; a job still queued is skipped.
+task, or a whole-reply request sees the disconnect), the job is cancelled: a queued job is skipped, a
+running one is stopped at once (`Engine.interrupt`: its event stream raises, its threads stop).
 `--api-key` makes every endpoint but `/health` need `Authorization: Bearer <key>`. A bad body is a 400
 with an OpenAI-shaped error; no request can take the server down.
 
@@ -33,7 +33,7 @@ from starlette.routing import Route
 from ..config import ReplyOptions
 from ..errors import OmniError, UsageError
 from ..prompt import Conversation
-from ..runtime.events import AudioBlock, Done, TextDelta
+from ..runtime.events import AudioBlock, Done, TextDelta, TurnInterrupted
 from . import protocol as p
 
 log = logging.getLogger(__name__)
@@ -50,6 +50,14 @@ class Job:
         self.loop = loop
         self.items: asyncio.Queue = asyncio.Queue()
         self.cancelled = threading.Event()
+        self.worker: EngineWorker | None = None
+
+    def cancel(self) -> None:
+        """The client left: skip the job if it waits, stop its reply now if it runs."""
+        if not self.cancelled.is_set():
+            self.cancelled.set()
+            if self.worker is not None:
+                self.worker.interrupt(self)
 
     def put(self, item) -> None:
         self.loop.call_soon_threadsafe(self.items.put_nowait, item)
@@ -63,11 +71,11 @@ class Job:
             events = assistant.stream(req.prompt, req.options, conversation=conv)
             try:
                 for event in events:
-                    if self.cancelled.is_set():
-                        break
                     self.put(event)
             finally:
-                events.close()  # a cancelled reply stops the engine's threads here
+                events.close()  # stops the engine's threads if the reply did not end
+        except TurnInterrupted:
+            pass  # cancelled: nobody is listening
         except BaseException as exc:  # noqa: BLE001 - travels to the request as a value
             self.put(exc)
         self.put(_END)
@@ -82,16 +90,24 @@ class EngineWorker:
         self.lock = threading.Lock()
         self.waiting = 0  # jobs queued or running
         self.served = 0
+        self.running: Job | None = None
         self.thread = threading.Thread(target=self._main, name="omni-serve-worker", daemon=True)
         self.thread.start()
 
     def submit(self, job: Job) -> int:
         """Queue `job`; return how many jobs are ahead of it."""
+        job.worker = self
         with self.lock:
             ahead = self.waiting
             self.waiting += 1
         self.jobs.put(job)
         return ahead
+
+    def interrupt(self, job: Job) -> None:
+        """Stop `job`'s reply if it is the one running (under the lock: never the next job's)."""
+        with self.lock:
+            if self.running is job:
+                self.assistant.engine.interrupt()
 
     def stop(self) -> None:
         self.jobs.put(None)
@@ -101,6 +117,8 @@ class EngineWorker:
             job = self.jobs.get()
             if job is None:
                 return
+            with self.lock:
+                self.running = job
             try:
                 if job.cancelled.is_set():  # its client left while it waited
                     job.put(_END)
@@ -108,6 +126,7 @@ class EngineWorker:
                     job.run(self.assistant)
             finally:
                 with self.lock:
+                    self.running = None
                     self.waiting -= 1
                     self.served += 1
 
@@ -206,7 +225,7 @@ def create_app(assistant, name: str, api_key: str | None = None, key: str | None
                 item = await job.items.get()
             yield p.sse("[DONE]")
         finally:
-            job.cancelled.set()  # the client left (or the reply ended): the worker stops at the next event
+            job.cancel()  # the client left (or the reply ended): its reply stops now
 
     async def _whole(job: Job, first, req: p.ChatRequest, ids, request: Request, headers: dict) -> Response:
         text, pcm, reply, item = [], [], None, first
@@ -224,7 +243,7 @@ def create_app(assistant, name: str, api_key: str | None = None, key: str | None
                 if item is None:
                     return Response(status_code=499)
         finally:
-            job.cancelled.set()
+            job.cancel()
         audio = None
         if req.audio:
             audio = p.audio_file(np.concatenate(pcm) if pcm else np.zeros(0, np.float32), req.audio_format)
@@ -236,6 +255,7 @@ def create_app(assistant, name: str, api_key: str | None = None, key: str | None
     async def lifespan(app):
         yield
         worker.stop()
+        log.info("omni-serve stopped")
 
     app = Starlette(routes=[
         Route("/health", health, methods=["GET"]),
@@ -251,7 +271,7 @@ async def _first_item(job: Job, request: Request):
     is then cancelled: skipped if still queued)."""
     item = await _next_item(job, request)
     if item is None:
-        job.cancelled.set()
+        job.cancel()
     return item
 
 
@@ -261,7 +281,7 @@ async def _next_item(job: Job, request: Request):
             return await asyncio.wait_for(job.items.get(), POLL)
         except asyncio.TimeoutError:
             if await request.is_disconnected():
-                job.cancelled.set()
+                job.cancel()
                 return None
 
 

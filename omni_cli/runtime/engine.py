@@ -33,6 +33,7 @@ class Engine:
         self.step_stream = torch.cuda.Stream(self.device, priority=-1) if self.device.type == "cuda" else None
         self._lock = threading.Lock()  # one turn at a time: the caches are shared
         self.lingering: list[threading.Thread] = []
+        self._turn: Turn | None = None  # the running turn, for `interrupt`
 
     @property
     def has_talker(self) -> bool:
@@ -57,9 +58,18 @@ class Engine:
         try:
             while self.lingering:  # a vocoder thread still finishing an interrupted turn
                 self.lingering.pop().join()
-            yield from Turn(self, req).run()
+            self._turn = Turn(self, req)
+            yield from self._turn.run()
         finally:
+            self._turn = None
             self._lock.release()
+
+    def interrupt(self) -> None:
+        """Stop the running turn (if any) from another thread: its event stream raises `TurnInterrupted`
+        at once, wherever its consumer waits (a server's worker whose client went away)."""
+        turn = self._turn
+        if turn is not None:
+            turn.interrupt()
 
 
 def configure_cuda(float32_llm: bool = False) -> None:

@@ -14,6 +14,11 @@ import numpy as np
 from ..config import SamplingOptions
 
 
+class TurnInterrupted(Exception):
+    """Raised in a turn's event stream when another thread stopped it (`Engine.interrupt`: a server whose
+    client went away); the turn's threads are stopped as for a closed stream."""
+
+
 @dataclass
 class TextDelta:
     text: str

@@ -25,7 +25,7 @@ from ..audio.sink_thread import SinkThread
 from .boundary import AsyncOutput
 from .channel import Channel
 from .detokenize import Detokenizer
-from .events import AudioBlock, Done, Reply, TextDelta, TurnRequest
+from .events import AudioBlock, Done, Reply, TextDelta, TurnInterrupted, TurnRequest
 from .schedule import Schedule
 from .stats import StepClock, TurnState, turn_stats
 from .vocoder_worker import vocoder_worker
@@ -91,6 +91,11 @@ class Turn:
             if ok and self.sink is not None:
                 self.sink.close()  # plays out / renames into place; raises what a write raised
         yield Done(self._result(t0))  # reached only when the turn completed
+
+    def interrupt(self) -> None:
+        """From another thread: the consumer's next wait for an event raises TurnInterrupted."""
+        self.events.fail(TurnInterrupted("the turn was interrupted"))
+        self._shutdown()
 
     def _shutdown(self) -> None:
         self.stop.set()

@@ -1,0 +1,279 @@
+"""omni-serve end to end on the built-in tiny model, in a subprocess on a free port with an API key: the
+official `openai` client streams a reply with text and audio (and gets a whole one with a WAV);
+`omni-say --server` writes the WAV the server streamed; omni-chat `--server` in a real terminal (tmux)
+does a turn and a Ctrl-C; a wrong key is a 401, a bad body a 400 and the server lives on; a client that
+disconnects mid-reply frees the engine at once; 20 requests from 4 clients at once all complete whole,
+with the server's memory flat; SIGTERM stops it cleanly. The shapes themselves (both servers' streams,
+request parsing) are test_api_shapes.py's.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from conftest import REPO_ROOT, cli_env, run_omni_say
+
+KEY = "test-key-123"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+HELLO = [{"role": "user", "content": "Hello there"}]
+
+
+class Server:
+    """`python -m omni_cli.serve` in a subprocess; its stderr is read on a thread (the banner gives the URL)."""
+
+    def __init__(self, *args: str) -> None:
+        env = cli_env()
+        env.pop("OMNI_LOCAL", None)
+        self.proc = subprocess.Popen([sys.executable, "-m", "omni_cli.serve", "--port", "0", *args], env=env,
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=REPO_ROOT)
+        self.lines: list[str] = []
+        self.url: str | None = None
+        ready = threading.Event()
+
+        def drain():
+            for line in self.proc.stderr:
+                self.lines.append(line)
+                m = re.search(r" at (http://\S+)/v1 ", line)
+                if m:
+                    self.url = m[1]
+                    ready.set()
+            ready.set()
+
+        threading.Thread(target=drain, daemon=True).start()
+        assert ready.wait(180) and self.url, "".join(self.lines)
+
+    def rss_mib(self) -> float:
+        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+        return float("nan")
+
+    def health(self) -> dict:
+        return httpx.get(f"{self.url}/health", timeout=5).json()
+
+    def stop(self) -> int:
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(30)
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = Server("--api-key", KEY)
+    yield s
+    url = s.url
+    code = s.stop()
+    # SIGTERM: a clean stop (uvicorn ends the process by the signal it got, after shutting down), port freed.
+    assert code in (0, -signal.SIGTERM) and any("stopped" in line for line in s.lines), (code, "".join(s.lines))
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"{url}/health", timeout=2)
+
+
+def model_name(server: Server) -> str:
+    return httpx.get(f"{server.url}/v1/models", headers=AUTH).json()["data"][0]["id"]
+
+
+def stream_raw(server: Server, body: dict) -> tuple[str, bytes, dict, dict]:
+    """(transcript, PCM16 bytes, the final chunk's omni field, headers) of a streamed request."""
+    text, pcm, omni = [], [], {}
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, headers=AUTH, timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        done = False
+        for line in r.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            if line == "data: [DONE]":
+                done = True
+                break
+            chunk = json.loads(line[6:])
+            omni = chunk.get("omni") or omni
+            for choice in chunk["choices"]:
+                audio = choice["delta"].get("audio") or {}
+                text.append(audio.get("transcript") or choice["delta"].get("content") or "")
+                if audio.get("data"):
+                    pcm.append(base64.b64decode(audio["data"]))
+        assert done, "the stream ended without [DONE]"
+        return "".join(text), b"".join(pcm), omni, dict(r.headers)
+
+
+def spoken(messages=HELLO, **extra) -> dict:
+    return {"messages": messages, "modalities": ["text", "audio"], "audio": {"voice": "Chelsie", "format": "pcm16"},
+            "stream": True, **extra}
+
+
+def test_openai_client_streams_text_and_audio(server):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY)
+    name = client.models.list().data[0].id
+    stream = client.chat.completions.create(model=name, messages=HELLO, modalities=["text", "audio"],
+                                            audio={"voice": "Chelsie", "format": "pcm16"}, stream=True, seed=1)
+    transcript, pcm, omni = [], [], {}
+    for chunk in stream:
+        omni = (chunk.model_extra or {}).get("omni") or omni
+        for choice in chunk.choices:
+            audio = choice.delta.audio  # the SDK's own type for OpenAI's streamed audio
+            if audio is not None:
+                transcript.append(audio.transcript or "")
+                if audio.data:
+                    pcm.append(base64.b64decode(audio.data))
+    samples = sum(len(b) for b in pcm) // 2
+    assert "".join(transcript).strip()
+    assert samples > 24_000 and samples == round(omni["audio_seconds"] * 24_000)  # every block arrived
+
+    whole = client.chat.completions.create(model=name, messages=HELLO, modalities=["text", "audio"],
+                                           audio={"voice": "Ethan", "format": "wav"}, seed=1)
+    message = whole.choices[0].message
+    import soundfile
+
+    wav, rate = soundfile.read(io.BytesIO(base64.b64decode(message.audio.data)), dtype="int16")
+    assert rate == 24_000 and len(wav) > 24_000 and message.audio.transcript.strip() and message.content is None
+    text_only = client.chat.completions.create(model=name, messages=HELLO, max_tokens=5, seed=1)
+    assert text_only.choices[0].message.content and text_only.usage.completion_tokens <= 5
+
+
+def test_say_with_server_writes_the_wav_the_server_streamed(server, tmp_path):
+    import soundfile
+
+    _text, pcm, _omni, _ = stream_raw(server, spoken([{"role": "user", "content": "Sing"}], seed=7))
+    out = tmp_path / "say.wav"
+    r = run_omni_say("Sing", "--server", server.url, "--api-key", KEY, "--seed", "7", "-o", str(out),
+                     env=cli_env(OMNI_LOCAL="0"))
+    assert r.returncode == 0, r.stderr
+    wav, rate = soundfile.read(out, dtype="int16")
+    assert rate == 24_000 and len(wav) > 0
+    assert np.array_equal(wav, np.frombuffer(pcm, dtype="<i2"))  # sample for sample
+    assert r.stdout.strip()  # the text on stdout, as for a local model
+
+
+def test_wrong_key_is_401_and_bad_bodies_are_400(server):
+    url = f"{server.url}/v1/chat/completions"
+    r = httpx.post(url, json=spoken(), headers={"Authorization": "Bearer nope"})
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(f"{server.url}/v1/models").status_code == 401
+    for body, param in ((b"{not json", None), (b'{"messages": []}', "messages"),
+                        (json.dumps(spoken(temperature="hot")).encode(), "temperature"),
+                        (json.dumps(spoken(audio={"voice": "Nobody", "format": "pcm16"})).encode(), None)):
+        r = httpx.post(url, content=body, headers={**AUTH, "Content-Type": "application/json"})
+        assert r.status_code == 400, (body, r.text)
+        assert r.json()["error"]["message"] and r.json()["error"]["param"] == param
+    text, pcm, _, _ = stream_raw(server, spoken(max_tokens=4))  # and the server lives on
+    assert text and pcm
+
+
+def test_a_client_that_disconnects_frees_the_engine(server):
+    body = spoken([{"role": "user", "content": "Tell me a long story"}], max_tokens=24, omni={"max_codes": 150})
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, headers=AUTH, timeout=60) as r:
+        for line in r.iter_lines():
+            if '"data":' in line:  # the first audio: the reply is well under way
+                break
+        t = time.monotonic()
+    # The connection is closed: the server stops the reply and its worker is free again.
+    while server.health()["queued"]:
+        assert time.monotonic() - t < 5, "the engine is still busy 5 s after the client left"
+        time.sleep(0.005)
+    freed = time.monotonic() - t
+    print(f"engine free {1000 * freed:.0f} ms after the client disconnected")
+    assert freed < 0.2
+    text, pcm, _, _ = stream_raw(server, spoken(max_tokens=4))  # the next request is served
+    assert text and pcm
+
+
+def test_twenty_requests_from_four_clients_all_complete(server):
+    stream_raw(server, spoken(max_tokens=6, omni={"max_codes": 40}))  # warm: memory is measured after
+    before = server.rss_mib()
+    results, errors = [], []
+
+    def client(n: int) -> None:
+        try:
+            for i in range(5):
+                results.append(stream_raw(server, spoken([{"role": "user", "content": f"Question {n}.{i}"}],
+                                                         max_tokens=6, seed=n * 10 + i, omni={"max_codes": 40})))
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=client, args=(n,)) for n in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    after = server.rss_mib()
+    print(f"server memory: {before:.0f} MiB before 20 requests, {after:.0f} MiB after")
+    assert not errors, errors
+    assert len(results) == 20
+    for text, pcm, omni, _headers in results:  # every reply whole: its text, all of its audio
+        assert text and len(pcm) // 2 == round(omni["audio_seconds"] * 24_000) > 0
+    assert max(int(h["x-omni-queue-position"]) for *_, h in results) >= 1  # they did queue
+    assert after - before < 50, (before, after)
+    assert server.health()["queued"] == 0
+
+
+def test_commands_find_a_local_server_of_the_same_model(server, monkeypatch):
+    from omni_cli.api import client
+
+    monkeypatch.setattr(client, "DEFAULT_URL", server.url)
+    assert client.find_local_server(None, KEY) is not None  # the built-in model, as the server's
+    assert client.find_local_server(str(REPO_ROOT / "assets" / "tiny-qwen3-omni"), KEY) is None  # another model
+    assert client.find_local_server(None, "wrong-key") is None
+
+
+def test_no_key_means_loopback_only(tmp_path):
+    t = time.monotonic()
+    env = cli_env()
+    env.pop("OMNI_API_KEY", None)
+    r = subprocess.run([sys.executable, "-m", "omni_cli.serve", "--host", "0.0.0.0"], env=env, capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 2 and "without --api-key" in r.stderr and "Traceback" not in r.stderr
+    assert time.monotonic() - t < 10  # refused before loading the model
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="tmux and ALSA")
+def test_chat_with_server_in_a_terminal(server, tmp_path):
+    from audio_device import alsa_file_device, have_portaudio, have_tmux
+    from test_tmux import Tmux, at_prompt, prompts
+
+    if not (have_tmux() and have_portaudio()):
+        pytest.skip("needs tmux and PortAudio")
+    alsa, raw = alsa_file_device(tmp_path / "alsa")
+    env = cli_env(**alsa, TERM="xterm-256color", OMNI_NOHISTORY="1", OMNI_LOCAL="0")
+    exit_file = tmp_path / "exit-code"
+    chat = (f"{shlex.quote(sys.executable)} -m omni_cli.chat --server {server.url} --api-key {KEY} --seed 1 "
+            "--max-codes 250 --max-text-tokens 60")
+    command = f"cd {shlex.quote(str(REPO_ROOT))} && {chat}; echo $? > {shlex.quote(str(exit_file))}; sleep 60"
+    t = Tmux(tmp_path, f"bash -c {shlex.quote(command)}", env)
+    try:
+        screen = t.wait(at_prompt, what="the first prompt")
+        assert server.url in screen
+        t.type("Hello there")
+        t.wait(lambda s: prompts(s) == 2 and at_prompt(s), what="the end of the first reply")
+        assert raw.stat().st_size > 24_000 * 2  # its speech played
+        t.type("Tell me a story")
+        size = raw.stat().st_size
+        t.wait(lambda s: raw.stat().st_size > size + 24_000 * 2, what="the second reply's sound")
+        t.keys("C-c")
+        screen = t.wait(lambda s: "interrupted" in s and prompts(s) == 3 and at_prompt(s), timeout=10,
+                        what="the prompt after Ctrl-C")
+        deadline = time.monotonic() + 5
+        while server.health()["queued"]:  # the server stopped that reply too
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        t.keys("C-d")
+        deadline = time.monotonic() + 30
+        while not exit_file.exists() or not exit_file.read_text().strip():
+            assert time.monotonic() < deadline, t.screen()
+            time.sleep(0.05)
+        assert exit_file.read_text().strip() == "0" and "Traceback" not in t.screen()
+    finally:
+        t.kill()
