@@ -18,6 +18,7 @@ terminals, files or sound devices: audio goes to whatever sink the caller passes
 from __future__ import annotations
 
 import logging
+import time
 from typing import Iterator
 
 from .config import ReplyOptions, RuntimeOptions, SamplingOptions
@@ -75,12 +76,19 @@ class Assistant:
         self.thinker_sampling = thinker_sampling(loaded.generation_config)
         self.talker_sampling = self.family.talker_sampling(loaded.generation_config)
         self.max_context = max_context
+        t = time.perf_counter()
         steps = self.family.build_steps(loaded.model, loaded.speakers, max_context=max_context, graphs=graphs,
                                         max_codes=max_codes or round(DEFAULT_LIMITS["seconds"] * per_second))
         self.sample_rate = steps.sample_rate
         self.engine = Engine(steps, loaded.tokenizer, eos_ids=eos_ids(loaded.generation_config, loaded.tokenizer))
+        # Where start-up time went (`--verbose`): the loader's phases, then ours.
+        self.startup = dict(getattr(loaded, "timings", None) or {})
+        self.startup["static caches and fused steps"] = time.perf_counter() - t
         # CUDA graphs and compiled kernels: made while loading, so turns only replay them.
-        self.engine.warmup()
+        t = time.perf_counter()
+        phases = self.engine.warmup()
+        self.startup.update(phases or {"warm-up": time.perf_counter() - t})
+        self.ready_at = time.perf_counter()  # when a request can start (perf_counter)
 
     @classmethod
     def load(cls, model: str | None = None, device: str = "auto", dtype: str = "auto",

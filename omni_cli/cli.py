@@ -518,7 +518,11 @@ def say(
     version: VersionOpt = False,
 ) -> None:
     """Answer PROMPT: the text on stdout, the speech through the speakers, an audio file (-o FILE) or stdout (-o -)."""
+    import time
+
     from .ui import InterruptTimes, end_on_signals, safe_text_streams
+
+    t_command = time.perf_counter()
 
     safe_text_streams()
     end_on_signals()
@@ -563,7 +567,12 @@ def say(
         else:
             if not text_only:
                 options = _checked_voice(options, model)
+            t_load = time.perf_counter()
             assistant = _load(model, device, dtype, err, quiet=quiet, **({} if graphs else {"graphs": False}))
+            loading = time.perf_counter() - t_load
+            phases = getattr(assistant, "startup", None) or {}
+            assistant.startup = {"before loading (prompt, outputs, voice)": t_load - t_command,
+                                 "import torch and the engine": loading - sum(phases.values()), **phases}
         if to_stdout:
             with _stdout_for_wav() as wav_file:
                 reply = _say_once(assistant, text, options, outputs, wav_file, _TextOut(None if quiet else sys.stderr),
@@ -581,10 +590,28 @@ def say(
 
             print_timing(err, reply.stats, outputs.speaker.stats if outputs.speaker is not None else None,
                          unit=speech_steps(assistant)[0])
+            _print_startup(err, assistant, reply.stats, t_command)
     except BaseException as exc:  # noqa: BLE001 - every way out is reported, none with a traceback
         if isinstance(exc, (SystemExit, typer.Exit)):
             raise
         _exit_on(exc, debug, outputs.sinks(), interrupt if verbose else None)
+
+
+def _print_startup(err, assistant, stats: dict, t_command: float) -> None:
+    """`--verbose`: the start-up's phases (a local model) and the first audio's time after the command
+    began (its Python start and imports before that are not counted)."""
+    from .ui import print_startup
+
+    first = stats.get("time_to_first_audio")
+    started = stats.get("started_at")
+    since = started + first - t_command if first is not None and started is not None else None
+    after = {}
+    ready = getattr(assistant, "ready_at", None)
+    if ready is not None and started is not None:
+        after["the request (chat template, tokens)"] = started - ready
+    if first is not None:
+        after["the reply's first audio" + (" (server and network)" if ready is None else "")] = first
+    print_startup(err, getattr(assistant, "startup", None) or {}, after, since)
 
 
 @dataclass

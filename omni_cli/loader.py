@@ -371,6 +371,8 @@ class LoadedModel:
     name: str
     # The family package (omni_cli/models/<family>/).
     family: Any = None
+    # Seconds each loading phase took ("weights", "tokenizer", ...), for `--verbose`.
+    timings: dict | None = None
 
     @property
     def voices(self) -> list[str]:
@@ -415,6 +417,9 @@ def _is_oom(exc: BaseException) -> bool:
 
 def load_model(model: str | os.PathLike | None = None, device: str = "auto", dtype: str = "auto") -> LoadedModel:
     """Resolve, check and load a checkpoint of a supported family onto a device (see `LoadedModel`)."""
+    import time
+
+    t0 = time.perf_counter()
     torch_device = pick_device(device)
     torch_dtype = pick_dtype(dtype, torch_device)
     path, is_demo, name = _resolve(model)
@@ -425,8 +430,12 @@ def load_model(model: str | os.PathLike | None = None, device: str = "auto", dty
     with _quiet_transformers():
         from transformers import AutoTokenizer, GenerationConfig
 
+        timings = {"import transformers, find the model": time.perf_counter() - t0}
+        t = time.perf_counter()
         omni, speakers = fam.load(path, torch_device, torch_dtype, name)
         omni.eval()
+        timings["read the weights and move them to the device"] = time.perf_counter() - t
+        t = time.perf_counter()
         try:
             tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
         except KeyboardInterrupt:
@@ -448,6 +457,7 @@ def load_model(model: str | os.PathLike | None = None, device: str = "auto", dty
                 raise ModelError(f"{name}: bad generation_config.json: {one_line(exc)}") from exc
         else:
             generation_config = GenerationConfig()
+        timings["tokenizer and generation config"] = time.perf_counter() - t
 
     if is_demo and torch_device.type == "cpu" and torch.get_num_threads() > 1:
         # The demo model's operations are far too small to gain from a second thread, and each one
@@ -467,6 +477,7 @@ def load_model(model: str | os.PathLike | None = None, device: str = "auto", dty
         is_demo=is_demo,
         name=name,
         family=fam,
+        timings=timings,
     )
 
 

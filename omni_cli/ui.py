@@ -149,6 +149,21 @@ def print_timing(err, stats: dict, playback: dict | None = None, title: str = "t
         err.print(f"[dim]{label.ljust(width)}  {value}[/dim]")
 
 
+def print_startup(err, startup: dict, after: dict, since_command: float | None = None) -> None:
+    """`--verbose`: where start-up went (the assistant's `startup` phases, in order), what came after it
+    (`after`: name -> seconds), and how long after the command the first audio existed."""
+    rows = [(name, f"{seconds:.2f} s") for name, seconds in startup.items()]
+    if startup:
+        rows.append(("start-up in all", f"{sum(startup.values()):.2f} s"))
+    rows += [(name, f"{seconds:.2f} s") for name, seconds in after.items()]
+    if since_command is not None:
+        rows.append(("first audio after the command", f"{since_command:.2f} s"))
+    width = max(len(label) for label, _ in rows)
+    err.print("[dim]-- start-up[/dim]")
+    for label, value in rows:
+        err.print(f"[dim]{label.ljust(width)}  {value}[/dim]")
+
+
 # -- Ctrl-C during a reply, and the signals that end the program ------------------------------
 
 # SIGTERM (kill) and SIGHUP (the terminal closed) end a command as Ctrl-C does, with exit 128+N.

@@ -22,8 +22,8 @@ playback, or any model.
 `python tests/test_api_shapes.py` rewrites the fixtures; test_fixture_is_what_the_generator_writes keeps
 the files and the generator in step.
 
-Tests marked xfail(strict=True) pin real bugs in protocol.py (each reason says where); they start
-failing as "XPASS" once the bug is fixed, and the mark should then go.
+Among the refusals: null fields mean their defaults (as in OpenAI's API), non-finite numbers are a 400,
+a 5xx body says server_error (bugs these tests found and pinned before protocol.py was fixed).
 """
 
 from __future__ import annotations
@@ -592,11 +592,7 @@ BAD_BODIES = [
     ("content a number", {"messages": [user(3)]}, "messages[0].content", "messages[0].content"),
     ("modalities video", {"modalities": ["video"]}, "modalities", "modalities"),
     ("modalities empty", {"modalities": []}, "modalities", "modalities"),
-    pytest.param("modalities audio alone", {"modalities": ["audio"]}, "modalities", "modalities",
-                 marks=pytest.mark.xfail(strict=True, reason=(
-                     "protocol.py:83 checks set(modalities) <= {'text', 'audio'}, so ['audio'] (and "
-                     "['text', 'text']) pass, though the error it raises says only ['text'] or "
-                     "['text', 'audio'] are taken"))),
+    ("modalities audio alone", {"modalities": ["audio"]}, "modalities", "modalities"),
     ("stream with audio.format wav", {"stream": True, "modalities": ["text", "audio"], "audio": {"format": "wav"}},
      "audio.format", "audio.format"),
     ("unknown audio.format", {"modalities": ["text", "audio"], "audio": {"format": "aac"}}, "audio.format",
@@ -605,10 +601,7 @@ BAD_BODIES = [
     ("n=2", {"n": 2}, "n", "n must be 1"),
     ("temperature a word", {"temperature": "hot"}, "temperature", "temperature"),
     ("max_completion_tokens 1.5", {"max_completion_tokens": 1.5}, "max_completion_tokens", "max_completion_tokens"),
-    pytest.param("max_tokens 1.5", {"max_tokens": 1.5}, "max_tokens", "max_tokens",
-                 marks=pytest.mark.xfail(strict=True, reason=(
-                     "protocol.py:104 checks max_tokens under the name max_completion_tokens: a bad "
-                     "max_tokens is reported as param 'max_completion_tokens', a field the client never sent"))),
+    ("max_tokens 1.5", {"max_tokens": 1.5}, "max_tokens", "max_tokens"),
     ("stream a word", {"stream": "yes"}, "stream", "stream"),
     ("seed a bool", {"seed": True}, "seed", "seed"),
     ("top_k 2.5", {"top_k": 2.5}, "top_k", "top_k"),
@@ -618,7 +611,7 @@ BAD_BODIES = [
 
 
 @pytest.mark.parametrize("case, body, param, says", BAD_BODIES, ids=[
-    c.values[0] if hasattr(c, "values") else c[0] for c in BAD_BODIES])
+    c[0] for c in BAD_BODIES])
 def test_bad_body_is_a_400_naming_the_field(case, body, param, says):
     if "messages" not in body:
         body = {"messages": [user("Hi")], **body}
@@ -638,10 +631,6 @@ def test_body_not_an_object_is_a_400():
 
 
 @pytest.mark.parametrize("value", [math.inf, math.nan])
-@pytest.mark.xfail(strict=True, raises=(OverflowError, ValueError), reason=(
-    "protocol.py:163 (_number) calls int(value) on a float it has not checked is finite: "
-    "max_tokens Infinity raises OverflowError, NaN raises ValueError, not RequestError; the server reads "
-    "bodies with json.loads, which takes the literals Infinity and NaN, so such a request is a 500, not a 400"))
 def test_non_finite_token_cap_is_a_400(value):
     with pytest.raises(p.RequestError) as info:
         p.parse_chat_request({"messages": [user("Hi")], "max_tokens": value})
@@ -655,19 +644,10 @@ def test_non_finite_token_cap_is_a_400(value):
      lambda req: req.audio_format == "wav"),
     ({"max_tokens": 64, "max_completion_tokens": None}, lambda req: req.options.max_text_tokens == 64),
 ], ids=["n", "modalities", "audio.format", "max_completion_tokens"])
-@pytest.mark.xfail(strict=True, reason=(
-    "OpenAI's API allows null for these fields (meaning: the default), and some clients send it. "
-    "protocol.py:96 refuses n null ('n must be 1'); protocol.py:82-84 refuses modalities null; "
-    "protocol.py:91 calls .lower() on the None that _typed returns for audio.format null (AttributeError: "
-    "a 500); protocol.py:101 takes max_completion_tokens null over a given max_tokens, dropping the cap"))
 def test_null_means_the_default(fields, check):
     assert check(p.parse_chat_request({"messages": [user("Hi")], **fields}))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "protocol.py:43 gives every status but 401 and 404 the type 'invalid_request_error', so omni-serve's "
-    "500s (a reply that failed on the server) say the request was invalid; OpenAI's type for these is "
-    "'server_error'"))
 def test_server_error_body_says_server_error():
     assert p.RequestError("the reply failed", 500, code="server_error").body()["error"]["type"] == "server_error"
 

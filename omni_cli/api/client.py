@@ -62,6 +62,14 @@ def base_url(url: str) -> str:
 def find_local_server(model: str | None, api_key: str | None = None) -> "RemoteAssistant | None":
     """An omni-serve on the default address serving the same model, or None (nothing there, another
     model, or no answer within PROBE_TIMEOUT)."""
+    import socket
+    from urllib.parse import urlsplit
+
+    where = urlsplit(DEFAULT_URL)
+    try:  # nothing listening is the common case: a refused connection costs no HTTP client import
+        socket.create_connection((where.hostname, where.port), timeout=PROBE_TIMEOUT).close()
+    except OSError:
+        return None
     try:
         remote = RemoteAssistant.connect(DEFAULT_URL, api_key, timeout=PROBE_TIMEOUT)
     except OmniError:
@@ -183,7 +191,10 @@ class RemoteAssistant:
         body: dict = {"model": self.name, "messages": messages, "stream": True,
                       "modalities": ["text", "audio"] if spoken else ["text"]}
         if spoken:
-            body["audio"] = {"voice": opts.voice or self.default_voice, "format": "pcm16"}
+            voice = opts.voice or self.default_voice
+            body["audio"] = {"format": "pcm16", **({"voice": voice} if voice else {})}
+            if voice and not self.info:  # not an omni-serve: vLLM-Omni reads the voice from a top-level field
+                body["voice"] = voice
         for key, value in (("temperature", opts.temperature), ("top_p", opts.top_p), ("top_k", opts.top_k),
                            ("seed", opts.seed), ("max_completion_tokens", opts.max_text_tokens)):
             if value is not None:
@@ -258,7 +269,7 @@ class _Reader:
         stats = dict(self.omni.get("stats") or {})
         server = {f"server_{k}": stats.pop(k) for k in ("time_to_first_audio", "time_to_first_text", "total_time")
                   if k in stats}
-        stats.update(server, **self.times, total_time=time.perf_counter() - t0)
+        stats.update(server, **self.times, total_time=time.perf_counter() - t0, started_at=t0)
         audio = np.concatenate(self.pcm) if self.pcm else np.zeros(0, dtype=np.float32)
         return Reply("".join(self.text), [], [], audio, self.rate, stats)
 

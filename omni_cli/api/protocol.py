@@ -18,6 +18,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import math
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -40,7 +41,8 @@ class RequestError(Exception):
         self.status, self.param, self.code = status, param, code
 
     def body(self) -> dict:
-        kind = {401: "authentication_error", 404: "not_found_error"}.get(self.status, "invalid_request_error")
+        kind = {401: "authentication_error", 404: "not_found_error"}.get(
+            self.status, "server_error" if self.status >= 500 else "invalid_request_error")
         return {"error": {"message": str(self), "type": kind, "param": self.param, "code": self.code}}
 
 
@@ -79,29 +81,31 @@ def parse_chat_request(body: object) -> ChatRequest:
         turns.append({"role": role, "content": content})
     if not turns or turns[-1]["role"] != "user":
         raise RequestError("the last message must be the user's", param="messages")
-    modalities = body.get("modalities", ["text"])
-    if not isinstance(modalities, list) or not modalities or not set(modalities) <= {"text", "audio"}:
+    # A field given as null means its default, as in OpenAI's API.
+    modalities = body.get("modalities")
+    modalities = ["text"] if modalities is None else modalities
+    if not isinstance(modalities, list) or sorted(modalities) not in (["text"], ["audio", "text"]):
         raise RequestError('modalities must be ["text"] or ["text", "audio"]', param="modalities")
-    stream = _typed(body, "stream", bool, False)
+    stream = bool(_typed(body, "stream", bool, False))
     audio = "audio" in modalities
     spec = body.get("audio") or {}
     if not isinstance(spec, dict):
         raise RequestError("audio must be an object: {\"voice\": ..., \"format\": ...}", param="audio")
     voice = _typed(spec, "voice", str, None, "audio.voice")
-    fmt = _typed(spec, "format", str, "pcm16" if stream else "wav", "audio.format").lower()
+    fmt = (_typed(spec, "format", str, None, "audio.format") or ("pcm16" if stream else "wav")).lower()
     if stream and fmt != "pcm16":
         raise RequestError("a streamed reply's audio is PCM16: give audio.format \"pcm16\"", param="audio.format")
     if fmt not in WHOLE_FORMATS:
         raise RequestError(f"audio.format must be one of {', '.join(WHOLE_FORMATS)}", param="audio.format")
-    if _typed(body, "n", int, 1) != 1:
+    if _typed(body, "n", int, None) not in (None, 1):
         raise RequestError("n must be 1", param="n")
     extra = body.get("omni") or {}
     if not isinstance(extra, dict):
         raise RequestError("omni must be an object", param="omni")
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    limit = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     options = ReplyOptions(
-        voice=voice, greedy=_typed(extra, "greedy", bool, False, "omni.greedy"), seed=_typed(body, "seed", int, None),
-        max_text_tokens=_number(max_tokens, "max_completion_tokens", int),
+        voice=voice, greedy=bool(_typed(extra, "greedy", bool, False, "omni.greedy")),
+        seed=_typed(body, "seed", int, None), max_text_tokens=_number(body.get(limit), limit, int),
         max_codes=_typed(extra, "max_codes", int, None, "omni.max_codes"), text_only=not audio,
         temperature=_number(body.get("temperature"), "temperature", float),
         top_p=_number(body.get("top_p"), "top_p", float), top_k=_number(body.get("top_k"), "top_k", int))
@@ -149,9 +153,9 @@ def _content(message: dict, i: int) -> str:
 
 
 def _typed(obj: dict, key: str, kind: type, default, name: str | None = None):
-    value = obj.get(key, default)
-    if value is None or value is default:
-        return value
+    value = obj.get(key)
+    if value is None:
+        return default
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
         raise RequestError(f"{name or key} must be a {kind.__name__}", param=name or key)
     return value
@@ -160,7 +164,8 @@ def _typed(obj: dict, key: str, kind: type, default, name: str | None = None):
 def _number(value, name: str, kind: type):
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and value != int(value)):
+    if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+            or (kind is int and value != int(value))):
         raise RequestError(f"{name} must be a{'n integer' if kind is int else ' number'}", param=name)
     return kind(value)
 

@@ -94,7 +94,7 @@ class ModelSteps(Protocol):
 
     def vocoder(self, voice: str, seed: int, max_codes: int) -> Vocoder: ...
 
-    def warmup(self) -> None: ...
+    def warmup(self) -> "dict[str, float] | None": ...  # seconds per phase (None: nothing to do)
 
 
 class Family(Protocol):

@@ -47,9 +47,10 @@ class Engine:
     def max_context(self) -> int:
         return self.steps.max_context
 
-    def warmup(self) -> None:
-        """Graphs and compiled kernels, made on this thread with nothing else running (a no-op on a CPU)."""
-        self.steps.warmup()
+    def warmup(self) -> dict | None:
+        """Graphs and compiled kernels, made on this thread with nothing else running (a no-op on a CPU);
+        the seconds each phase took, where the steps say."""
+        return self.steps.warmup()
 
     def stream(self, req: TurnRequest) -> Iterator[TextDelta | AudioBlock | Done]:
         """Run one turn; yield text deltas and audio blocks as they exist, then Done."""

@@ -154,3 +154,22 @@ def turn_stats(st: TurnState, clock: StepClock, t0: float, end: float, audio_sec
         stats["vocoder_steady_chunk_codes"] = largest // st.vocoder_units_per_code
         stats["vocoder_s_per_audio_s"] = sum(s for _, s in chunks) / audio_seconds if audio_seconds else None
     return stats
+
+
+class PhaseTimer:
+    """Seconds per named phase of a warm-up (`with timer("capture the thinker's graphs"): ...`), device
+    work included (synchronised at each phase's end)."""
+
+    def __init__(self, device) -> None:
+        self.device = device
+        self.phases: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self.phases[name] = self.phases.get(name, 0.0) + time.perf_counter() - t

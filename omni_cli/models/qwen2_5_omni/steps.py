@@ -100,16 +100,23 @@ class Qwen25Steps:
                                 pad_windows=None if self.graphs else False)  # no graphs: no padding
 
     # -- warm-up -------------------------------------------------------------------------------------
-    def warmup(self) -> None:
+    def warmup(self) -> dict | None:
         """Capture the CUDA graphs (decode steps for every span bucket; the vocoder's windows for every
-        voice) and compile, on this thread, with nothing else running: turns only replay them."""
+        voice) and compile, on this thread, with nothing else running: turns only replay them. Returns
+        the seconds each phase took."""
         if self.device.type != "cuda":
-            return
-        self.thinker.capture_graphs()
-        if not self.has_talker:
-            return
-        self.talker.capture_graphs()
-        self.warmup_vocoder()
+            return None
+        from ...runtime.stats import PhaseTimer
+
+        phase = PhaseTimer(self.device)
+        with phase("compile and capture the thinker's steps"):
+            self.thinker.capture_graphs()
+        if self.has_talker:
+            with phase("compile and capture the talker's steps"):
+                self.talker.capture_graphs()
+            with phase("vocoder windows (compile and capture)"):
+                self.warmup_vocoder()
+        return phase.phases
 
     def warmup_vocoder(self) -> None:
         """Capture the vocoder's windows for the current chunk size, for every voice (after a change

@@ -99,16 +99,23 @@ class Qwen3Steps:
 
         return StreamingCode2Wav(self.model.code2wav, max_frames=max_codes)
 
-    def warmup(self) -> None:
+    def warmup(self) -> dict | None:
         """Capture the CUDA graphs (thinker and talker steps for every span bucket, the frame) and
-        compile, on this thread, with nothing else running: turns only replay them."""
+        compile, on this thread, with nothing else running: turns only replay them. Returns the seconds
+        each phase took."""
         if self.device.type != "cuda":
-            return
-        self.thinker.capture_graphs()
+            return None
+        from ...runtime.stats import PhaseTimer
+
+        phase = PhaseTimer(self.device)
+        with phase("compile and capture the thinker's steps"):
+            self.thinker.capture_graphs()
         if self.has_talker:
-            self.talker.capture_graphs()
-            self.warmup_vocoder()
-        torch.cuda.synchronize(self.device)
+            with phase("compile and capture the talker's steps and frame"):
+                self.talker.capture_graphs()
+            with phase("code2wav warm-up"):
+                self.warmup_vocoder()
+        return phase.phases
 
     def warmup_vocoder(self, frames: int = 100) -> None:
         """One utterance through code2wav (chunks 4, 8, 16, 25, ...): the first call of each kernel and
