@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import logging
 import time
+
+import numpy as np
 from typing import Iterator
 
 from .config import ReplyOptions, RuntimeOptions, SamplingOptions
@@ -130,12 +132,12 @@ class Assistant:
 
     # ------------------------------------------------------------------------------------------
     def say(self, prompt: str, options: ReplyOptions | None = None, *, sink=None,
-            conversation: Conversation | None = None, **fields) -> Reply:
+            conversation: Conversation | None = None, audio=None, **fields) -> Reply:
         """One reply, start to end. Audio goes to `sink` as it is produced (if given) and into `reply.audio`.
 
         `options` (a `ReplyOptions`) and/or its fields as keywords: voice, greedy, seed, max_text_tokens,
         max_codes, text_only, temperature, top_p, top_k (keywords override `options`)."""
-        events = self.stream(prompt, options, sink=sink, conversation=conversation, **fields)
+        events = self.stream(prompt, options, sink=sink, conversation=conversation, audio=audio, **fields)
         try:
             for event in events:
                 if isinstance(event, Done):
@@ -145,14 +147,17 @@ class Assistant:
         raise RuntimeError("turn ended without a reply")  # unreachable: stream always ends with Done
 
     def stream(self, prompt: str, options: ReplyOptions | None = None, *, sink=None,
-               conversation: Conversation | None = None, **fields) -> Iterator[TextDelta | AudioBlock | Done]:
+               conversation: Conversation | None = None, audio=None,
+               **fields) -> Iterator[TextDelta | AudioBlock | Done]:
         """Yield `TextDelta`s and `AudioBlock`s as they exist, then `Done(reply)`.
 
-        With a `conversation`, the prompt is appended to its history and, once the turn completes,
-        the reply too (an interrupted turn leaves the history as it was).
+        `audio`: clips the user says with the prompt (paths, `media.AudioClip`s, or (samples, rate)
+        pairs); the prompt's text may then be empty. With a `conversation`, the prompt is appended to
+        its history and, once the turn completes, the reply too (an interrupted turn leaves the history
+        as it was; the history keeps the text of a turn, not its audio).
         """
         opts = reply_options(options, fields)
-        req, conv = self._request(prompt, opts, sink, conversation)
+        req, conv = self._request(prompt, opts, sink, conversation, audio)
         events = self.engine.stream(req)
         try:
             for event in events:
@@ -175,10 +180,11 @@ class Assistant:
         except UsageError:
             return voices[0] if voices else self.family.DEFAULT_VOICE
 
-    def _request(self, prompt, opts: ReplyOptions, sink, conversation):
+    def _request(self, prompt, opts: ReplyOptions, sink, conversation, audio=None):
         from .loader import check_voice
 
-        prompt = check_prompt(prompt)
+        clips = self._clips(audio)
+        prompt = check_prompt(prompt) if not clips or (prompt or "").strip() else ""
         opts.check()
         voice = opts.voice or self.default_voice
         text_only = opts.text_only or not self.has_audio
@@ -190,7 +196,8 @@ class Assistant:
             raise UsageError(f"max_codes {n_codes} is above this session's limit of {self.engine.max_codes}")
         conv = (Conversation(conversation.system, list(conversation.turns)) if conversation
                 else Conversation(system=self.default_system))
-        ids, dropped = fit(self.loaded.tokenizer, conv, prompt, self.max_context - n_text)
+        user, media, expand = self._audio_prompt(prompt, clips)
+        ids, dropped = fit(self.loaded.tokenizer, conv, user, self.max_context - n_text, expand)
         if dropped:
             # INFO: expected behaviour worth a note (the faces print INFO as `note: ...`), not a fault.
             log.info("dropped the oldest %d exchange(s) to fit the context", dropped)
@@ -199,12 +206,55 @@ class Assistant:
         req = TurnRequest(
             input_ids=ids, voice=voice, thinker=tsamp, talker=ksamp, max_text_tokens=n_text,
             max_codes=n_codes, seed=fresh_seed() if opts.seed is None else int(opts.seed), text_only=text_only,
-            sink=sink,
+            sink=sink, media=media,
         )
         return req, conv
 
+    def _clips(self, audio) -> list:
+        """The request's audio as 16 kHz clips (a UsageError for what cannot be read, or a model that
+        does not hear)."""
+        if audio is None:
+            return []
+        from .media import AudioClip, read_audio
+
+        items = audio if isinstance(audio, (list, tuple)) and not _is_pair(audio) else [audio]
+        if items and not hasattr(self.family, "audio_inputs"):
+            raise UsageError(f"audio input for {self.family.TITLE} is not supported yet")
+        clips = []
+        for item in items:
+            if isinstance(item, AudioClip):
+                clip = item
+            elif _is_pair(item):
+                clip = AudioClip(np.asarray(item[0], dtype=np.float32).reshape(-1), int(item[1]))
+            else:
+                clip = read_audio(item)
+            clips.append(clip.at())
+        return clips
+
+    def _audio_prompt(self, prompt: str, clips: list):
+        """(the user message, the encoder inputs, how the rendered ids become the prompt's)."""
+        if not clips:
+            return prompt, None, None
+        from transformers import AutoFeatureExtractor
+
+        from .prompt import expand_placeholders
+
+        if self._feature_extractor is None:
+            self._feature_extractor = AutoFeatureExtractor.from_pretrained(str(self.loaded.path), local_files_only=True)
+        media, counts = self.family.audio_inputs(self._feature_extractor, clips)
+        token = self.family.audio_token_id(self.loaded.model.config)
+        user = [{"type": "audio"} for _ in clips] + ([{"type": "text", "text": prompt}] if prompt else [])
+        return user, media, (lambda ids: expand_placeholders(ids, token, counts))
+
+    _feature_extractor = None
+
     def _limit(self, value, key) -> int:
         return self.limits[key] if value is None else int(value)
+
+
+def _is_pair(item) -> bool:
+    """(samples, sample rate): an array-like and an int."""
+    return isinstance(item, tuple) and len(item) == 2 and isinstance(item[1], int) and hasattr(item[0], "__len__")
 
 
 def reply_options(options: ReplyOptions | None, fields: dict) -> ReplyOptions:

@@ -510,6 +510,10 @@ def say(
     server: ServerOpt = None,
     api_key: ApiKeyOpt = None,
     local: LocalOpt = False,
+    audio: Annotated[Optional[list[str]], typer.Option(
+        "--audio", "-a", metavar="FILE", show_default=False,
+        help="Say this audio to the model with the prompt (any format libsndfile reads, any rate; '-': stdin); "
+        "repeatable. The prompt's text is then optional. Qwen2.5-Omni so far.")] = None,
     list_voices: Annotated[bool, typer.Option("--list-voices", help="List the model's voices (read from the checkpoint, without loading it) and exit.")] = False,
     list_audio_devices: ListDevicesOpt = False,
     verbose: VerboseOpt = False,
@@ -550,7 +554,13 @@ def say(
                                max_codes=max_codes, text_only=text_only, temperature=temperature, top_p=top_p,
                                top_k=top_k).check()
         play = not text_only and (play or output is None)
-        text = gather_prompt(prompt, file)
+        clips = _read_clips(audio or [])
+        if audio and (prompt is not None or file is not None or "-" in audio):
+            text = gather_prompt(prompt, file) if (prompt or file) else ""  # stdin is the audio's, or unread
+        elif audio:
+            text = (read_stdin() or "").strip()
+        else:
+            text = gather_prompt(prompt, file)
 
         # Outputs and voice first: a bad path or format, a missing sound device or an unknown voice
         # should not cost a minute of loading.
@@ -576,9 +586,9 @@ def say(
         if to_stdout:
             with _stdout_for_wav() as wav_file:
                 reply = _say_once(assistant, text, options, outputs, wav_file, _TextOut(None if quiet else sys.stderr),
-                                  interrupt)
+                                  interrupt, clips)
         else:
-            reply = _say_once(assistant, text, options, outputs, None, _TextOut(sys.stdout), interrupt)
+            reply = _say_once(assistant, text, options, outputs, None, _TextOut(sys.stdout), interrupt, clips)
         if not quiet:
             seconds = len(reply.audio) / reply.sample_rate if reply.audio is not None else 0.0
             if outputs.file is not None:
@@ -626,7 +636,24 @@ class _Outputs:
         return [s for s in (self.file, self.stream, self.speaker) if s is not None]
 
 
-def _say_once(assistant, text: str, options, outputs: _Outputs, wav_file, text_out: _TextOut, interrupt):
+def _read_clips(names: list[str]) -> list:
+    """`--audio` files (`-`: stdin's bytes) read and checked before the model loads."""
+    from .media import read_audio
+
+    if names.count("-") > 1:
+        raise UsageError("--audio - (stdin) can be given once")
+    clips = []
+    for name in names:
+        if name == "-":
+            data = sys.stdin.buffer.read() if sys.stdin is not None and hasattr(sys.stdin, "buffer") else b""
+            clips.append(read_audio(data, "stdin"))
+        else:
+            clips.append(read_audio(name))
+    return clips
+
+
+def _say_once(assistant, text: str, options, outputs: _Outputs, wav_file, text_out: _TextOut, interrupt,
+              clips=()):
     """One reply: text to `text_out`, speech to `outputs` (and, for -o -, a WAV stream on `wav_file`)."""
     from .audio.sinks import TeeSink, WavStreamSink
     from .runtime.events import AudioBlock, Done, TextDelta
@@ -643,7 +670,7 @@ def _say_once(assistant, text: str, options, outputs: _Outputs, wav_file, text_o
     clock = AudioClock()
     try:
         with stop_on_interrupt(speaker, times=interrupt):
-            events = assistant.stream(text, options, sink=sink)
+            events = assistant.stream(text, options, sink=sink, **({"audio": list(clips)} if clips else {}))
             try:
                 for event in events:
                     if isinstance(event, TextDelta):

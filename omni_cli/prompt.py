@@ -14,7 +14,9 @@ Every text that goes to the tokenizer is checked by `check_text`: a str holding 
 Python carries undecodable bytes: a non-UTF-8 argument, stdin or terminal input) is a usage error here
 rather than a TypeError deep inside the tokenizer.
 
-It knows text turns only: audio, image and video parts (the processor's job) are not built here.
+A user message may hold audio parts: the chat template renders one placeholder per clip, which
+`expand_placeholders` repeats as many times as the clip has audio tokens (the family computes those
+from its features). Images and video are not built here.
 """
 
 from __future__ import annotations
@@ -155,17 +157,31 @@ def check_prompt(prompt: str) -> str:
 
 
 def build_ids(tokenizer, messages: list[dict]) -> list[int]:
-    """Token ids of `messages` rendered with the chat template, ending with the assistant's turn opener."""
+    """Token ids of `messages` rendered with the chat template, ending with the assistant's turn opener.
+    A message's content is text, or a list of parts (`{"type": "audio"}` and `{"type": "text", ...}`)
+    whose audio placeholder the caller expands (`expand_placeholders`)."""
     for message in messages:  # the system prompt and the history too (a --system argument, a loaded file)
-        check_text(message["content"], "the system prompt" if message["role"] == "system" else f"a {message['role']} message")
+        what = "the system prompt" if message["role"] == "system" else f"a {message['role']} message"
+        content = message["content"]
+        for text in ([content] if isinstance(content, str) else [p.get("text", "") for p in content]):
+            check_text(text, what)
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     if isinstance(ids, dict) or hasattr(ids, "keys"):  # some tokenizers return a BatchEncoding
         ids = ids["input_ids"]
     return list(ids)
 
 
-def fit(tokenizer, conv: Conversation, user: str, budget: int) -> tuple[list[int], int]:
-    """Prompt ids for `conv` + `user` within `budget` tokens, dropping the oldest turns if needed.
+def expand_placeholders(ids: list[int], token: int, counts: list[int]) -> list[int]:
+    """`ids` with the i-th `token` repeated counts[i] times (what a processor does to `<|AUDIO|>`)."""
+    out, left = [], iter(counts)
+    for i in ids:
+        out.extend([i] * next(left) if i == token else [i])
+    return out
+
+
+def fit(tokenizer, conv: Conversation, user, budget: int, expand=None) -> tuple[list[int], int]:
+    """Prompt ids for `conv` + `user` (text, or a list of parts) within `budget` tokens, dropping the
+    oldest turns if needed; `expand`: what makes the final ids of the rendered ones (audio placeholders).
 
     Returns (ids, number of dropped user/assistant pairs). Raises UsageError if even the newest
     message alone does not fit.
@@ -173,6 +189,8 @@ def fit(tokenizer, conv: Conversation, user: str, budget: int) -> tuple[list[int
     dropped = 0
     while True:
         ids = build_ids(tokenizer, conv.messages(user))
+        if expand is not None:
+            ids = expand(ids)
         if len(ids) <= budget:
             return ids, dropped
         if not conv.turns:

@@ -76,7 +76,8 @@ class ModelSteps(Protocol):
     text_eos_vec: "torch.Tensor"  # [1, 1, D]
     text_pad_vec: "torch.Tensor"  # [1, 1, D]
 
-    def prefill(self, input_ids: "torch.Tensor") -> ThinkerOutput: ...
+    # `media`: the prompt's encoder inputs as the family's processor makes them (audio features), or None.
+    def prefill(self, input_ids: "torch.Tensor", media: "dict | None" = None) -> ThinkerOutput: ...
 
     def decode_one(self, token: "torch.Tensor") -> ThinkerOutput: ...
 

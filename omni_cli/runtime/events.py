@@ -62,3 +62,5 @@ class TurnRequest:
     step_events: bool = False
     # Tests: run the decode loop under torch.cuda.set_sync_debug_mode("error") (any host sync raises).
     sync_debug: bool = False
+    # The prompt's encoder inputs (audio features) as the family's processor makes them, or None.
+    media: Any = None

@@ -79,7 +79,7 @@ class Schedule:
     def run(self) -> None:
         d = self._setup()
         mark = self.clock.start()
-        first = self.steps.prefill(d.ids)
+        first = self.steps.prefill(d.ids, self.req.media) if self.req.media else self.steps.prefill(d.ids)
         tok = select(first.logits, self.req.thinker, d.seen_text, d.no_eos, d.gen)
         mark_seen(d.seen_text, tok)
         self.out.push("text", 0, tok)

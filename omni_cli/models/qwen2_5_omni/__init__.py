@@ -67,3 +67,19 @@ def talker_sampling(generation_config=None) -> SamplingOptions:
     from ...config import talker_overrides
 
     return talker_overrides(TALKER_SAMPLING, generation_config)
+
+
+def audio_inputs(feature_extractor, clips) -> tuple[dict, list[int]]:
+    """The encoder inputs for `clips` (16 kHz mono AudioClips) as Qwen2_5OmniProcessor makes them
+    (Whisper log-mel features padded to the extractor's 300 s, with their mask), and how many audio
+    tokens each clip becomes in the prompt (its features' length after the encoder's two halvings)."""
+    out = feature_extractor([clip.pcm for clip in clips], sampling_rate=16_000, padding="max_length",
+                            return_attention_mask=True, return_tensors="pt")
+    mask = out["attention_mask"]
+    lengths = ((mask.sum(-1) - 1) // 2 + 1 - 2) // 2 + 1
+    return {"input_features": out["input_features"], "feature_attention_mask": mask}, lengths.tolist()
+
+
+def audio_token_id(config) -> int:
+    """The prompt's audio placeholder id (`<|AUDIO|>`)."""
+    return int(config.thinker_config.audio_token_index)

@@ -76,8 +76,8 @@ class Qwen25Steps:
         self.vocoder_chunk_codes = vocoder_chunk_codes
 
     # -- thinker -------------------------------------------------------------------------------------
-    def prefill(self, input_ids: torch.Tensor):
-        return self.thinker.prefill(input_ids)
+    def prefill(self, input_ids: torch.Tensor, media: dict | None = None):
+        return self.thinker.prefill(input_ids, media)
 
     def decode_one(self, token: torch.Tensor):
         return self.thinker.decode_one(token)
@@ -159,7 +159,8 @@ class _TalkerTurn:
         return code
 
     def prefill(self, prompt, first_vec: torch.Tensor) -> torch.Tensor:
-        return self._pick(self.talker.prefill(prompt.embeds, prompt.hidden, self.voice_bos, first_vec))
+        embeds = prompt.embeds if prompt.talker_embeds is None else prompt.talker_embeds  # audio zeroed
+        return self._pick(self.talker.prefill(embeds, prompt.hidden, self.voice_bos, first_vec))
 
     def step(self, code: torch.Tensor, vec: torch.Tensor) -> torch.Tensor:
         return self._pick(self.talker.decode_one(code, vec))

@@ -4,8 +4,14 @@ Each step returns what the rest of the turn needs: the next-token logits (float3
 input embedding plus last hidden state of the fed tokens, whose sum is the "reply vector" the talker
 reads. Steps take and return device tensors only; nothing here looks at a value on the host.
 
-It does not know about sampling, the talker, or threads. Audio, image and video prompt inputs (the
-thinker's encoders) are not handled: prompts are token ids.
+A prompt may hold audio clips: `prefill(ids, media)` runs the thinker's audio encoder on their features
+(the processor's `input_features` and `feature_attention_mask`) and puts its outputs at the prompt's
+audio placeholder positions, as the reference's forward does; positions stay 1-D (for audio the three
+M-RoPE rows are equal). `ThinkerOut.talker_embeds` is then what the talker's prompt reads: the same
+embeddings with the audio positions zeroed (the reference's generate zeroes them). Images and video (the
+vision encoder, 3-D positions) are not handled.
+
+It does not know about sampling, the talker, or threads.
 """
 
 from __future__ import annotations
@@ -24,10 +30,14 @@ class ThinkerOut:
     embeds: torch.Tensor  # [1, n, width] input embeddings of the fed tokens
     hidden: torch.Tensor  # [1, n, width] last hidden state (after the final norm)
     logits: torch.Tensor  # [1, vocab] float32 logits for the token after the last fed one
+    # [1, n, width] the embeddings the talker's prompt reads (audio positions zeroed); None: `embeds`
+    talker_embeds: torch.Tensor | None = None
 
 
 class Thinker:
     def __init__(self, thinker_module, cache: StaticKVCache) -> None:
+        self.module = thinker_module
+        self.audio_token = thinker_module.config.audio_token_index
         self.model = compat.thinker_text_model(thinker_module)  # Qwen2_5OmniThinkerTextModel
         self.embed_tokens = thinker_module.get_input_embeddings()
         self.lm_head = thinker_module.lm_head
@@ -48,15 +58,28 @@ class Thinker:
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(ids)
 
-    def prefill(self, input_ids: torch.Tensor) -> ThinkerOut:
-        """Run the whole prompt ([1, L] ids) from an empty cache."""
+    def prefill(self, input_ids: torch.Tensor, media: dict | None = None) -> ThinkerOut:
+        """Run the whole prompt ([1, L] ids) from an empty cache; `media`: its audio features."""
         self.cache.reset()
         embeds = self.embed(input_ids)
+        talker_embeds = None
+        if media and media.get("input_features") is not None:
+            embeds, talker_embeds = self._with_audio(input_ids, embeds, media)
         hidden = forward_layers(self.model, embeds, self.cache)
         # The reference projects every position and keeps the last row: do the same matmul so the
         # picked token is bit-identical (a one-row matmul may round differently).
         logits = self.lm_head(hidden)[:, -1].float()
-        return ThinkerOut(embeds, hidden, logits)
+        return ThinkerOut(embeds, hidden, logits, talker_embeds)
+
+    def _with_audio(self, input_ids, embeds, media):
+        """(embeds with the audio encoder's outputs at the audio positions, the same with them zeroed)."""
+        dev = embeds.device
+        features = media["input_features"].to(dev, embeds.dtype)  # the processor's float32, in the model's dtype
+        mask = media["feature_attention_mask"].to(dev)
+        audio = self.module.get_audio_features(features, mask, return_dict=True).last_hidden_state
+        positions = (input_ids == self.audio_token).unsqueeze(-1).expand_as(embeds)
+        embeds = embeds.masked_scatter(positions, audio.to(embeds.dtype))
+        return embeds, embeds.masked_fill(positions, 0.0)
 
     def decode_one(self, token: torch.Tensor) -> ThinkerOut:
         """Feed one token ([1] long, on device) and return its vectors and the next logits."""

@@ -72,7 +72,9 @@ class Qwen3Steps:
                 self.talker.enable_fast_decode(graphs, compile)
 
     # -- thinker -------------------------------------------------------------------------------------
-    def prefill(self, input_ids: torch.Tensor):
+    def prefill(self, input_ids: torch.Tensor, media: dict | None = None):
+        if media:
+            raise NotImplementedError("audio and image input for Qwen3-Omni is not written yet")
         return self.thinker.prefill(input_ids)
 
     def decode_one(self, token: torch.Tensor):

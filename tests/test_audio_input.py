@@ -1,0 +1,144 @@
+"""Audio said to the model (omni_cli/media.py, the Qwen2.5-Omni family's `audio_inputs`, the thinker's
+audio encoder in the prefill, the talker's prompt with the audio positions zeroed): greedy text ids and
+codec codes equal to transformers' `generate` given what the checkpoint's own processor
+(`Qwen2_5OmniProcessor`) makes of the same clip and text; and `omni-say --audio` from a file and from
+stdin, with one-line errors for files that are not audio.
+
+The processor is built without its image and video processors: with no image or video given it reads
+only their merge sizes, and the real ones need torchvision, which does not install beside this CPU torch.
+Qwen3-Omni's audio input and images are not written yet (a one-line error says so).
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import soundfile
+import torch
+
+from conftest import cli_env, run_omni_say
+from hf_reference import STOP_CODES
+from omni_cli.runtime import compat
+
+ASSET = "assets/tiny-qwen2.5-omni"
+
+
+@pytest.fixture(scope="module")
+def assistant():
+    import omni_cli
+
+    return omni_cli.load(device="cpu")
+
+
+def processor(path: str):
+    """The checkpoint's Qwen2_5OmniProcessor, for audio and text (see the module docstring)."""
+    from transformers import AutoFeatureExtractor, AutoTokenizer, Qwen2_5OmniProcessor
+
+    tok = AutoTokenizer.from_pretrained(path)
+    proc = Qwen2_5OmniProcessor.__new__(Qwen2_5OmniProcessor)
+    proc.feature_extractor, proc.tokenizer = AutoFeatureExtractor.from_pretrained(path), tok
+    proc.image_processor = SimpleNamespace(merge_size=2)
+    proc.video_processor = SimpleNamespace(merge_size=2, temporal_patch_size=2)
+    for name in ("image_token", "audio_token", "video_token", "vision_bos_token", "vision_eos_token",
+                 "audio_bos_token", "audio_eos_token"):
+        setattr(proc, name, getattr(tok, name))
+    return proc
+
+
+def tone(seconds: float, rate: int, hz: float, seed: int = 0) -> np.ndarray:
+    t = np.arange(int(seconds * rate)) / rate
+    noise = np.random.default_rng(seed).standard_normal(len(t))
+    return (0.3 * np.sin(2 * np.pi * hz * t) + 0.05 * noise).astype(np.float32)
+
+
+def reference(assistant, clips, text: str | None, n_text: int, n_codes: int):
+    """(prompt ids, text ids, codes) of generate on the processor's inputs for the same conversation."""
+    proc = processor(ASSET)
+    parts = [{"type": "audio"} for _ in clips] + ([{"type": "text", "text": text}] if text else [])
+    messages = [{"role": "system", "content": assistant.default_system}, {"role": "user", "content": parts}]
+    rendered = proc.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    inputs = proc(text=rendered, audio=[c.at().pcm for c in clips], return_tensors="pt", padding=True)
+    model, captured = assistant.loaded.model, {}
+    original = model.talker.generate
+
+    def capture(*args, **kwargs):
+        captured["codes"] = out = original(*args, **kwargs)
+        return out
+
+    model.talker.generate = capture
+    try:
+        with torch.no_grad(), compat.qwen2_5_talker_keeps_its_mask(model):
+            sequences, _ = model.generate(
+                **inputs, speaker="Chelsie", thinker_max_new_tokens=n_text, thinker_do_sample=False,
+                thinker_eos_token_id=assistant.engine.eos_ids, talker_max_new_tokens=n_codes,
+                talker_do_sample=False, thinker_repetition_penalty=assistant.thinker_sampling.repetition_penalty)
+    finally:
+        model.talker.generate = original
+    n = inputs["input_ids"].shape[1]
+    codes = captured["codes"][0, n + 2:].tolist()
+    stop = next((i for i, c in enumerate(codes) if c in STOP_CODES), len(codes))
+    return inputs["input_ids"][0].tolist(), sequences[0, n:].tolist(), codes[:stop]
+
+
+@pytest.mark.parametrize("text, clips", [
+    ("What is this sound?", [(1.7, 22_050, 220.0)]),  # a clip at another rate, with text
+    (None, [(1.1, 16_000, 440.0), (0.6, 48_000, 330.0)]),  # two clips, no text
+], ids=["clip-and-text", "two-clips"])
+def test_audio_prompt_equals_transformers(assistant, text, clips):
+    from omni_cli.media import AudioClip
+
+    clips = [AudioClip(tone(s, r, hz, i), r) for i, (s, r, hz) in enumerate(clips)]
+    ref_ids, ref_text, ref_codes = reference(assistant, clips, text, 10, 60)
+    assert ref_ids.count(assistant.family.audio_token_id(assistant.loaded.model.config)) > 10  # audio tokens
+    seen = {}
+    original = assistant.engine.stream
+
+    def spy(req):
+        seen["ids"] = list(req.input_ids)
+        return original(req)
+
+    assistant.engine.stream = spy
+    try:
+        reply = assistant.say(text or "", audio=clips, greedy=True, max_text_tokens=10, max_codes=60, seed=0)
+    finally:
+        assistant.engine.stream = original
+    assert seen["ids"] == ref_ids  # the processor's token layout
+    assert reply.text_ids == ref_text
+    assert reply.codes == ref_codes and len(reply.codes) > 0
+
+
+def test_say_audio_from_a_file_and_from_stdin(tmp_path):
+    clip = tmp_path / "q.flac"
+    soundfile.write(clip, np.stack([tone(1.2, 44_100, 300.0)] * 2, axis=1), 44_100)  # stereo FLAC
+    out = tmp_path / "a.wav"
+    r = run_omni_say("--audio", clip, "What do you hear?", "-o", out, "--seed", "1", env=cli_env())
+    assert r.returncode == 0, r.stderr
+    assert soundfile.info(out).frames > 0 and r.stdout.strip()
+    r = run_omni_say("--audio", "-", "-o", out, "--seed", "1", input=clip.read_bytes(), text=False, env=cli_env())
+    assert r.returncode == 0, r.stderr
+
+
+def written(path, data: bytes):
+    path.write_bytes(data)
+    return path
+
+
+@pytest.mark.parametrize("make, says", [
+    (lambda d: d / "missing.wav", "does not exist"),
+    (lambda d: written(d / "empty.wav", b""), "is empty"),
+    (lambda d: written(d / "notes.wav", b"not audio at all"), "not an audio file"),
+    (lambda d: d, "is a folder"),
+], ids=["missing", "empty", "not-audio", "folder"])
+def test_a_file_that_is_not_audio_is_one_line(tmp_path, make, says):
+    r = run_omni_say("--audio", make(tmp_path), "hi", "-o", tmp_path / "a.wav", env=cli_env())
+    assert r.returncode == 2 and says in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert not (tmp_path / "a.wav").exists()
+
+
+def test_qwen3_says_audio_is_not_supported_yet(tmp_path):
+    clip = tmp_path / "q.wav"
+    soundfile.write(clip, tone(0.5, 16_000, 300.0), 16_000)
+    r = run_omni_say("-m", "assets/tiny-qwen3-omni", "--audio", clip, "hi", "-o", tmp_path / "a.wav", env=cli_env())
+    assert r.returncode == 2 and "not supported yet" in r.stderr and "Traceback" not in r.stderr
