@@ -241,7 +241,8 @@ class Assistant:
 
         if self._feature_extractor is None:
             self._feature_extractor = AutoFeatureExtractor.from_pretrained(str(self.loaded.path), local_files_only=True)
-        media, counts = self.family.audio_inputs(self._feature_extractor, clips)
+        media, counts = self.family.audio_inputs(self._feature_extractor, clips)  # the processor's rules
+        media["audio_seconds"] = sum(clip.seconds for clip in clips)
         token = self.family.audio_token_id(self.loaded.model.config)
         user = [{"type": "audio"} for _ in clips] + ([{"type": "text", "text": prompt}] if prompt else [])
         return user, media, (lambda ids: expand_placeholders(ids, token, counts))

@@ -112,6 +112,10 @@ def timing_lines(stats: dict, playback: dict | None = None, played: bool = False
         rows.append(("real-time factor", f"{made_in / audio:.2f} ({audio:.1f} s of audio made in {made_in:.2f} s)"))
     else:
         rows.append(("real-time factor", "- (no audio)"))
+    heard = stats.get("audio_in_seconds")
+    if heard:
+        enc = stats.get("audio_encoder_ms")
+        rows.append(("audio in", f"{heard:.1f} s" + (f" (encoder {enc:.0f} ms, in the prefill)" if enc is not None else "")))
     th = stats.get("thinker_ms_per_token")
     tk = stats.get("talker_ms_per_step")
     rows.append(("text tokens", f"{stats.get('text_tokens', 0)}" + (f" ({th:.1f} ms/token)" if th else "")))

@@ -1,4 +1,4 @@
-"""Audio said to the model (omni_cli/media.py, the Qwen2.5-Omni family's `audio_inputs`, the thinker's
+"""Audio said to the model (omni_cli/media.py, each family's `audio_inputs`, the thinker's
 audio encoder in the prefill, the talker's prompt with the audio positions zeroed): greedy text ids and
 codec codes equal to transformers' `generate` given what the checkpoint's own processor
 (`Qwen2_5OmniProcessor`) makes of the same clip and text; and `omni-say --audio` from a file and from
@@ -6,7 +6,8 @@ stdin, with one-line errors for files that are not audio.
 
 The processor is built without its image and video processors: with no image or video given it reads
 only their merge sizes, and the real ones need torchvision, which does not install beside this CPU torch.
-Qwen3-Omni's audio input and images are not written yet (a one-line error says so).
+Qwen3-Omni the same way (its processor, its encoder's length rule, its talker's `hidden_projection` of
+the audio positions). Images are not written yet.
 """
 
 from __future__ import annotations
@@ -32,12 +33,15 @@ def assistant():
     return omni_cli.load(device="cpu")
 
 
-def processor(path: str):
-    """The checkpoint's Qwen2_5OmniProcessor, for audio and text (see the module docstring)."""
-    from transformers import AutoFeatureExtractor, AutoTokenizer, Qwen2_5OmniProcessor
+def processor(path: str, cls_name: str = "Qwen2_5OmniProcessor"):
+    """The checkpoint's processor (Qwen2_5OmniProcessor, Qwen3OmniMoeProcessor), for audio and text (see
+    the module docstring)."""
+    import transformers
+    from transformers import AutoFeatureExtractor, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(path)
-    proc = Qwen2_5OmniProcessor.__new__(Qwen2_5OmniProcessor)
+    cls = getattr(transformers, cls_name)
+    proc = cls.__new__(cls)
     proc.feature_extractor, proc.tokenizer = AutoFeatureExtractor.from_pretrained(path), tok
     proc.image_processor = SimpleNamespace(merge_size=2)
     proc.video_processor = SimpleNamespace(merge_size=2, temporal_patch_size=2)
@@ -109,6 +113,63 @@ def test_audio_prompt_equals_transformers(assistant, text, clips):
     assert reply.codes == ref_codes and len(reply.codes) > 0
 
 
+QWEN3 = "assets/tiny-qwen3-omni"
+
+
+@pytest.fixture(scope="module")
+def qwen3():
+    import omni_cli
+
+    return omni_cli.load(QWEN3, device="cpu")
+
+
+@pytest.mark.parametrize("text, clips", [
+    ("What is this?", [(2.3, 22_050, 220.0)]),  # more than one 100-frame chunk of the encoder
+    (None, [(0.7, 16_000, 440.0), (1.3, 44_100, 330.0)]),
+], ids=["clip-and-text", "two-clips"])
+def test_qwen3_audio_prompt_equals_transformers(qwen3, text, clips):
+    """The same for Qwen3-Omni, whose talker reads the audio positions of the user turn through
+    `hidden_projection` of the thinker's accepted hidden state (every codebook of every frame compared)."""
+    import warnings
+
+    from omni_cli.media import AudioClip
+
+    clips = [AudioClip(tone(s, r, hz, i), r) for i, (s, r, hz) in enumerate(clips)]
+    proc = processor(QWEN3, "Qwen3OmniMoeProcessor")
+    parts = [{"type": "audio"} for _ in clips] + ([{"type": "text", "text": text}] if text else [])
+    rendered = proc.tokenizer.apply_chat_template([{"role": "user", "content": parts}], add_generation_prompt=True,
+                                                  tokenize=False)
+    inputs = proc(text=rendered, audio=[c.at().pcm for c in clips], return_tensors="pt")
+    model, caught = qwen3.loaded.model, {}
+    hook = model.code2wav.register_forward_pre_hook(lambda _m, args: caught.setdefault("codes", args[0]))
+    try:
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            sequences, _ = model.generate(
+                **inputs, speaker="ethan", thinker_max_new_tokens=10, thinker_eos_token_id=qwen3.engine.eos_ids,
+                thinker_do_sample=False, thinker_repetition_penalty=qwen3.thinker_sampling.repetition_penalty,
+                talker_do_sample=False, talker_max_new_tokens=31)
+    finally:
+        hook.remove()
+    seen, original = {}, qwen3.engine.stream
+
+    def spy(req):
+        seen["ids"] = list(req.input_ids)
+        return original(req)
+
+    qwen3.engine.stream = spy
+    try:
+        reply = qwen3.say(text or "", audio=clips, greedy=True, max_text_tokens=10, max_codes=30, seed=0)
+    finally:
+        qwen3.engine.stream = original
+    n = inputs["input_ids"].shape[1]
+    assert seen["ids"] == inputs["input_ids"][0].tolist()
+    assert reply.text_ids == sequences[0, n:].tolist()
+    assert reply.codes == caught["codes"][0].T.tolist() and len(reply.codes) > 0
+    assert reply.stats["audio_in_seconds"] == pytest.approx(sum(c.at().seconds for c in clips))  # heard at 16 kHz
+    assert reply.stats["audio_encoder_ms"] > 0
+
+
 def test_say_audio_from_a_file_and_from_stdin(tmp_path):
     clip = tmp_path / "q.flac"
     soundfile.write(clip, np.stack([tone(1.2, 44_100, 300.0)] * 2, axis=1), 44_100)  # stereo FLAC
@@ -137,8 +198,8 @@ def test_a_file_that_is_not_audio_is_one_line(tmp_path, make, says):
     assert not (tmp_path / "a.wav").exists()
 
 
-def test_qwen3_says_audio_is_not_supported_yet(tmp_path):
+def test_qwen3_hears_a_file_too(tmp_path):
     clip = tmp_path / "q.wav"
     soundfile.write(clip, tone(0.5, 16_000, 300.0), 16_000)
-    r = run_omni_say("-m", "assets/tiny-qwen3-omni", "--audio", clip, "hi", "-o", tmp_path / "a.wav", env=cli_env())
-    assert r.returncode == 2 and "not supported yet" in r.stderr and "Traceback" not in r.stderr
+    r = run_omni_say("-m", QWEN3, "--audio", clip, "hi", "-o", tmp_path / "a.wav", "--verbose", env=cli_env())
+    assert r.returncode == 0 and "audio in" in r.stderr and "encoder" in r.stderr, r.stderr

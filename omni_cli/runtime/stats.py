@@ -173,3 +173,35 @@ class PhaseTimer:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             self.phases[name] = self.phases.get(name, 0.0) + time.perf_counter() - t
+
+
+@contextlib.contextmanager
+def encoder_timer(media: dict, device):
+    """Time an encoder's run inside a prefill without a host sync: CUDA events (read when the turn's
+    stats are made), perf_counter on a CPU. Kept in the request's `media` as "encoder_time"."""
+    cuda = device.type == "cuda"
+    start = torch.cuda.Event(enable_timing=True) if cuda else time.perf_counter()
+    if cuda:
+        start.record()
+    yield
+    end = torch.cuda.Event(enable_timing=True) if cuda else time.perf_counter()
+    if cuda:
+        end.record()
+    media["encoder_time"] = media.get("encoder_time", []) + [(start, end)]
+
+
+def media_stats(media: dict | None) -> dict:
+    """What a reply's stats say about its input media: seconds of audio heard, the encoders' ms."""
+    if not media:
+        return {}
+    out = {}
+    if media.get("audio_seconds"):
+        out["audio_in_seconds"] = float(media["audio_seconds"])
+    spans = media.get("encoder_time") or []
+    if spans:
+        if isinstance(spans[0][0], float):
+            out["audio_encoder_ms"] = sum(1000 * (b - a) for a, b in spans)
+        else:
+            torch.cuda.synchronize()
+            out["audio_encoder_ms"] = sum(a.elapsed_time(b) for a, b in spans)
+    return out

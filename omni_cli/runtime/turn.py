@@ -27,7 +27,7 @@ from .channel import Channel
 from .detokenize import Detokenizer
 from .events import AudioBlock, Done, Reply, TextDelta, TurnInterrupted, TurnRequest
 from .schedule import Schedule
-from .stats import StepClock, TurnState, turn_stats
+from .stats import StepClock, TurnState, media_stats, turn_stats
 from .vocoder_worker import vocoder_worker
 
 
@@ -216,6 +216,7 @@ class Turn:
         rate = self.steps.sample_rate
         stats = turn_stats(st, self.clock, t0, end, len(audio) / rate)
         stats["prompt_tokens"] = len(self.req.input_ids)
+        stats.update(media_stats(self.req.media))
         return Reply(self.detok.text(st.text_ids), list(st.text_ids), list(st.codes), audio, rate, stats)
 
 

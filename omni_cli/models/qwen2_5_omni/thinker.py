@@ -23,6 +23,7 @@ import torch
 from ...runtime import compat
 from ...runtime.decoder import forward_layers
 from ...runtime.kv_cache import StaticKVCache
+from ...runtime.stats import encoder_timer
 
 
 @dataclass
@@ -76,7 +77,8 @@ class Thinker:
         dev = embeds.device
         features = media["input_features"].to(dev, embeds.dtype)  # the processor's float32, in the model's dtype
         mask = media["feature_attention_mask"].to(dev)
-        audio = self.module.get_audio_features(features, mask, return_dict=True).last_hidden_state
+        with encoder_timer(media, dev):
+            audio = self.module.get_audio_features(features, mask, return_dict=True).last_hidden_state
         positions = (input_ids == self.audio_token).unsqueeze(-1).expand_as(embeds)
         embeds = embeds.masked_scatter(positions, audio.to(embeds.dtype))
         return embeds, embeds.masked_fill(positions, 0.0)

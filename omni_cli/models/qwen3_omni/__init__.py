@@ -77,3 +77,23 @@ def talker_sampling(generation_config=None) -> SamplingOptions:
     from ...config import talker_overrides
 
     return talker_overrides(TALKER_SAMPLING, generation_config)
+
+
+def audio_inputs(feature_extractor, clips, n_window: int = 50) -> tuple[dict, list[int]]:
+    """The encoder inputs for `clips` (16 kHz mono AudioClips) as Qwen3OmniMoeProcessor makes them
+    (Whisper log-mel features padded to the longest clip, with their mask), and how many audio tokens each
+    becomes in the prompt (the encoder's length rule: 13 tokens a 100-frame chunk, then the rest halved
+    three times; `n_window` as the processor's default, which must match the encoder's config)."""
+    out = feature_extractor([clip.pcm for clip in clips], sampling_rate=16_000, padding=True, truncation=False,
+                            return_attention_mask=True, return_tensors="pt")
+    mask = out["attention_mask"]
+    frames = mask.sum(-1)
+    chunk = 2 * n_window
+    rest = (frames % chunk - 1) // 2 + 1
+    lengths = ((rest - 1) // 2 + 1 - 1) // 2 + 1 + (frames // chunk) * 13
+    return {"input_features": out["input_features"], "feature_attention_mask": mask}, lengths.tolist()
+
+
+def audio_token_id(config) -> int:
+    """The prompt's audio placeholder id."""
+    return int(config.thinker_config.audio_token_id)

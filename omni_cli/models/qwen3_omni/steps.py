@@ -73,9 +73,7 @@ class Qwen3Steps:
 
     # -- thinker -------------------------------------------------------------------------------------
     def prefill(self, input_ids: torch.Tensor, media: dict | None = None):
-        if media:
-            raise NotImplementedError("audio and image input for Qwen3-Omni is not written yet")
-        return self.thinker.prefill(input_ids)
+        return self.thinker.prefill(input_ids, media)
 
     def decode_one(self, token: torch.Tensor):
         return self.thinker.decode_one(token)

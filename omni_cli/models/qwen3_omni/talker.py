@@ -17,9 +17,9 @@ the voice's codec id, tts_bos + codec pad, and the first reply token + codec bos
 Steps take and return device tensors only (no host sync); every id and mask tensor is made in
 `__init__` or `begin`. It does not know where the text entries come from (the runtime picks R[k],
 `text_eos_vec` or `text_pad_vec`), when the speech ends (a host-side check of codebook 0 against
-`stop_codes`), or the vocoder. Audio/image/video user turns (`hidden_projection` at their positions and
-the talker's M-RoPE positions from `get_rope_index`) are not handled yet: positions are a 1-D offset,
-exact for text.
+`stop_codes`), or the vocoder. A user turn's audio positions are read through `hidden_projection` of the
+thinker's `accepted` state, as the reference reads them; positions are a 1-D offset, exact for text and
+audio (image and video would need the talker's M-RoPE positions from `get_rope_index`).
 
 Two paths do the same steps. The library's layers (`forward_layers`) run the prompt and, without fast
 decode, every step. With fast decode (`enable_fast_decode`, on accelerators) a step is two fixed-shape
@@ -76,6 +76,7 @@ class Talker:
         self.codec_embed = talker.get_input_embeddings()  # codebook 0 and the codec control ids
         self.codec_head = talker.codec_head
         self.text_projection = talker.text_projection
+        self.hidden_projection = talker.hidden_projection  # what multimodal user positions get
         self.thinker_embed = model.thinker.get_input_embeddings()
         self.predictor = talker.code_predictor.model
         self.predictor_heads = talker.code_predictor.lm_head  # [k] gives codebook k+1
@@ -94,6 +95,8 @@ class Talker:
         self.voices = dict(tcfg.speaker_id)
         self._tcfg = tcfg
         self._im_start, self._assistant, self._user = cfg.im_start_token_id, cfg.assistant_token_id, cfg.user_token_id
+        thinker_cfg = cfg.thinker_config
+        self._media_ids = {thinker_cfg.audio_token_id, thinker_cfg.image_token_id, thinker_cfg.video_token_id}
 
         dev = self.codec_head.weight.device
         dtype = self.codec_head.weight.dtype
@@ -180,6 +183,11 @@ class Talker:
             raise ValueError("the prompt has no user turn (the talker prompt is made of user turns)")
         dev = self._seen.device
         self._user_idx = torch.tensor(users, device=dev)
+        media = [t for t, tok in enumerate(ids) if tok in self._media_ids]
+        # Multimodal positions (audio, image, video placeholders) and the rest, each projected as one block
+        # as the reference projects them; None: a text prompt (one projection over every position).
+        self._media_idx = torch.tensor(media, device=dev) if media else None
+        self._text_idx = torch.tensor([t for t in range(len(ids)) if t not in set(media)], device=dev) if media else None
         c = self._tcfg
         self._codec_ids = torch.tensor(
             [c.codec_nothink_id, c.codec_think_bos_id, c.codec_think_eos_id, speaker, c.codec_pad_id, c.codec_bos_id],
@@ -248,8 +256,9 @@ class Talker:
         if self._codec_ids is None:
             raise RuntimeError("Talker.begin must come before prefill")
         embeds = prompt.embeds
-        # User turns: projected over the whole prompt in one matmul, then gathered, as the reference.
-        user = self.text_projection(embeds[0]).index_select(0, self._user_idx).unsqueeze(0)
+        # User turns: projected over the whole prompt in one matmul, then gathered, as the reference; its
+        # audio / image / video positions from the thinker's `accepted` state through hidden_projection.
+        user = self._user_rows(prompt).index_select(0, self._user_idx).unsqueeze(0)
         a = self._opener
         opener = self._project(embeds[:, a : a + 3])
         text = torch.cat([opener, self.text_pad_vec.expand(1, 4, -1), self.text_bos_vec, first_vec], dim=1)
@@ -269,6 +278,19 @@ class Talker:
         self._hidden.copy_(hidden[:, -1:])
         self._logits.copy_(logits)
         return self.frame_graphs(self.predictor_cache.max_len).clone()  # out of the graph's buffer
+
+    def _user_rows(self, prompt) -> torch.Tensor:
+        """[L, D]: every prompt position as the talker's user rows read it."""
+        embeds = prompt.embeds[0]
+        if self._media_idx is None:
+            return self.text_projection(embeds)
+        if prompt.accepted is None:
+            raise RuntimeError("a multimodal prompt needs the thinker's accepted hidden state")
+        rows = torch.empty(embeds.shape[0], self.codec_head.in_features, device=embeds.device,
+                           dtype=self.codec_head.weight.dtype)
+        rows[self._text_idx] = self.text_projection(embeds.index_select(0, self._text_idx))
+        rows[self._media_idx] = self.hidden_projection(prompt.accepted[0].index_select(0, self._media_idx))
+        return rows
 
     def step(self, frame: torch.Tensor, vec: torch.Tensor) -> torch.Tensor:
         """Feed the previous frame ([16] long) with one text entry ([1, 1, D]); returns the next frame."""

@@ -8,9 +8,10 @@ the hidden state the talker's `hidden_projection` reads at audio/image/video pos
 (`accept_hidden_layer`). Steps take and return device tensors only: nothing here reads a device value.
 
 Positions are a host-side 1-D offset expanded to the three interleaved M-RoPE rows. That is exact for
-text (the reference's `get_rope_index` gives the same position on every row); audio, image and video
-prompts (the encoders, `get_rope_index` and its delta, deepstack) are not handled yet. It knows nothing
-of sampling, the talker or threads.
+text and audio (the reference's `get_rope_index` gives the same, consecutive position on every row);
+a prompt's audio clips go through the audio encoder in `prefill`. Image and video prompts (the vision
+encoder, 3-D positions and their delta, deepstack) are not handled yet. It knows nothing of sampling,
+the talker or threads.
 
 With fast decode (`enable_fast_decode`), `decode_one` runs the fused fixed-shape step (`runtime/fused.py`:
 the experts routed on the device), on CUDA replayed as one CUDA graph per span bucket; the prompt goes
@@ -26,6 +27,7 @@ import torch
 from ...runtime import compat
 from ...runtime.decoder import forward_layers_keeping
 from ...runtime.kv_cache import StaticKVCache
+from ...runtime.stats import encoder_timer
 
 
 @dataclass
@@ -43,6 +45,8 @@ class Thinker:
     def __init__(self, thinker_module, cache: StaticKVCache, accept_hidden_layer: int | None = None) -> None:
         """`accept_hidden_layer`: the talker config's value (the thinker's own config does not hold it);
         None leaves `ThinkerOut.accepted` empty (text-only turns never read it)."""
+        self.module = thinker_module
+        self.audio_token = thinker_module.config.audio_token_id
         self.model = compat.thinker_text_model(thinker_module)  # Qwen3OmniMoeThinkerTextModel
         self.embed_tokens = thinker_module.get_input_embeddings()
         self.lm_head = thinker_module.lm_head
@@ -85,10 +89,21 @@ class Thinker:
         logits = self.lm_head(hidden)[:, -1].float()
         return ThinkerOut(embeds, hidden, logits, accepted)
 
-    def prefill(self, input_ids: torch.Tensor) -> ThinkerOut:
-        """Run the whole prompt ([1, L] ids) from an empty cache."""
+    def prefill(self, input_ids: torch.Tensor, media: dict | None = None) -> ThinkerOut:
+        """Run the whole prompt ([1, L] ids) from an empty cache; `media`: its audio features, whose
+        encoder outputs go to the audio placeholder positions (positions stay 1-D: for audio the
+        reference's M-RoPE rows are equal and consecutive)."""
         self.cache.reset()
-        return self._forward(self.embed(input_ids), prefill=True)
+        embeds = self.embed(input_ids)
+        if media and media.get("input_features") is not None:
+            dev = embeds.device
+            features = media["input_features"].to(dev, embeds.dtype)
+            with encoder_timer(media, dev):
+                audio = self.module.get_audio_features(
+                    features, media["feature_attention_mask"].to(dev), return_dict=True).last_hidden_state
+            positions = (input_ids == self.audio_token).unsqueeze(-1).expand_as(embeds)
+            embeds = embeds.masked_scatter(positions, audio.to(embeds.dtype))
+        return self._forward(embeds, prefill=True)
 
     def decode_one(self, token: torch.Tensor) -> ThinkerOut:
         """Feed one token ([1] long, on device) and return its vectors and the next logits (with fast

@@ -1,0 +1,518 @@
+"""The microphone: record one spoken turn into a clip, ended by silence, a key or a length limit.
+
+`record(options, stop, on_level)` opens a sounddevice/PortAudio input stream on the chosen device at
+that device's own rate. The stream's callback only copies each block into a queue; the calling thread
+drains the queue, measures the level (RMS dBFS, reported to `on_level` every tenth of a second of
+audio, for a live meter), runs voice-activity detection, and ends the turn when `stop` is set (the
+user pressed Enter), when speech was heard and the configured silence followed, or at the longest
+clip length. Trailing silence beyond a short tail is cut off. A turn with no speech in it (VAD on), or
+never louder than a floor (VAD off), raises `SilentMicrophone`, which carries the clip; Ctrl-C stops
+the stream and re-raises the KeyboardInterrupt with the clip attached as its `clip` attribute. So
+nothing recorded is lost. `save_clip` writes a clip as a 16-bit WAV that exists only when whole.
+
+Voice activity: WebRTC's VAD (the `webrtcvad-wheels` build of py-webrtcvad): a small C library with
+binary wheels for CPython 3.8-3.13 on Linux, macOS and Windows, no dependencies, no model file to
+download, nothing but 16-bit PCM in and a yes/no per 10-30 ms frame out. Silero VAD hears speech in
+noise better, but its package needs torch (or an ONNX Runtime of ~15 MB plus a model file), and this
+module must stay light enough for a client that imports no torch. WebRTC's VAD takes 8, 16, 32 or
+48 kHz: a device at any other rate (44.1 kHz is common) is resampled to 16 kHz for the VAD only, with
+soxr's streaming resampler (its output stays aligned in time with its input, so the VAD's frame times
+are the clip's times).
+
+It does not know models or prompts: the clip keeps the device's rate, and resampling it for a
+model's audio encoder is the caller's business. It prints nothing and draws no meter: the terminal
+face decides what a person sees from `on_level` and from the errors (one line each).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import queue
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
+
+from ..errors import AudioDeviceError, OmniError, OutputError, UsageError
+from .sinks import _reason
+from .speaker import import_sounddevice
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    import numpy as np
+
+log = logging.getLogger(__name__)
+
+# What to say after a failure to record (the CLI may pass its own).
+RECORD_HINT = "check that a microphone is connected, chosen and not muted"
+
+# The level meter's period: on_level is called once per this much audio (seconds).
+LEVEL_SECONDS = 0.1
+# The level reported for digital silence (exact zeros), instead of minus infinity.
+SILENCE_DBFS = -120.0
+# The drain loop waits at most this long (seconds) for a block before it looks at `stop` again: the
+# longest a set `stop` can go unnoticed.
+POLL_SECONDS = 0.02
+# The rates WebRTC's VAD takes, and its frame length (30 ms: its steadiest decisions; 10 and 20 work too).
+VAD_RATES = (8000, 16000, 32000, 48000)
+VAD_FRAME_MS = 30
+
+
+@dataclass(frozen=True)
+class RecordOptions:
+    """How to record one turn."""
+
+    # The input device: None = the default; an index; or (part of) its name (see input_devices()).
+    device: str | int | None = None
+    # Sample rate to record at; None = the device's default rate (the clip keeps it: no resampling).
+    sample_rate: int | None = None
+    # End the turn by voice activity (speech, then `end_silence_ms` of silence). Off: only `stop` or
+    # `max_seconds` end it, and "silence" means a level never above `floor_dbfs`.
+    vad: bool = True
+    # WebRTC VAD aggressiveness, 0-3: higher calls less noise speech (and risks missing soft speech).
+    vad_mode: int = 2
+    # Silence after speech that ends the turn (ms): longer than the pauses between a speaker's words.
+    end_silence_ms: int = 800
+    # Voiced time that counts as speech (ms): a click or a cough shorter than this does not start a turn.
+    min_speech_ms: int = 200
+    # Silence kept after the last speech (VAD on) or the last sound above the floor (VAD off), in ms:
+    # the rest of the trailing silence is cut off. Never more than the silence that ended the turn.
+    tail_ms: int = 300
+    # The longest clip (seconds): the turn ends there, whatever is heard.
+    max_seconds: float = 60.0
+    # A level (RMS dBFS over LEVEL_SECONDS) at or below this is silence: with VAD off, a recording never
+    # louder is refused as silent, and the trailing stretch at or below it is trimmed.
+    floor_dbfs: float = -50.0
+
+    def __post_init__(self) -> None:
+        if self.vad_mode not in (0, 1, 2, 3):
+            raise UsageError(f"the VAD mode must be 0, 1, 2 or 3, not {self.vad_mode}")
+        for name in ("end_silence_ms", "min_speech_ms", "tail_ms"):
+            if getattr(self, name) < 0:
+                raise UsageError(f"{name} must not be negative (got {getattr(self, name)})")
+        if not self.max_seconds > 0:
+            raise UsageError(f"the longest clip must be more than 0 s (got {self.max_seconds})")
+        if self.sample_rate is not None and self.sample_rate <= 0:
+            raise UsageError(f"the sample rate must be positive (got {self.sample_rate})")
+
+
+@dataclass(frozen=True)
+class Clip:
+    """What was recorded: mono float32 samples at the device's rate, and how the turn ended."""
+
+    pcm: "np.ndarray"  # float32, mono, in [-1, 1]
+    sample_rate: int  # the rate the device recorded at (not resampled)
+    # Why recording stopped: "silence" (speech, then the end silence), "stop" (the stop event), "limit"
+    # (max_seconds), "interrupted" (Ctrl-C); for a SilentMicrophone's clip, what stopped it too.
+    ended_by: str
+    recorded_seconds: float  # audio taken from the device before trimming
+    speech_end: float | None = None  # where the last speech ended (seconds); None without VAD or speech
+    overflows: int = 0  # times the device dropped input because its blocks were not taken in time
+
+    @property
+    def seconds(self) -> float:
+        return self.pcm.shape[0] / self.sample_rate
+
+
+class SilentMicrophone(OmniError):
+    """The microphone gave silence: no speech (VAD on) or no level above the floor (VAD off).
+
+    `clip` holds what was recorded (untrimmed), so a caller may still keep or save it."""
+
+    def __init__(self, message: str, clip: Clip) -> None:
+        super().__init__(message)
+        self.clip = clip
+
+
+# -- devices -----------------------------------------------------------------------------------
+
+
+def _sounddevice(hint: str) -> Any:
+    """sounddevice, imported now (PortAudio reads the sound setup here); errors say "record"."""
+    try:
+        return import_sounddevice(hint)
+    except AudioDeviceError as exc:  # its words are for playing: same failure, our verb
+        raise AudioDeviceError(str(exc).replace("cannot play audio", "cannot record audio", 1)) from exc.__cause__
+
+
+def input_devices(sd: Any = None, hint: str = RECORD_HINT) -> list[dict]:
+    """The input devices PortAudio sees: dicts with index, name, hostapi, channels, samplerate, default."""
+    sd = sd if sd is not None else _sounddevice(hint)
+    try:
+        devices = list(sd.query_devices())
+    except Exception as exc:
+        raise AudioDeviceError(f"cannot list the audio devices ({_reason(exc)}); {hint}") from exc
+    try:
+        hostapis = [h["name"] for h in sd.query_hostapis()]
+    except Exception:
+        hostapis = []
+    try:
+        default = int(sd.query_devices(kind="input")["index"])
+    except Exception:  # no default input device (PortAudioError: Error querying device -1)
+        default = None
+    out = []
+    for i, dev in enumerate(devices):
+        if int(dev.get("max_input_channels", 0)) <= 0:
+            continue
+        index = int(dev.get("index", i))
+        api = dev.get("hostapi", 0)
+        out.append({
+            "index": index,
+            "name": str(dev.get("name", f"device {index}")),
+            "hostapi": hostapis[api] if isinstance(api, int) and 0 <= api < len(hostapis) else "",
+            "channels": int(dev["max_input_channels"]),
+            "samplerate": float(dev.get("default_samplerate", 0) or 0),
+            "default": index == default,
+        })
+    return out
+
+
+def _listing(devices: list[dict]) -> str:
+    return ", ".join(f"{d['index']}: {d['name']}" for d in devices)
+
+
+def find_input_device(spec: str | int | None, sd: Any = None, hint: str = RECORD_HINT) -> dict:
+    """The input device named by `spec`: None = the default; an index; or (part of) a name."""
+    devices = input_devices(sd, hint)
+    if not devices:
+        raise AudioDeviceError(f"cannot record audio: no sound input device found (no microphone?); {hint}")
+    text = "" if spec is None else str(spec).strip()
+    if not text:
+        for dev in devices:
+            if dev["default"]:
+                return dev
+        raise AudioDeviceError(f"cannot record audio: there is no default sound input device: choose one (input devices: {_listing(devices)})")
+    if text.isdigit():
+        for dev in devices:
+            if dev["index"] == int(text):
+                return dev
+        raise UsageError(f"audio device {text} is not an input device here (input devices: {_listing(devices)})")
+    exact = [d for d in devices if d["name"].lower() == text.lower()]
+    if exact:
+        return exact[0]
+    partial = [d for d in devices if text.lower() in d["name"].lower()]
+    if len(partial) == 1:
+        return partial[0]
+    if not partial:
+        raise UsageError(f"no audio input device is called '{text}' (input devices: {_listing(devices)})")
+    raise UsageError(f"audio input device '{text}' is ambiguous ({_listing(partial[:5])}): give its index")
+
+
+# -- what the drain thread does with each block ----------------------------------------------------
+
+
+class _LevelMeter:
+    """RMS level in dBFS over each LEVEL_SECONDS of audio, handed to `on_level` and kept (for the floor
+    and the trim). Periods are counted in samples, so the reports follow the audio, not the clock."""
+
+    def __init__(self, rate: int, on_level: Callable[[float, float], None] | None) -> None:
+        self.rate = rate
+        self.period = max(1, round(rate * LEVEL_SECONDS))
+        self.on_level = on_level
+        self.levels: list[float] = []  # one per full period, in order
+        self._energy = 0.0  # sum of squares in the current period
+        self._filled = 0  # samples in the current period
+
+    def feed(self, block: "np.ndarray") -> None:
+        import numpy as np
+
+        at = 0
+        while at < block.shape[0]:
+            take = min(self.period - self._filled, block.shape[0] - at)
+            part = block[at:at + take].astype(np.float64)
+            self._energy += float(np.dot(part, part))
+            self._filled += take
+            at += take
+            if self._filled == self.period:
+                self._report()
+
+    def _report(self) -> None:
+        level = dbfs(self._energy / self.period)
+        self.levels.append(level)
+        self._energy, self._filled = 0.0, 0
+        if self.on_level is not None:
+            self.on_level(level, len(self.levels) * self.period / self.rate)
+
+    def loudest(self) -> float:
+        """The loudest level so far, the unfinished last period included."""
+        partial = [dbfs(self._energy / self._filled)] if self._filled else []
+        return max(self.levels + partial, default=SILENCE_DBFS)
+
+    def loud_until(self, floor: float) -> float | None:
+        """The end (seconds) of the last period louder than `floor`; None if none was."""
+        for i in range(len(self.levels) - 1, -1, -1):
+            if self.levels[i] > floor:
+                return (i + 1) * self.period / self.rate
+        return None
+
+
+def dbfs(mean_square: float) -> float:
+    """A mean square of float samples (full scale 1.0) in dBFS; SILENCE_DBFS for digital silence."""
+    return 10.0 * math.log10(mean_square) if mean_square > 10 ** (SILENCE_DBFS / 10) else SILENCE_DBFS
+
+
+class _Vad:
+    """WebRTC VAD over the stream: blocks in at the device's rate, one yes/no per 30 ms frame out."""
+
+    def __init__(self, rate: int, mode: int) -> None:
+        try:
+            import webrtcvad
+        except ImportError as exc:
+            raise AudioDeviceError("cannot detect speech: the webrtcvad-wheels package is missing: "
+                                   "pip install webrtcvad-wheels (or record without VAD)") from exc
+        import numpy as np
+
+        self._vad = webrtcvad.Vad(mode)
+        self._resampler = None
+        self.rate = rate
+        if rate not in VAD_RATES:  # resampled for the VAD only: the clip keeps the device's samples
+            import soxr
+
+            self.rate = 16000
+            self._resampler = soxr.ResampleStream(rate, self.rate, 1, dtype="float32")
+        self.frame = self.rate * VAD_FRAME_MS // 1000  # samples per frame at the VAD's rate
+        self._pending = np.zeros(0, np.int16)  # samples of the next, unfinished frame
+
+    def feed(self, block: "np.ndarray") -> list[bool]:
+        import numpy as np
+
+        if self._resampler is not None:
+            block = self._resampler.resample_chunk(block)
+        pcm16 = np.clip(np.rint(block * 32768.0), -32768, 32767).astype(np.int16)
+        pending = np.concatenate([self._pending, pcm16])
+        whole = pending.shape[0] // self.frame * self.frame
+        self._pending = pending[whole:]
+        return [self._vad.is_speech(pending[i:i + self.frame].tobytes(), self.rate)
+                for i in range(0, whole, self.frame)]
+
+
+class _Endpoint:
+    """Turns per-frame speech flags into a turn: speech heard, then ended by silence.
+
+    Voiced frames add up within a stretch; once they reach `min_speech` frames, speech was heard. A
+    quiet run of `end_silence` frames then ends the turn; before speech was heard it only starts a new
+    stretch, so clicks scattered over a long wait never add up to speech."""
+
+    def __init__(self, min_speech: int, end_silence: int) -> None:
+        self.min_speech = max(1, min_speech)
+        self.end_silence = max(1, end_silence)
+        self.frames = 0  # frames seen
+        self.heard = False
+        self.speech_end = 0  # frames up to the end of the last voiced frame (once heard)
+        self._voiced = 0  # voiced frames in the current stretch
+        self._quiet = 0  # unvoiced frames in a row
+
+    def push(self, speech: bool) -> bool:
+        """One frame's flag; True when this frame ends the turn."""
+        self.frames += 1
+        if speech:
+            self._voiced += 1
+            self._quiet = 0
+            self.heard = self.heard or self._voiced >= self.min_speech
+            if self.heard:
+                self.speech_end = self.frames
+            return False
+        self._quiet += 1
+        if self._quiet >= self.end_silence:
+            if self.heard:
+                return True
+            self._voiced = 0
+        return False
+
+
+class _Turn:
+    """Everything recorded so far, and the decision when to stop. Lives on the drain thread."""
+
+    def __init__(self, options: RecordOptions, rate: int, on_level: Callable[[float, float], None] | None) -> None:
+        self.options = options
+        self.rate = rate
+        self.limit = max(1, round(options.max_seconds * rate))  # samples
+        self.blocks: list = []
+        self.samples = 0
+        self.meter = _LevelMeter(rate, on_level)
+        self.vad = _Vad(rate, options.vad_mode) if options.vad else None
+        # Whole frames, rounded up: at least the configured speech and silence (800 ms: 27 frames, 810 ms).
+        self.endpoint = _Endpoint(math.ceil(options.min_speech_ms / VAD_FRAME_MS),
+                                  math.ceil(options.end_silence_ms / VAD_FRAME_MS))
+        self.ended_at: int | None = None  # samples of audio when the VAD ended the turn
+        self.overflows = 0
+
+    def feed(self, block: "np.ndarray") -> str | None:
+        """Take one block; the reason the turn ends ("silence", "limit") or None to go on."""
+        ended = None
+        if self.samples + block.shape[0] >= self.limit:
+            block, ended = block[:self.limit - self.samples], "limit"
+        self.keep(block)
+        self.meter.feed(block)
+        if self.vad is not None:
+            for speech in self.vad.feed(block):
+                if self.endpoint.push(speech):
+                    # The turn ended at this frame's end: what the device gave after it is not part of it.
+                    self.ended_at = round(self.endpoint.frames * VAD_FRAME_MS / 1000 * self.rate)
+                    return "silence"
+        return ended
+
+    def keep(self, block: "np.ndarray") -> None:
+        """Store a block without judging it (what arrives after Ctrl-C)."""
+        take = min(block.shape[0], self.limit - self.samples)
+        if take > 0:
+            self.blocks.append(block[:take])
+            self.samples += take
+
+    def clip(self, ended_by: str, trim: bool) -> Clip:
+        import numpy as np
+
+        pcm = np.concatenate(self.blocks) if self.blocks else np.zeros(0, np.float32)
+        pcm = pcm[:self.ended_at]
+        speech_end = self.endpoint.speech_end * VAD_FRAME_MS / 1000 if self.vad is not None and self.endpoint.heard else None
+        recorded = pcm.shape[0] / self.rate
+        if trim:
+            sound_end = speech_end if self.vad is not None else self.meter.loud_until(self.options.floor_dbfs)
+            if sound_end is not None:
+                tail = min(self.options.tail_ms, self.options.end_silence_ms) / 1000
+                pcm = pcm[:min(pcm.shape[0], round((sound_end + tail) * self.rate))]
+        return Clip(pcm=pcm, sample_rate=self.rate, ended_by=ended_by, recorded_seconds=recorded,
+                    speech_end=speech_end, overflows=self.overflows)
+
+    def silence(self) -> str | None:
+        """Why this recording counts as silent (the error's words), or None when it has sound in it."""
+        seconds = self.samples / self.rate
+        if self.vad is not None:
+            if not self.endpoint.heard:
+                return f"the microphone gave silence: no speech was heard in {seconds:.1f} s"
+            return None
+        loudest = self.meter.loudest()
+        if loudest <= self.options.floor_dbfs:
+            return (f"the microphone gave silence: its level never rose above {self.options.floor_dbfs:g} dBFS "
+                    f"in {seconds:.1f} s (loudest {loudest:.0f} dBFS)")
+        return None
+
+
+# -- recording -----------------------------------------------------------------------------------
+
+
+def record(options: RecordOptions | None = None, stop: threading.Event | None = None,
+           on_level: Callable[[float, float], None] | None = None, *, hint: str = RECORD_HINT,
+           backend: Any = None) -> Clip:
+    """Record one turn from the microphone (see the module docstring) and return it, trimmed.
+
+    Ends when `stop` is set, when speech was followed by `options.end_silence_ms` of silence (VAD on),
+    or at `options.max_seconds`. `on_level(level_dbfs, seconds_so_far)` is called on this thread once
+    per LEVEL_SECONDS of audio. Raises SilentMicrophone (with `.clip`) for a silent turn, and on Ctrl-C
+    re-raises the KeyboardInterrupt with the recording as its `clip` attribute. `backend` replaces the
+    sounddevice module (tests)."""
+    options = options if options is not None else RecordOptions()
+    sd = backend if backend is not None else _sounddevice(hint)
+    device = find_input_device(options.device, sd, hint)
+    rate = int(options.sample_rate or device["samplerate"] or 16000)
+    turn = _Turn(options, rate, on_level)
+    blocks: queue.SimpleQueue = queue.SimpleQueue()
+    overflows = [0]
+
+    def callback(indata, frames, time_info, status) -> None:
+        # PortAudio's thread: copy the block out of PortAudio's buffer and hand it over, nothing else
+        # (a callback that takes its time makes the device drop input).
+        blocks.put(indata[:, 0].copy())
+        if status and status.input_overflow:
+            overflows[0] += 1
+
+    stream = _open(sd, device, rate, callback, hint)
+    try:
+        _start(stream, device, hint)
+        ended = _drain(stream, blocks, turn, stop, device, hint)
+    except KeyboardInterrupt as exc:
+        _close(stream)
+        while True:  # what the device had delivered before it stopped belongs to the recording
+            try:
+                turn.keep(blocks.get_nowait())
+            except queue.Empty:
+                break
+        exc.clip = turn.clip("interrupted", trim=False)  # type: ignore[attr-defined]
+        raise
+    finally:
+        _close(stream)
+    turn.overflows = overflows[0]
+    if turn.overflows:
+        log.warning("the microphone dropped input %d times (the machine was too busy to take it)", turn.overflows)
+    why = turn.silence()
+    if why is not None:
+        raise SilentMicrophone(f"{why}; {hint}", turn.clip(ended, trim=False))
+    return turn.clip(ended, trim=True)
+
+
+def _open(sd: Any, device: dict, rate: int, callback: Callable, hint: str) -> Any:
+    try:
+        return sd.InputStream(samplerate=rate, channels=1, dtype="float32", device=device["index"],
+                              callback=callback)
+    except Exception as exc:
+        raise AudioDeviceError(f"cannot record from audio device '{device['name']}': {_reason(exc)}; {hint}") from exc
+
+
+def _start(stream: Any, device: dict, hint: str) -> None:
+    try:
+        stream.start()
+    except Exception as exc:
+        raise AudioDeviceError(f"cannot record from audio device '{device['name']}': {_reason(exc)}; {hint}") from exc
+
+
+def _drain(stream: Any, blocks: queue.SimpleQueue, turn: _Turn, stop: threading.Event | None,
+           device: dict, hint: str) -> str:
+    """Take blocks off the queue until the turn ends; the reason it ended."""
+    while True:
+        if stop is not None and stop.is_set():
+            # Blocks already queued were spoken before the key was pressed: keep them.
+            while True:
+                try:
+                    block = blocks.get_nowait()
+                except queue.Empty:
+                    return "stop"
+                ended = turn.feed(block)
+                if ended is not None:
+                    return ended
+        try:
+            block = blocks.get(timeout=POLL_SECONDS)
+        except queue.Empty:
+            if not stream.active:
+                raise AudioDeviceError(f"the audio device '{device['name']}' stopped recording (was it unplugged?); {hint}")
+            continue
+        ended = turn.feed(block)
+        if ended is not None:
+            return ended
+
+
+def _close(stream: Any) -> None:
+    """Stop at once (input needs no draining) and close; never raises; a closed stream is left alone."""
+    if getattr(stream, "closed", False):
+        return
+    try:
+        stream.abort()
+    except Exception:
+        pass
+    try:
+        stream.close()
+    except Exception:
+        pass
+
+
+def save_clip(clip: Clip, path: str | os.PathLike) -> Path:
+    """Write `clip` as a 16-bit WAV at its own rate: to a temp file beside `path`, renamed into place,
+    so a file that exists is whole. Returns the path."""
+    import secrets
+
+    import numpy as np
+    import soundfile
+
+    path = Path(path)
+    tmp = path.parent / f".{path.name}.{secrets.token_hex(8)}.part"
+    pcm = np.clip(clip.pcm, -1.0, 1.0)  # libsndfile wraps, not clips, floats beyond full scale
+    try:
+        soundfile.write(tmp, pcm, clip.sample_rate, subtype="PCM_16", format="WAV")
+        os.replace(tmp, path)
+    except Exception as exc:
+        try:
+            tmp.unlink()
+        except OSError:
+            pass
+        raise OutputError(f"cannot write {path}: {_reason(exc)}") from exc
+    return path
