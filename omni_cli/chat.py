@@ -67,6 +67,7 @@ HELP = [
     ("/save PATH", "write PATH.json (the transcript) and PATH.wav (every reply's speech)"),
     ("/load PATH", "resume a conversation saved with /save (PATH or PATH.json)"),
     ("/stats", "timing of the last reply, totals of the session"),
+    ("/audio [PATH]", "say this audio file with your next message (no PATH: what is attached)"),
     ('"""', 'begin and end a multi-line message'),
 ]
 
@@ -117,6 +118,10 @@ class ChatRepl:
         self.loaded_from: Path | None = None
         # Every message of the session (the model's history may drop old turns; this never does).
         self.transcript: list[dict] = []
+        # Audio clips for the next message (/audio), and what went with earlier ones (transcript index of
+        # the user message, the clips' sources), for /save.
+        self.attached: list = []
+        self.attachments: list[dict] = []
         # (index in transcript of the reply, float32 audio) for each spoken reply.
         self.speech: list[tuple[int, Any]] = []
         self.last_stats: dict | None = None
@@ -193,7 +198,7 @@ class ChatRepl:
 
     # -- one reply -------------------------------------------------------------------------------
     def turn(self, text: str) -> None:
-        from .assistant import AudioBlock, Done, TextDelta
+        from .runtime.events import AudioBlock, Done, TextDelta
         from .ui import AudioClock
 
         sink = None
@@ -207,7 +212,8 @@ class ChatRepl:
             if not self.muted and self.speaker is not None:
                 sink = self.speaker()
             with stop_on_interrupt(sink, times=times):
-                events = self.chat.stream(text, self.options, sink=sink, text_only=self.muted or sink is None)
+                extra = {"audio": list(self.attached)} if self.attached else {}
+                events = self.chat.stream(text, self.options, sink=sink, text_only=self.muted or sink is None, **extra)
                 try:
                     for event in events:
                         if isinstance(event, TextDelta):
@@ -265,6 +271,9 @@ class ChatRepl:
             self.err.print("[dim]interrupted[/dim]")
 
     def _record(self, text: str, reply: Any, sink: Any, stats: dict) -> None:
+        if self.attached:  # they went with this message: the transcript names them, the next turn has none
+            self.attachments.append({"turn": len(self.transcript), "audio": [c.source for c in self.attached]})
+            self.attached.clear()
         self.transcript.append({"role": "user", "content": text})
         self.transcript.append({"role": "assistant", "content": reply.text})
         if reply.audio is not None and len(reply.audio):
@@ -306,6 +315,7 @@ class ChatRepl:
             "/save": self.cmd_save,
             "/load": self.cmd_load,
             "/stats": self.cmd_stats,
+            "/audio": self.cmd_audio,
         }
         if name not in handlers:
             self.err.print(f"unknown command '{name}': type /? for help", style="yellow", markup=False, highlight=False)
@@ -335,7 +345,22 @@ class ChatRepl:
         self.chat.clear()
         self.transcript.clear()
         self.speech.clear()
+        self.attachments.clear()
         self.say("new conversation")
+
+    def cmd_audio(self, arg: str) -> None:
+        """/audio PATH attaches a clip to the next message (read and checked now); /audio lists them."""
+        if not arg:
+            if not self.attached:
+                self.say("nothing attached: /audio PATH says an audio file with your next message")
+            for clip in self.attached:
+                self.say(f"attached: {clip.source} ({clip.seconds:.1f} s)")
+            return
+        from .media import read_audio
+
+        clip = read_audio(arg)
+        self.attached.append(clip)
+        self.say(f"attached {clip.source} ({clip.seconds:.1f} s of audio): it goes with your next message")
 
     def cmd_voice(self, arg: str) -> None:
         from .loader import check_voice
@@ -492,6 +517,7 @@ class ChatRepl:
             "context_from": self._context_from(),
             "audio": wav_path.name if seconds is not None else None,
             "audio_segments": self._segments(),
+            "attachments": self.attachments,  # audio said with a message: {"turn": index, "audio": [paths]}
         }
         _write_text_atomic(json_path, json.dumps(data, ensure_ascii=False, indent=2) + "\n")
         if seconds is None:

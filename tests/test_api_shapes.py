@@ -547,15 +547,16 @@ def test_valid_body_maps_onto_reply_options():
     assert req.turns == [user("Hi"), assistant("Hello!")]  # a spoken turn given back by its transcript
     assert req.options == ReplyOptions(voice="Ethan", greedy=True, seed=7, max_text_tokens=64, max_codes=500,
                                        text_only=False, temperature=0.7, top_p=0.9, top_k=20)
-    assert (req.stream, req.audio, req.audio_format, req.model, req.include_usage) == \
+    assert (req.stream, req.spoken, req.audio_format, req.model, req.include_usage) == \
         (True, True, "pcm16", "Qwen2.5-Omni-3B", True)
+    assert req.audio == []  # no audio said
 
 
 @pytest.mark.parametrize("extra, text_only", [({}, True), ({"modalities": ["text"]}, True),
                                               ({"modalities": ["text", "audio"]}, False)])
 def test_text_only_unless_audio_is_asked_for(extra, text_only):
     req = p.parse_chat_request({"messages": [user("Hi")], **extra})
-    assert req.options.text_only is text_only and req.audio is not text_only
+    assert req.options.text_only is text_only and req.spoken is not text_only
     assert req.system is None and req.turns == [] and req.prompt == "Hi"
 
 
@@ -622,6 +623,21 @@ def test_bad_body_is_a_400_naming_the_field(case, body, param, says):
     assert says in str(err)
     assert err.body()["error"] == {"message": str(err), "type": "invalid_request_error", "param": param,
                                    "code": None}
+
+
+def test_input_audio_goes_with_the_last_user_message():
+    wav = b"RIFF....WAVEfmt "  # any bytes: reading them as audio is the server's next step
+    part = {"type": "input_audio", "input_audio": {"data": base64.b64encode(wav).decode(), "format": "wav"}}
+    req = p.parse_chat_request({"messages": [{"role": "user", "content": [part, {"type": "text", "text": "Hm?"}]}]})
+    assert req.audio == [wav] and req.prompt == "Hm?"
+    earlier = {"messages": [{"role": "user", "content": [part]}, assistant("Yes."), user("And?")]}
+    with pytest.raises(p.RequestError) as info:
+        p.parse_chat_request(earlier)
+    assert info.value.param == "messages[0].content" and "last user message" in str(info.value)
+    bad = {"type": "input_audio", "input_audio": {"data": "not base64!", "format": "wav"}}
+    with pytest.raises(p.RequestError) as info:
+        p.parse_chat_request({"messages": [{"role": "user", "content": [bad]}]})
+    assert "not base64" in str(info.value)
 
 
 def test_body_not_an_object_is_a_400():

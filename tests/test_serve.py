@@ -158,6 +158,21 @@ def test_say_with_server_writes_the_wav_the_server_streamed(server, tmp_path):
     assert r.stdout.strip()  # the text on stdout, as for a local model
 
 
+def test_say_with_server_takes_audio_input(server, tmp_path):
+    import soundfile
+
+    clip = tmp_path / "q.wav"
+    t = np.arange(24_000) / 24_000
+    soundfile.write(clip, (0.3 * np.sin(2 * np.pi * 330 * t)).astype(np.float32), 24_000)
+    r = run_omni_say("--audio", str(clip), "What is it?", "--server", server.url, "--api-key", KEY, "-o",
+                     str(tmp_path / "a.wav"), "--verbose", env=cli_env(OMNI_LOCAL="0"))
+    assert r.returncode == 0, r.stderr
+    assert re.search(r"audio in\s+1\.0 s \(encoder \d+ ms", r.stderr), r.stderr  # the server heard 1 s
+    r = run_omni_say("--audio", str(tmp_path / "nope.wav"), "hi", "--server", server.url, "--api-key", KEY,
+                     env=cli_env(OMNI_LOCAL="0"))
+    assert r.returncode == 2 and "does not exist" in r.stderr
+
+
 def test_wrong_key_is_401_and_bad_bodies_are_400(server):
     url = f"{server.url}/v1/chat/completions"
     r = httpx.post(url, json=spoken(), headers={"Authorization": "Bearer nope"})

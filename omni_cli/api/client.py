@@ -161,12 +161,18 @@ class RemoteAssistant:
         raise ServerError("the reply ended without its last event")
 
     def stream(self, prompt: str, options: ReplyOptions | None = None, *, sink=None,
-               conversation: Conversation | None = None, **fields) -> Iterator[TextDelta | AudioBlock | Done]:
-        """The reply's events as the server streams them; the audio also goes to `sink`."""
+               conversation: Conversation | None = None, audio=None,
+               **fields) -> Iterator[TextDelta | AudioBlock | Done]:
+        """The reply's events as the server streams them; the audio also goes to `sink`. `audio`: clips
+        (`media.AudioClip`s) said with the prompt, sent as `input_audio` parts (WAV)."""
         from dataclasses import replace
 
         opts = replace(options or ReplyOptions(), **fields).check()
         body = self._body(prompt, opts, conversation)
+        if audio:
+            parts = [{"type": "input_audio", "input_audio": {"data": p.b64(_wav(clip)), "format": "wav"}}
+                     for clip in audio]
+            body["messages"][-1]["content"] = parts + ([{"type": "text", "text": prompt}] if prompt else [])
         reader = _Reader(sink)
         t0 = time.perf_counter()
         try:
@@ -279,6 +285,15 @@ class _Reader:
                 self.sink.abort()
             except Exception:  # noqa: BLE001 - the error being raised is what counts
                 pass
+
+
+def _wav(clip) -> bytes:
+    """A clip as a float WAV file (lossless: the server reads it as it would the file)."""
+    import soundfile
+
+    out = io.BytesIO()
+    soundfile.write(out, clip.pcm, clip.sample_rate, format="WAV", subtype="FLOAT")
+    return out.getvalue()
 
 
 def _delta_parts(data: dict, choice: dict, delta: dict) -> tuple[str, np.ndarray | None, int]:

@@ -50,12 +50,13 @@ class RequestError(Exception):
 class ChatRequest:
     """A checked chat completions request, in the assistant's terms."""
 
-    prompt: str  # the last user message
+    prompt: str  # the last user message's text
     turns: list[dict] = field(default_factory=list)  # the user/assistant messages before it
+    audio: list[bytes] = field(default_factory=list)  # audio files said with the last user message
     system: str | None = None  # None: the model's default system prompt
     options: ReplyOptions = field(default_factory=ReplyOptions)
     stream: bool = False
-    audio: bool = False  # "audio" in modalities
+    spoken: bool = False  # "audio" in modalities: the reply is spoken
     audio_format: str = "pcm16"
     model: str | None = None
     include_usage: bool = False
@@ -66,7 +67,11 @@ def parse_chat_request(body: object) -> ChatRequest:
     if not isinstance(body, dict):
         raise RequestError("the body must be a JSON object")
     system, turns = None, []
-    for i, message in enumerate(_messages(body)):
+    messages = _messages(body)
+    for i, message in enumerate(messages):
+        if message["audio"] and i != len(messages) - 1:
+            raise RequestError(f"messages[{i}] holds audio: audio goes with the last user message only (earlier "
+                               "turns are kept as text)", param=f"messages[{i}].content")
         role, content = message["role"], message["content"]
         if role == "system":
             if turns:
@@ -111,7 +116,8 @@ def parse_chat_request(body: object) -> ChatRequest:
         top_p=_number(body.get("top_p"), "top_p", float), top_k=_number(body.get("top_k"), "top_k", int))
     stream_options = body.get("stream_options") or {}
     return ChatRequest(
-        prompt=turns[-1]["content"], turns=turns[:-1], system=system, options=options, stream=stream, audio=audio,
+        prompt=turns[-1]["content"], turns=turns[:-1], audio=messages[-1]["audio"], system=system, options=options,
+        stream=stream, spoken=audio,
         audio_format=fmt, model=_typed(body, "model", str, None),
         include_usage=bool(isinstance(stream_options, dict) and stream_options.get("include_usage")))
 
@@ -128,28 +134,45 @@ def _messages(body: dict) -> list[dict]:
         if role not in ("system", "user", "assistant"):
             raise RequestError(f"messages[{i}] has role {message['role']!r}: system, user or assistant only",
                                param=f"messages[{i}].role")
-        out.append({"role": role, "content": _content(message, i)})
+        text, audio = _content(message, i)
+        out.append({"role": role, "content": text, "audio": audio})
     return out
 
 
-def _content(message: dict, i: int) -> str:
-    """A message's text: a string, or text parts (other parts are input this server does not take yet)."""
+def _content(message: dict, i: int) -> tuple[str, list[bytes]]:
+    """A message's text and audio: a string, or text parts and (a user's) `input_audio` parts, whose
+    base64 data is an audio file; other parts are input this server does not take yet."""
     content = message.get("content")
     if content is None and message["role"] == "assistant" and isinstance(message.get("audio"), dict):
         content = message["audio"].get("transcript")  # a spoken reply given back with its transcript
     if isinstance(content, str):
-        return content
+        return content, []
     if isinstance(content, list):
-        texts = []
+        texts, audio = [], []
         for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise RequestError(f"messages[{i}] has a {kind!r} part: this server takes text parts only",
-                                   param=f"messages[{i}].content")
-            texts.append(part["text"])
-        return "".join(texts)
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            if kind == "text" and isinstance(part.get("text"), str):
+                texts.append(part["text"])
+            elif kind == "input_audio" and message["role"] == "user":
+                audio.append(_audio_part(part, i))
+            else:
+                raise RequestError(f"messages[{i}] has a {kind!r} part: this server takes text parts, and "
+                                   "input_audio parts in user messages", param=f"messages[{i}].content")
+        return "".join(texts), audio
     raise RequestError(f"messages[{i}].content must be a string or a list of text parts",
                        param=f"messages[{i}].content")
+
+
+def _audio_part(part: dict, i: int) -> bytes:
+    spec = part.get("input_audio")
+    data = spec.get("data") if isinstance(spec, dict) else None
+    if not isinstance(data, str) or not data:
+        raise RequestError(f"messages[{i}] has an input_audio part without base64 data",
+                           param=f"messages[{i}].content")
+    try:
+        return base64.b64decode(data, validate=True)
+    except ValueError:
+        raise RequestError(f"messages[{i}]'s input_audio data is not base64", param=f"messages[{i}].content") from None
 
 
 def _typed(obj: dict, key: str, kind: type, default, name: str | None = None):

@@ -32,6 +32,7 @@ from starlette.routing import Route
 
 from ..config import ReplyOptions
 from ..errors import OmniError, UsageError
+from ..media import read_audio
 from ..prompt import Conversation
 from ..runtime.events import AudioBlock, Done, TextDelta, TurnInterrupted
 from . import protocol as p
@@ -45,8 +46,9 @@ POLL = 0.05  # seconds between disconnect checks of a whole-reply request
 class Job:
     """One request's reply, made on the worker thread and read by the request's task."""
 
-    def __init__(self, req: p.ChatRequest, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, req: p.ChatRequest, loop: asyncio.AbstractEventLoop, clips: list | None = None) -> None:
         self.req = req
+        self.clips = clips or []  # the last user message's audio, read and checked
         self.loop = loop
         self.items: asyncio.Queue = asyncio.Queue()
         self.cancelled = threading.Event()
@@ -68,7 +70,8 @@ class Job:
         conv = Conversation(system=assistant.default_system if req.system is None else req.system,
                             turns=[dict(t) for t in req.turns])
         try:
-            events = assistant.stream(req.prompt, req.options, conversation=conv)
+            events = assistant.stream(req.prompt, req.options, conversation=conv,
+                                      **({"audio": self.clips} if self.clips else {}))
             try:
                 for event in events:
                     self.put(event)
@@ -174,14 +177,15 @@ def create_app(assistant, name: str, api_key: str | None = None, key: str | None
             if req.model is not None and req.model != name:
                 raise p.RequestError(f"this server serves {name!r}, not {req.model!r}", 404, param="model",
                                      code="model_not_found")
-            if req.audio and not assistant.has_audio:
+            if req.spoken and not assistant.has_audio:
                 raise p.RequestError("this model has no talker: ask for modalities [\"text\"]", param="modalities")
             req.options = with_defaults(req.options, defaults).check()
+            clips = [read_audio(data, f"input_audio {n + 1}") for n, data in enumerate(req.audio)]
         except p.RequestError as exc:
             return error(exc)
         except UsageError as exc:
             return error(p.RequestError(str(exc)))
-        job = Job(req, asyncio.get_running_loop())
+        job = Job(req, asyncio.get_running_loop(), clips)
         ahead = worker.submit(job)
         headers = {p.QUEUE_HEADER: str(ahead)}
         first = await _first_item(job, request)
@@ -205,11 +209,11 @@ def create_app(assistant, name: str, api_key: str | None = None, key: str | None
     async def _stream(job: Job, first, req: p.ChatRequest, ids):
         audio_id = ids[1]
         try:
-            yield p.sse(p.chunk(ids, name, {"role": "assistant", "content": None if req.audio else ""}))
+            yield p.sse(p.chunk(ids, name, {"role": "assistant", "content": None if req.spoken else ""}))
             item = first
             while item is not _END:
                 if isinstance(item, TextDelta):
-                    delta = {"audio": {"id": audio_id, "transcript": item.text}} if req.audio else {"content": item.text}
+                    delta = {"audio": {"id": audio_id, "transcript": item.text}} if req.spoken else {"content": item.text}
                     yield p.sse(p.chunk(ids, name, delta))
                 elif isinstance(item, AudioBlock):
                     yield p.sse(p.chunk(ids, name, {"audio": {"id": audio_id, "data": p.b64(p.pcm16(item.pcm)),
@@ -245,7 +249,7 @@ def create_app(assistant, name: str, api_key: str | None = None, key: str | None
         finally:
             job.cancel()
         audio = None
-        if req.audio:
+        if req.spoken:
             audio = p.audio_file(np.concatenate(pcm) if pcm else np.zeros(0, np.float32), req.audio_format)
         use = p.usage(reply.stats.get("prompt_tokens", 0), len(reply.text_ids))
         return JSONResponse(p.completion(ids, name, reply.text, _finish(reply), use, audio, _omni(reply)),
