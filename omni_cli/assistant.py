@@ -25,7 +25,7 @@ from typing import Iterator
 
 from .config import ReplyOptions, RuntimeOptions, SamplingOptions
 from .errors import UsageError
-from .prompt import Conversation, check_prompt, fit
+from .prompt import Chat, Conversation, check_prompt, fit  # noqa: F401 - Chat re-exported
 from .runtime.engine import Engine, fresh_seed
 from .runtime.events import AudioBlock, Done, Reply, TextDelta, TurnRequest
 
@@ -267,20 +267,3 @@ def reply_options(options: ReplyOptions | None, fields: dict) -> ReplyOptions:
     if unknown:
         raise TypeError(f"unknown reply option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
     return replace(options or ReplyOptions(), **fields)
-
-
-class Chat:
-    """A conversation bound to an assistant: `say`/`stream` keep the history between turns."""
-
-    def __init__(self, assistant: Assistant, conversation: Conversation) -> None:
-        self.assistant = assistant
-        self.history = conversation
-
-    def say(self, prompt: str, options: ReplyOptions | None = None, **kwargs) -> Reply:
-        return self.assistant.say(prompt, options, conversation=self.history, **kwargs)
-
-    def stream(self, prompt: str, options: ReplyOptions | None = None, **kwargs):
-        return self.assistant.stream(prompt, options, conversation=self.history, **kwargs)
-
-    def clear(self) -> None:
-        self.history.clear()

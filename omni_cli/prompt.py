@@ -197,3 +197,21 @@ def fit(tokenizer, conv: Conversation, user, budget: int, expand=None) -> tuple[
             raise UsageError(f"prompt is {len(ids)} tokens but the context holds {budget}: shorten it")
         del conv.turns[:2]
         dropped += 1
+
+
+class Chat:
+    """A conversation bound to an assistant (a local `Assistant` or a `RemoteAssistant`): `say` and
+    `stream` keep the history between turns."""
+
+    def __init__(self, assistant, conversation: Conversation) -> None:
+        self.assistant = assistant
+        self.history = conversation
+
+    def say(self, prompt: str, options=None, **kwargs):
+        return self.assistant.say(prompt, options, conversation=self.history, **kwargs)
+
+    def stream(self, prompt: str, options=None, **kwargs):
+        return self.assistant.stream(prompt, options, conversation=self.history, **kwargs)
+
+    def clear(self) -> None:
+        self.history.clear()

@@ -11,8 +11,10 @@ STOP_CODES = (8292, 8294)  # the reference's talker stops on codec pad and codec
 
 
 def reference_generate(model, ids: list[int], *, voice: str = "Chelsie", n_text: int, n_codes: int,
-                       eos: list[int], repetition_penalty: float | None = None, forced: bool = False):
-    """`forced`: no text EOS before `n_text` and audio codes only (what `TurnRequest.force_lengths` does)."""
+                       eos: list[int], repetition_penalty: float | None = None, forced: bool = False,
+                       inputs: dict | None = None):
+    """`forced`: no text EOS before `n_text` and audio codes only (what `TurnRequest.force_lengths` does).
+    `inputs`: the processor's outputs (input_ids with the audio features ...), used instead of `ids`."""
     from transformers import LogitsProcessor, LogitsProcessorList
 
     class AudioOnly(LogitsProcessor):
@@ -37,8 +39,10 @@ def reference_generate(model, ids: list[int], *, voice: str = "Chelsie", n_text:
     try:
         with torch.no_grad(), compat.qwen2_5_talker_keeps_its_mask(model):
             device = next(model.parameters()).device
+            given = inputs if inputs is not None else {"input_ids": torch.tensor([ids], device=device)}
+            ids = given["input_ids"][0].tolist()
             sequences, _ = model.generate(
-                torch.tensor([ids], device=device), speaker=voice,
+                **given, speaker=voice,
                 thinker_max_new_tokens=n_text, thinker_do_sample=False, thinker_eos_token_id=eos,
                 talker_max_new_tokens=n_codes, talker_do_sample=False, **extra,
             )

@@ -20,8 +20,7 @@ import soundfile
 import torch
 
 from conftest import cli_env, run_omni_say
-from hf_reference import STOP_CODES
-from omni_cli.runtime import compat
+from hf_reference import reference_generate
 
 ASSET = "assets/tiny-qwen2.5-omni"
 
@@ -64,26 +63,25 @@ def reference(assistant, clips, text: str | None, n_text: int, n_codes: int):
     messages = [{"role": "system", "content": assistant.default_system}, {"role": "user", "content": parts}]
     rendered = proc.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     inputs = proc(text=rendered, audio=[c.at().pcm for c in clips], return_tensors="pt", padding=True)
-    model, captured = assistant.loaded.model, {}
-    original = model.talker.generate
+    text_ids, codes = reference_generate(assistant.loaded.model, [], n_text=n_text, n_codes=n_codes,
+                                         eos=assistant.engine.eos_ids, inputs=dict(inputs),
+                                         repetition_penalty=assistant.thinker_sampling.repetition_penalty)
+    return inputs["input_ids"][0].tolist(), text_ids, codes
 
-    def capture(*args, **kwargs):
-        captured["codes"] = out = original(*args, **kwargs)
-        return out
 
-    model.talker.generate = capture
+def say_seeing_ids(assistant, text, clips, **options):
+    """(the reply, the prompt ids the engine got) for `text` and `clips` through the API."""
+    seen, original = {}, assistant.engine.stream
+
+    def spy(req):
+        seen["ids"] = list(req.input_ids)
+        return original(req)
+
+    assistant.engine.stream = spy
     try:
-        with torch.no_grad(), compat.qwen2_5_talker_keeps_its_mask(model):
-            sequences, _ = model.generate(
-                **inputs, speaker="Chelsie", thinker_max_new_tokens=n_text, thinker_do_sample=False,
-                thinker_eos_token_id=assistant.engine.eos_ids, talker_max_new_tokens=n_codes,
-                talker_do_sample=False, thinker_repetition_penalty=assistant.thinker_sampling.repetition_penalty)
+        return assistant.say(text or "", audio=clips, greedy=True, seed=0, **options), seen["ids"]
     finally:
-        model.talker.generate = original
-    n = inputs["input_ids"].shape[1]
-    codes = captured["codes"][0, n + 2:].tolist()
-    stop = next((i for i, c in enumerate(codes) if c in STOP_CODES), len(codes))
-    return inputs["input_ids"][0].tolist(), sequences[0, n:].tolist(), codes[:stop]
+        assistant.engine.stream = original
 
 
 @pytest.mark.parametrize("text, clips", [
@@ -96,19 +94,8 @@ def test_audio_prompt_equals_transformers(assistant, text, clips):
     clips = [AudioClip(tone(s, r, hz, i), r) for i, (s, r, hz) in enumerate(clips)]
     ref_ids, ref_text, ref_codes = reference(assistant, clips, text, 10, 60)
     assert ref_ids.count(assistant.family.audio_token_id(assistant.loaded.model.config)) > 10  # audio tokens
-    seen = {}
-    original = assistant.engine.stream
-
-    def spy(req):
-        seen["ids"] = list(req.input_ids)
-        return original(req)
-
-    assistant.engine.stream = spy
-    try:
-        reply = assistant.say(text or "", audio=clips, greedy=True, max_text_tokens=10, max_codes=60, seed=0)
-    finally:
-        assistant.engine.stream = original
-    assert seen["ids"] == ref_ids  # the processor's token layout
+    reply, ids = say_seeing_ids(assistant, text, clips, max_text_tokens=10, max_codes=60)
+    assert ids == ref_ids  # the processor's token layout
     assert reply.text_ids == ref_text
     assert reply.codes == ref_codes and len(reply.codes) > 0
 
@@ -151,19 +138,9 @@ def test_qwen3_audio_prompt_equals_transformers(qwen3, text, clips):
                 talker_do_sample=False, talker_max_new_tokens=31)
     finally:
         hook.remove()
-    seen, original = {}, qwen3.engine.stream
-
-    def spy(req):
-        seen["ids"] = list(req.input_ids)
-        return original(req)
-
-    qwen3.engine.stream = spy
-    try:
-        reply = qwen3.say(text or "", audio=clips, greedy=True, max_text_tokens=10, max_codes=30, seed=0)
-    finally:
-        qwen3.engine.stream = original
+    reply, ids = say_seeing_ids(qwen3, text, clips, max_text_tokens=10, max_codes=30)
     n = inputs["input_ids"].shape[1]
-    assert seen["ids"] == inputs["input_ids"][0].tolist()
+    assert ids == inputs["input_ids"][0].tolist()
     assert reply.text_ids == sequences[0, n:].tolist()
     assert reply.codes == caught["codes"][0].T.tolist() and len(reply.codes) > 0
     assert reply.stats["audio_in_seconds"] == pytest.approx(sum(c.at().seconds for c in clips))  # heard at 16 kHz

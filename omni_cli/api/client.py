@@ -26,7 +26,7 @@ import numpy as np
 
 from ..config import ReplyOptions
 from ..errors import OmniError, UsageError
-from ..prompt import Conversation
+from ..prompt import Chat, Conversation
 from ..runtime.events import AudioBlock, Done, Reply, TextDelta
 from . import protocol as p
 
@@ -143,8 +143,8 @@ class RemoteAssistant:
     def speaks_only_under_default_system(self) -> bool:
         return bool(self.info.get("speaks_only_under_default_system", False))
 
-    def conversation(self, system: str | None = None) -> "RemoteChat":
-        return RemoteChat(self, Conversation(system=self.default_system if system is None else system))
+    def conversation(self, system: str | None = None) -> Chat:
+        return Chat(self, Conversation(system=self.default_system if system is None else system))
 
     def close(self) -> None:
         self.http.close()
@@ -209,23 +209,6 @@ class RemoteAssistant:
         if extra:
             body["omni"] = extra
         return body
-
-
-class RemoteChat:
-    """A conversation against a server: the history stays here and goes with every request."""
-
-    def __init__(self, assistant: RemoteAssistant, conversation: Conversation) -> None:
-        self.assistant = assistant
-        self.history = conversation
-
-    def say(self, prompt: str, options: ReplyOptions | None = None, **kwargs) -> Reply:
-        return self.assistant.say(prompt, options, conversation=self.history, **kwargs)
-
-    def stream(self, prompt: str, options: ReplyOptions | None = None, **kwargs):
-        return self.assistant.stream(prompt, options, conversation=self.history, **kwargs)
-
-    def clear(self) -> None:
-        self.history.clear()
 
 
 class _Reader:

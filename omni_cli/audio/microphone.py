@@ -11,7 +11,7 @@ the stream and re-raises the KeyboardInterrupt with the clip attached as its `cl
 nothing recorded is lost. `save_clip` writes a clip as a 16-bit WAV that exists only when whole.
 
 Voice activity: WebRTC's VAD (the `webrtcvad-wheels` build of py-webrtcvad): a small C library with
-binary wheels for CPython 3.8-3.13 on Linux, macOS and Windows, no dependencies, no model file to
+binary wheels for CPython 3.10-3.13 on Linux, macOS and Windows, no dependencies, no model file to
 download, nothing but 16-bit PCM in and a yes/no per 10-30 ms frame out. Silero VAD hears speech in
 noise better, but its package needs torch (or an ONNX Runtime of ~15 MB plus a model file), and this
 module must stay light enough for a client that imports no torch. WebRTC's VAD takes 8, 16, 32 or
@@ -97,7 +97,7 @@ class RecordOptions:
             raise UsageError(f"the sample rate must be positive (got {self.sample_rate})")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # eq=False: arrays have no single truth value to compare by
 class Clip:
     """What was recorded: mono float32 samples at the device's rate, and how the turn ended."""
 
@@ -182,7 +182,8 @@ def find_input_device(spec: str | int | None, sd: Any = None, hint: str = RECORD
         for dev in devices:
             if dev["default"]:
                 return dev
-        raise AudioDeviceError(f"cannot record audio: there is no default sound input device: choose one (input devices: {_listing(devices)})")
+        raise AudioDeviceError("cannot record audio: there is no default sound input device: choose one "
+                               f"(input devices: {_listing(devices)})")
     if text.isdigit():
         for dev in devices:
             if dev["index"] == int(text):
@@ -336,7 +337,7 @@ class _Turn:
         self.endpoint = _Endpoint(math.ceil(options.min_speech_ms / VAD_FRAME_MS),
                                   math.ceil(options.end_silence_ms / VAD_FRAME_MS))
         self.ended_at: int | None = None  # samples of audio when the VAD ended the turn
-        self.overflows = 0
+        self.overflows = 0  # input overflows PortAudio reported (counted by the stream's callback)
 
     def feed(self, block: "np.ndarray") -> str | None:
         """Take one block; the reason the turn ends ("silence", "limit") or None to go on."""
@@ -399,26 +400,27 @@ def record(options: RecordOptions | None = None, stop: threading.Event | None = 
 
     Ends when `stop` is set, when speech was followed by `options.end_silence_ms` of silence (VAD on),
     or at `options.max_seconds`. `on_level(level_dbfs, seconds_so_far)` is called on this thread once
-    per LEVEL_SECONDS of audio. Raises SilentMicrophone (with `.clip`) for a silent turn, and on Ctrl-C
-    re-raises the KeyboardInterrupt with the recording as its `clip` attribute. `backend` replaces the
-    sounddevice module (tests)."""
+    per LEVEL_SECONDS of audio (an exception it raises ends the recording and propagates). Raises
+    SilentMicrophone (with `.clip`) for a silent turn. A Ctrl-C from the moment the device is opened
+    stops the stream and re-raises the KeyboardInterrupt with the recording, untrimmed, as its `clip`
+    attribute (an empty clip if none came yet). `backend` replaces the sounddevice module (tests)."""
     options = options if options is not None else RecordOptions()
     sd = backend if backend is not None else _sounddevice(hint)
     device = find_input_device(options.device, sd, hint)
     rate = int(options.sample_rate or device["samplerate"] or 16000)
     turn = _Turn(options, rate, on_level)
     blocks: queue.SimpleQueue = queue.SimpleQueue()
-    overflows = [0]
 
     def callback(indata, frames, time_info, status) -> None:
         # PortAudio's thread: copy the block out of PortAudio's buffer and hand it over, nothing else
         # (a callback that takes its time makes the device drop input).
         blocks.put(indata[:, 0].copy())
         if status and status.input_overflow:
-            overflows[0] += 1
+            turn.overflows += 1  # written here only; the drain thread reads it once the stream is closed
 
-    stream = _open(sd, device, rate, callback, hint)
+    stream = None
     try:
+        stream = _open(sd, device, rate, callback, hint)
         _start(stream, device, hint)
         ended = _drain(stream, blocks, turn, stop, device, hint)
     except KeyboardInterrupt as exc:
@@ -432,7 +434,6 @@ def record(options: RecordOptions | None = None, stop: threading.Event | None = 
         raise
     finally:
         _close(stream)
-    turn.overflows = overflows[0]
     if turn.overflows:
         log.warning("the microphone dropped input %d times (the machine was too busy to take it)", turn.overflows)
     why = turn.silence()
@@ -482,8 +483,8 @@ def _drain(stream: Any, blocks: queue.SimpleQueue, turn: _Turn, stop: threading.
 
 
 def _close(stream: Any) -> None:
-    """Stop at once (input needs no draining) and close; never raises; a closed stream is left alone."""
-    if getattr(stream, "closed", False):
+    """Stop at once (input needs no draining) and close; never raises; None or a closed stream: nothing."""
+    if stream is None or getattr(stream, "closed", False):
         return
     try:
         stream.abort()
@@ -505,7 +506,9 @@ def save_clip(clip: Clip, path: str | os.PathLike) -> Path:
 
     path = Path(path)
     tmp = path.parent / f".{path.name}.{secrets.token_hex(8)}.part"
-    pcm = np.clip(clip.pcm, -1.0, 1.0)  # libsndfile wraps, not clips, floats beyond full scale
+    # Full scale at most, whatever the libsndfile build does with floats beyond it (SFC_SET_CLIPPING is
+    # off by default: a conversion that does not clip wraps around, a loud click).
+    pcm = np.clip(clip.pcm, -1.0, 1.0)
     try:
         soundfile.write(tmp, pcm, clip.sample_rate, subtype="PCM_16", format="WAV")
         os.replace(tmp, path)
