@@ -7,6 +7,8 @@ sound card: a stream is pulled at real speed, underruns can happen, a long reply
 Unpaced, the null device swallows audio as fast as it is written (fast, but an idle stream spins).
 PortAudio reads the configuration when sounddevice is imported: use the returned environment for a
 subprocess. `no_alsa_device(folder)`: a configuration with no device at all.
+`alsa_capture_device(folder, wav)`: a default device that, opened for capture, hears a WAV file (a
+microphone), paced at the WAV's rate.
 
 `FakeSoundDevice`: a stand-in for the sounddevice module (OutputStream, CallbackStop, CallbackAbort,
 query_devices), whose stream calls the callback from its own thread, paced at real time times
@@ -300,3 +302,81 @@ class FakeSoundDevice:
 
     def OutputStream(self, **kwargs):  # noqa: N802 - the sounddevice name
         return FakeStream(self, **kwargs)
+
+
+# The pace of a capture device: the file plugin writes what it captured into this reader's pipe, and
+# blocks while the pipe is full. The reader starts before capture does, with the pipe still empty, so it
+# can shrink the pipe to 4 KiB at once (23 ms of float32 at 44.1 kHz), and it paces from the first byte
+# (READER first drains the pipe unpaced until it can shrink it, for a random while): the device then
+# runs a steady 0.3 s ahead of the clock (measured at 44.1 kHz: ALSA's buffers, as the plugin writes
+# its copy a buffer behind what it hands out), reached in a first burst. When the stream closes, the reader
+# hears the pipe hang up and takes the rest unpaced, so closing does not wait on the pace.
+CAPTURE_READER = r'''
+import fcntl, os, select, signal, sys, time
+
+signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is for the program, not the "sound card"
+F_SETPIPE_SZ = 1031
+try:
+    fcntl.fcntl(0, F_SETPIPE_SZ, 4096)
+except OSError:  # the pipe already holds more: still paced, only with a longer first burst
+    pass
+out = open(sys.argv[1], "ab", buffering=0)
+rate = float(sys.argv[2]) * 4  # bytes per second of float32 mono
+hangup = select.poll()
+hangup.register(0, 0)  # no events asked for: poll() wakes only when the writer has closed the pipe
+closed = False
+start = None  # the clock starts with the first byte: the stream opens a while before it starts
+got = 0
+while True:
+    data = os.read(0, 4096)
+    if not data:
+        break
+    if start is None:
+        start = time.monotonic()
+    out.write(data)
+    got += len(data)
+    ahead = got / rate - (time.monotonic() - start)
+    if ahead > 0 and not closed:
+        closed = bool(hangup.poll(ahead * 1000))
+'''
+
+
+def alsa_capture_device(folder: Path, wav: Path, paced: bool = True, pad_seconds: float = 10.0) -> tuple[dict, Path]:
+    """A microphone that hears `wav`: (environment for a subprocess, path of the raw float32 file that
+    receives every sample the device handed out).
+
+    ALSA's file plugin, opened for capture, reads its `infile` in the stream's own format: the app must
+    record float32 mono at the WAV's rate (the WAV is converted to raw float32 here, exactly: a 16-bit
+    sample k becomes k / 32768). After the WAV come `pad_seconds` of exact zeros, because past the end of
+    its input the plugin hands out stale buffer contents, not silence. Each stream opened reads the
+    file from its start. Paced, the plugin's copy of what it captured goes to a reader that takes it at
+    the WAV's rate (CAPTURE_READER): the pipe fills and blocks the capture, so the device delivers in
+    real time like a sound card, a steady 0.3 s ahead of the clock (a first burst). Unpaced, capture runs as fast as it is read (hundreds of times real time).
+    """
+    import soundfile
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    data, rate = soundfile.read(str(wav), dtype="float32", always_2d=True)
+    mic = folder / "mic.raw"
+    np.concatenate([data[:, 0], np.zeros(round(pad_seconds * rate), np.float32)]).tofile(mic)
+    captured = folder / "captured.raw"
+    captured.write_bytes(b"")
+    if paced:
+        reader = folder / "capture_reader.py"
+        reader.write_text(CAPTURE_READER)
+        target = f'"|{sys.executable} {reader} {captured} {rate}"'
+    else:
+        target = f'"{captured}"'
+    conf = folder / "asound-capture.conf"
+    conf.write_text(
+        "pcm.!default {\n"
+        "    type file\n"
+        "    slave.pcm { type null }\n"
+        f"    file {target}\n"
+        f"    infile \"{mic}\"\n"
+        "    format \"raw\"\n"
+        f"    truncate {'false' if paced else 'true'}\n"
+        "}\n"
+    )
+    return {"ALSA_CONFIG_PATH": str(conf)}, captured
