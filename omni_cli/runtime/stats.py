@@ -205,3 +205,15 @@ def media_stats(media: dict | None) -> dict:
             torch.cuda.synchronize()
             out["audio_encoder_ms"] = sum(a.elapsed_time(b) for a, b in spans)
     return out
+
+
+def timed_warmup(device, phases) -> dict | None:
+    """Run a family's warm-up `phases` ((name, function) pairs, in order) on an accelerator and return the
+    seconds each took; nothing to do on a CPU (None)."""
+    if device.type == "cpu":
+        return None
+    timer = PhaseTimer(device)
+    for name, run in phases:
+        with timer(name):
+            run()
+    return timer.phases

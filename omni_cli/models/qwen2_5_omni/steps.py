@@ -106,17 +106,13 @@ class Qwen25Steps:
         the seconds each phase took."""
         if self.device.type != "cuda":
             return None
-        from ...runtime.stats import PhaseTimer
+        from ...runtime.stats import timed_warmup
 
-        phase = PhaseTimer(self.device)
-        with phase("compile and capture the thinker's steps"):
-            self.thinker.capture_graphs()
+        phases = [("compile and capture the thinker's steps", self.thinker.capture_graphs)]
         if self.has_talker:
-            with phase("compile and capture the talker's steps"):
-                self.talker.capture_graphs()
-            with phase("vocoder windows (compile and capture)"):
-                self.warmup_vocoder()
-        return phase.phases
+            phases += [("compile and capture the talker's steps", self.talker.capture_graphs),
+                       ("vocoder windows (compile and capture)", self.warmup_vocoder)]
+        return timed_warmup(self.device, phases)
 
     def warmup_vocoder(self) -> None:
         """Capture the vocoder's windows for the current chunk size, for every voice (after a change

@@ -105,17 +105,13 @@ class Qwen3Steps:
         each phase took."""
         if self.device.type != "cuda":
             return None
-        from ...runtime.stats import PhaseTimer
+        from ...runtime.stats import timed_warmup
 
-        phase = PhaseTimer(self.device)
-        with phase("compile and capture the thinker's steps"):
-            self.thinker.capture_graphs()
+        phases = [("compile and capture the thinker's steps", self.thinker.capture_graphs)]
         if self.has_talker:
-            with phase("compile and capture the talker's steps and frame"):
-                self.talker.capture_graphs()
-            with phase("code2wav warm-up"):
-                self.warmup_vocoder()
-        return phase.phases
+            phases += [("compile and capture the talker's steps and frame", self.talker.capture_graphs),
+                       ("code2wav warm-up", self.warmup_vocoder)]
+        return timed_warmup(self.device, phases)
 
     def warmup_vocoder(self, frames: int = 100) -> None:
         """One utterance through code2wav (chunks 4, 8, 16, 25, ...): the first call of each kernel and
