@@ -82,8 +82,8 @@ def test_an_empty_reply_ends_cleanly_with_no_audio(assistant, monkeypatch):
     eos = assistant.engine.eos_ids[0]
     original = Thinker.prefill
 
-    def prefill(self, input_ids):
-        out = original(self, input_ids)
+    def prefill(self, input_ids, media=None):
+        out = original(self, input_ids, media)
         out.logits[:, eos] = 1e4
         return out
 
