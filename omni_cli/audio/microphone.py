@@ -1,8 +1,8 @@
 """The microphone: record one spoken turn into a clip, ended by silence, a key or a length limit.
 
 `record(options, stop, on_level)` opens a sounddevice/PortAudio input stream on the chosen device at
-that device's own rate. The stream's callback only copies each block into a queue; the calling thread
-drains the queue, measures the level (RMS dBFS, reported to `on_level` every tenth of a second of
+that device's own rate. The stream's callback only copies each block onto a list; the calling thread
+takes them in order, measures the level (RMS dBFS, reported to `on_level` every tenth of a second of
 audio, for a live meter), runs voice-activity detection, and ends the turn when `stop` is set (the
 user pressed Enter), when speech was heard and the configured silence followed, or at the longest
 clip length. Trailing silence beyond a short tail is cut off. A turn with no speech in it (VAD on), or
@@ -29,7 +29,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import queue
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -323,14 +322,20 @@ class _Endpoint:
 
 
 class _Turn:
-    """Everything recorded so far, and the decision when to stop. Lives on the drain thread."""
+    """Everything recorded so far, and the decision when to stop.
+
+    The stream's callback appends each block to `arrived`, and only that; the drain thread judges
+    the blocks in order (level, VAD, limit). Nothing is ever taken out of `arrived`, so an interrupt
+    that lands anywhere on the drain thread cannot lose a block: Ctrl-C's clip is all that arrived."""
 
     def __init__(self, options: RecordOptions, rate: int, on_level: Callable[[float, float], None] | None) -> None:
         self.options = options
         self.rate = rate
         self.limit = max(1, round(options.max_seconds * rate))  # samples
-        self.blocks: list = []
-        self.samples = 0
+        self.arrived: list = []  # every block the device delivered, in order (list.append is atomic)
+        self.wake = threading.Event()  # set by the callback after each block: the drain thread waits on it
+        self.judged = 0  # blocks of `arrived` the meter and the VAD have seen
+        self.samples = 0  # samples in those blocks (up to the limit)
         self.meter = _LevelMeter(rate, on_level)
         self.vad = _Vad(rate, options.vad_mode) if options.vad else None
         # Whole frames, rounded up: at least the configured speech and silence (800 ms: 27 frames, 810 ms).
@@ -339,12 +344,29 @@ class _Turn:
         self.ended_at: int | None = None  # samples of audio when the VAD ended the turn
         self.overflows = 0  # input overflows PortAudio reported (counted by the stream's callback)
 
-    def feed(self, block: "np.ndarray") -> str | None:
-        """Take one block; the reason the turn ends ("silence", "limit") or None to go on."""
+    def callback(self, indata, frames, time_info, status) -> None:
+        # PortAudio's thread: copy the block out of PortAudio's buffer and hand it over, nothing else
+        # (a callback that takes its time makes the device drop input).
+        self.arrived.append(indata[:, 0].copy())
+        self.wake.set()
+        if status and status.input_overflow:
+            self.overflows += 1  # written here only; the drain thread reads it once the stream is closed
+
+    def judge(self, upto: int) -> str | None:
+        """Judge the blocks that arrived before `upto`; the reason the turn ends ("silence", "limit"), or None."""
+        while self.judged < upto:
+            block = self.arrived[self.judged]
+            self.judged += 1
+            ended = self._judge(block)
+            if ended is not None:
+                return ended
+        return None
+
+    def _judge(self, block: "np.ndarray") -> str | None:
         ended = None
         if self.samples + block.shape[0] >= self.limit:
             block, ended = block[:self.limit - self.samples], "limit"
-        self.keep(block)
+        self.samples += block.shape[0]
         self.meter.feed(block)
         if self.vad is not None:
             for speech in self.vad.feed(block):
@@ -354,18 +376,13 @@ class _Turn:
                     return "silence"
         return ended
 
-    def keep(self, block: "np.ndarray") -> None:
-        """Store a block without judging it (what arrives after Ctrl-C)."""
-        take = min(block.shape[0], self.limit - self.samples)
-        if take > 0:
-            self.blocks.append(block[:take])
-            self.samples += take
-
-    def clip(self, ended_by: str, trim: bool) -> Clip:
+    def clip(self, ended_by: str, trim: bool, everything: bool = False) -> Clip:
+        """The recording: the blocks judged (`everything`: all that arrived), up to the turn's end."""
         import numpy as np
 
-        pcm = np.concatenate(self.blocks) if self.blocks else np.zeros(0, np.float32)
-        pcm = pcm[:self.ended_at]
+        blocks = self.arrived if everything else self.arrived[:self.judged]
+        pcm = np.concatenate(blocks) if blocks else np.zeros(0, np.float32)
+        pcm = pcm[:min(self.limit, self.ended_at if self.ended_at is not None else self.limit)]
         speech_end = self.endpoint.speech_end * VAD_FRAME_MS / 1000 if self.vad is not None and self.endpoint.heard else None
         recorded = pcm.shape[0] / self.rate
         if trim:
@@ -402,35 +419,21 @@ def record(options: RecordOptions | None = None, stop: threading.Event | None = 
     or at `options.max_seconds`. `on_level(level_dbfs, seconds_so_far)` is called on this thread once
     per LEVEL_SECONDS of audio (an exception it raises ends the recording and propagates). Raises
     SilentMicrophone (with `.clip`) for a silent turn. A Ctrl-C from the moment the device is opened
-    stops the stream and re-raises the KeyboardInterrupt with the recording, untrimmed, as its `clip`
-    attribute (an empty clip if none came yet). `backend` replaces the sounddevice module (tests)."""
+    stops the stream and re-raises the KeyboardInterrupt with all the device delivered, untrimmed, as
+    its `clip` attribute (an empty clip if none came yet). `backend` replaces the sounddevice module (tests)."""
     options = options if options is not None else RecordOptions()
     sd = backend if backend is not None else _sounddevice(hint)
     device = find_input_device(options.device, sd, hint)
     rate = int(options.sample_rate or device["samplerate"] or 16000)
     turn = _Turn(options, rate, on_level)
-    blocks: queue.SimpleQueue = queue.SimpleQueue()
-
-    def callback(indata, frames, time_info, status) -> None:
-        # PortAudio's thread: copy the block out of PortAudio's buffer and hand it over, nothing else
-        # (a callback that takes its time makes the device drop input).
-        blocks.put(indata[:, 0].copy())
-        if status and status.input_overflow:
-            turn.overflows += 1  # written here only; the drain thread reads it once the stream is closed
-
     stream = None
     try:
-        stream = _open(sd, device, rate, callback, hint)
+        stream = _open(sd, device, rate, turn.callback, hint)
         _start(stream, device, hint)
-        ended = _drain(stream, blocks, turn, stop, device, hint)
+        ended = _drain(stream, turn, stop, device, hint)
     except KeyboardInterrupt as exc:
-        _close(stream)
-        while True:  # what the device had delivered before it stopped belongs to the recording
-            try:
-                turn.keep(blocks.get_nowait())
-            except queue.Empty:
-                break
-        exc.clip = turn.clip("interrupted", trim=False)  # type: ignore[attr-defined]
+        _close(stream)  # first: then nothing more arrives
+        exc.clip = turn.clip("interrupted", trim=False, everything=True)  # type: ignore[attr-defined]
         raise
     finally:
         _close(stream)
@@ -457,29 +460,23 @@ def _start(stream: Any, device: dict, hint: str) -> None:
         raise AudioDeviceError(f"cannot record from audio device '{device['name']}': {_reason(exc)}; {hint}") from exc
 
 
-def _drain(stream: Any, blocks: queue.SimpleQueue, turn: _Turn, stop: threading.Event | None,
-           device: dict, hint: str) -> str:
-    """Take blocks off the queue until the turn ends; the reason it ended."""
+def _drain(stream: Any, turn: _Turn, stop: threading.Event | None, device: dict, hint: str) -> str:
+    """Judge blocks as they arrive until the turn ends; the reason it ended."""
     while True:
         if stop is not None and stop.is_set():
-            # Blocks already queued were spoken before the key was pressed: keep them.
-            while True:
-                try:
-                    block = blocks.get_nowait()
-                except queue.Empty:
-                    return "stop"
-                ended = turn.feed(block)
-                if ended is not None:
-                    return ended
-        try:
-            block = blocks.get(timeout=POLL_SECONDS)
-        except queue.Empty:
-            if not stream.active:
-                raise AudioDeviceError(f"the audio device '{device['name']}' stopped recording (was it unplugged?); {hint}")
+            # Blocks that had arrived were spoken before the key was pressed: they count.
+            return turn.judge(len(turn.arrived)) or "stop"
+        if turn.judged < len(turn.arrived):
+            ended = turn.judge(turn.judged + 1)  # one block at a time: `stop` is looked at between them
+            if ended is not None:
+                return ended
             continue
-        ended = turn.feed(block)
-        if ended is not None:
-            return ended
+        # A block that arrives between the check above and clear() is found by the next check; the
+        # wait only bounds how long a set `stop` goes unnoticed.
+        turn.wake.wait(POLL_SECONDS)
+        turn.wake.clear()
+        if turn.judged == len(turn.arrived) and not stream.active:
+            raise AudioDeviceError(f"the audio device '{device['name']}' stopped recording (was it unplugged?); {hint}")
 
 
 def _close(stream: Any) -> None:
