@@ -68,6 +68,8 @@ HELP = [
     ("/load PATH", "resume a conversation saved with /save (PATH or PATH.json)"),
     ("/stats", "timing of the last reply, totals of the session"),
     ("/audio [PATH]", "say this audio file with your next message (no PATH: what is attached)"),
+    ("/listen", "speak: record from the microphone until you stop talking (or Enter), then send it;"
+                " Ctrl-T on an empty line does the same"),
     ('"""', 'begin and end a multi-line message'),
 ]
 
@@ -87,6 +89,7 @@ class ChatRepl:
         debug: bool = False,
         piped: bool | None = None,
         wrap: int | bool | None = None,
+        record: Any = None,
     ) -> None:
         """
         out, err: rich consoles (the answer; everything else).
@@ -122,6 +125,8 @@ class ChatRepl:
         # the user message, the clips' sources), for /save.
         self.attached: list = []
         self.attachments: list[dict] = []
+        # /listen's microphone settings (audio/microphone.RecordOptions; None: the defaults).
+        self.record_options = record
         # (index in transcript of the reply, float32 audio) for each spoken reply.
         self.speech: list[tuple[int, Any]] = []
         self.last_stats: dict | None = None
@@ -272,7 +277,7 @@ class ChatRepl:
 
     def _record(self, text: str, reply: Any, sink: Any, stats: dict) -> None:
         if self.attached:  # they went with this message: the transcript names them, the next turn has none
-            self.attachments.append({"turn": len(self.transcript), "audio": [c.source for c in self.attached]})
+            self.attachments.append({"turn": len(self.transcript), "clips": list(self.attached)})
             self.attached.clear()
         self.transcript.append({"role": "user", "content": text})
         self.transcript.append({"role": "assistant", "content": reply.text})
@@ -316,6 +321,7 @@ class ChatRepl:
             "/load": self.cmd_load,
             "/stats": self.cmd_stats,
             "/audio": self.cmd_audio,
+            "/listen": self.cmd_listen,
         }
         if name not in handlers:
             self.err.print(f"unknown command '{name}': type /? for help", style="yellow", markup=False, highlight=False)
@@ -361,6 +367,40 @@ class ChatRepl:
         clip = read_audio(arg)
         self.attached.append(clip)
         self.say(f"attached {clip.source} ({clip.seconds:.1f} s of audio): it goes with your next message")
+
+    def cmd_listen(self, arg: str) -> None:
+        """Record one spoken turn (a live level meter on stderr; it ends when the speaker stops, on Enter,
+        or at the length limit) and send it as the user's message. A recording that ends in an error is
+        kept in a file whose name is said."""
+        from .audio.microphone import RecordOptions, SilentMicrophone, record
+        from .media import AudioClip
+
+        meter = _Meter(self.err, interactive=not self.piped)
+        self.say("listening: speak now" + ("; Enter ends the turn" if meter.interactive else ""))
+        try:
+            clip = record(self.record_options or RecordOptions(), stop=meter.stop, on_level=meter)
+        except SilentMicrophone as exc:
+            meter.done()
+            raise OmniError(f"{exc}; the recording is kept in {self._keep(exc.clip)}") from None
+        except KeyboardInterrupt as exc:
+            meter.done()
+            clip = getattr(exc, "clip", None)
+            kept = f": the recording is kept in {self._keep(clip)}" if clip is not None and clip.seconds else ""
+            self.say(f"stopped listening{kept}")
+            return
+        meter.done()
+        self.say(f"heard {clip.seconds:.1f} s")
+        self.attached.append(AudioClip(clip.pcm, clip.sample_rate, "microphone"))
+        self.turn("")
+
+    def _keep(self, clip) -> Path:
+        """Save a recording that could not be sent (a file under the data folder) and return its path."""
+        from .audio.microphone import save_clip
+        from .ui import data_dir
+
+        path = data_dir() / "recordings" / time.strftime("listen-%Y%m%d-%H%M%S.wav")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return save_clip(clip, path)
 
     def cmd_voice(self, arg: str) -> None:
         from .loader import check_voice
@@ -517,13 +557,33 @@ class ChatRepl:
             "context_from": self._context_from(),
             "audio": wav_path.name if seconds is not None else None,
             "audio_segments": self._segments(),
-            "attachments": self.attachments,  # audio said with a message: {"turn": index, "audio": [paths]}
+            # Audio said with a message: {"turn": index, "audio": [files]} (recordings written beside).
+            "attachments": self._save_attachments(base),
         }
         _write_text_atomic(json_path, json.dumps(data, ensure_ascii=False, indent=2) + "\n")
         if seconds is None:
             self.say(f"saved {json_path} ({_count(len(self.transcript) // 2, 'exchange')}; no speech to save)")
         else:
             self.say(f"saved {json_path} ({_count(len(self.transcript) // 2, 'exchange')}) and {wav_path} ({seconds:.1f} s)")
+
+    def _save_attachments(self, base: Path) -> list[dict]:
+        """The attachments as the transcript names them: a file's path, or for a recording (/listen) the
+        name of a WAV written beside the transcript (BASE.listen-N.wav)."""
+        from .audio.microphone import Clip, save_clip
+
+        out, n = [], 0
+        for entry in self.attachments:
+            names = []
+            for clip in entry["clips"]:
+                if clip.source != "microphone":
+                    names.append(clip.source)
+                    continue
+                n += 1
+                path = base.with_name(f"{base.name}.listen-{n}.wav")
+                save_clip(Clip(clip.pcm, clip.sample_rate, "saved", clip.seconds), path)
+                names.append(path.name)
+            out.append({"turn": entry["turn"], "audio": names})
+        return out
 
     def _context_from(self) -> int:
         """Where the model's history starts in the transcript (turns dropped to fit the context come
@@ -732,3 +792,44 @@ if __name__ == "__main__":
     from omni_cli.cli import chat_main
 
     chat_main()
+
+
+class _Meter:
+    """/listen's live line on stderr: a level bar and the seconds heard, redrawn in place; on a terminal
+    it also watches stdin for Enter, which ends the turn (`stop`)."""
+
+    WIDTH = 20  # characters of the bar, for -60..0 dBFS
+
+    def __init__(self, err: Any, interactive: bool) -> None:
+        import threading
+
+        self.err = err
+        self.interactive = interactive and _isatty(sys.stdin)
+        self.stop = threading.Event()
+        self.drawn = False
+
+    def __call__(self, level_dbfs: float, seconds: float) -> None:
+        filled = max(0, min(self.WIDTH, round((level_dbfs + 60) / 60 * self.WIDTH)))
+        if self.interactive:
+            self.err.file.write(f"\r  [{'#' * filled}{' ' * (self.WIDTH - filled)}] {seconds:4.1f} s ")
+            self.err.file.flush()
+            self.drawn = True
+            if self._enter_pressed():
+                self.stop.set()
+
+    def _enter_pressed(self) -> bool:
+        import select
+
+        try:
+            ready, _, _ = select.select([sys.stdin], [], [], 0)
+        except (OSError, ValueError):
+            return False
+        if ready:
+            sys.stdin.readline()
+            return True
+        return False
+
+    def done(self) -> None:
+        if self.drawn:
+            self.err.file.write("\r" + " " * (self.WIDTH + 14) + "\r")
+            self.err.file.flush()

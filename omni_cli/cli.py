@@ -388,16 +388,30 @@ def _checked_voice(options, model):
 
 
 def _list_devices() -> None:
+    """The sound output devices (what plays), then the input devices (what /listen records from) under
+    an `inputs:` line when there are any."""
+    from .audio.microphone import input_devices
     from .audio.speaker import output_devices
 
-    devices = output_devices()
-    if not devices:
+    outputs = output_devices()
+    if not outputs:
         _err("no audio output devices")
-        return
-    for dev in devices:
-        mark = "  (default)" if dev["default"] else ""
-        api = f"{dev['hostapi']}, " if dev["hostapi"] else ""
-        print(f"{dev['index']:>3}  {dev['name']}  [{api}{dev['channels']} ch, {dev['samplerate']:.0f} Hz]{mark}", flush=True)
+    for dev in outputs:
+        _device_line(dev)
+    try:
+        inputs = input_devices()
+    except OmniError:
+        inputs = []
+    if inputs:
+        print("inputs:", flush=True)
+    for dev in inputs:
+        _device_line(dev)
+
+
+def _device_line(dev: dict) -> None:
+    mark = "  (default)" if dev["default"] else ""
+    api = f"{dev['hostapi']}, " if dev["hostapi"] else ""
+    print(f"{dev['index']:>3}  {dev['name']}  [{api}{dev['channels']} ch, {dev['samplerate']:.0f} Hz]{mark}", flush=True)
 
 
 @contextlib.contextmanager
@@ -717,6 +731,9 @@ def chat(
     server: ServerOpt = None,
     api_key: ApiKeyOpt = None,
     local: LocalOpt = False,
+    input_device: Annotated[Optional[str], typer.Option("--input-device", metavar="NAME|INDEX", show_default=False, help="The microphone /listen records from (see --list-audio-devices). Default: the system's default input.")] = None,
+    input_rate: Annotated[Optional[int], typer.Option("--input-rate", min=8000, max=384000, metavar="HZ", show_default=False, help="The rate /listen records at (default: the device's own).")] = None,
+    vad: Annotated[bool, typer.Option("--vad/--no-vad", help="/listen ends the turn when you stop speaking (voice-activity detection); --no-vad: only Enter or the length limit end it.")] = True,
     history_file: Annotated[Optional[Path], typer.Option("--history-file", metavar="FILE", show_default=False, dir_okay=False, help="Where the input history is kept (default: ~/.local/share/omni-cli/chat_history).")] = None,
     no_history: Annotated[bool, typer.Option("--no-history", help="Keep no input history on disk (so does OMNI_NOHISTORY=1).")] = False,
     load: Annotated[Optional[Path], typer.Option(
@@ -757,8 +774,11 @@ def chat(
             sink.open(assistant.sample_rate)
             return sink
 
+        from .audio.microphone import RecordOptions
+
         repl = ChatRepl(assistant, out, err, options=options, muted=mute, system=system,
-                        speaker=speaker, verbose=verbose, debug=debug)
+                        speaker=speaker, verbose=verbose, debug=debug,
+                        record=RecordOptions(device=input_device, sample_rate=input_rate, vad=vad))
         if load is not None:
             repl.load_transcript(load)  # an OmniError (one line, exit 2) for a file that is not a transcript
         if _isatty(sys.stdin) and _isatty(sys.stdout):

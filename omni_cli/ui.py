@@ -291,11 +291,22 @@ def make_history(path: Path | None, warn: Callable[[str], None]):
 
 
 def make_session(history, input=None, output=None):
-    """The prompt_toolkit session of omni-chat: `>>> ` prompts, history, Ctrl-C / Ctrl-D as usual."""
+    """The prompt_toolkit session of omni-chat: `>>> ` prompts, history, Ctrl-C / Ctrl-D as usual, and
+    Ctrl-T on an empty line for /listen (speak instead of typing)."""
     from prompt_toolkit import PromptSession
+    from prompt_toolkit.key_binding import KeyBindings
+
+    keys = KeyBindings()
+
+    @keys.add("c-t")
+    def _listen(event) -> None:
+        buffer = event.app.current_buffer
+        if not buffer.text.strip():
+            buffer.text = "/listen"
+            buffer.validate_and_handle()
 
     return PromptSession(history=history, input=input, output=output, enable_history_search=False,
-                         mouse_support=False, complete_while_typing=False)
+                         mouse_support=False, complete_while_typing=False, key_bindings=keys)
 
 
 # -- word wrap of streamed text ----------------------------------------------------------------

@@ -438,10 +438,13 @@ def test_list_voices_of_a_missing_model_is_one_error_line(fake, tmp_path):
 def test_list_audio_devices(fake):
     result = invoke("--list-audio-devices")
     assert result.exit_code == 0, result.output
-    assert result.stdout.splitlines() == [
+    lines = result.stdout.splitlines()
+    assert lines[:3] == [
         "  0  Fake Speakers  [Fake API, 2 ch, 48000 Hz]  (default)",
         "  2  USB Headset  [Fake API, 2 ch, 48000 Hz]",
+        "inputs:",  # then what /listen can record from
     ]
+    assert [line.split("[")[0].strip() for line in lines[3:]] == ["1  Fake Microphone", "2  USB Headset"]
     assert fake.load_args is None  # no model needed
 
 

@@ -80,6 +80,9 @@ class RecordOptions:
     tail_ms: int = 300
     # The longest clip (seconds): the turn ends there, whatever is heard.
     max_seconds: float = 60.0
+    # With VAD on, a turn in which no speech has started after this many seconds ends there (and is
+    # silent): a muted or dead microphone is said within seconds, not at the length limit.
+    start_seconds: float = 8.0
     # A level (RMS dBFS over LEVEL_SECONDS) at or below this is silence: with VAD off, a recording never
     # louder is refused as silent, and the trailing stretch at or below it is trimmed.
     floor_dbfs: float = -50.0
@@ -92,6 +95,8 @@ class RecordOptions:
                 raise UsageError(f"{name} must not be negative (got {getattr(self, name)})")
         if not self.max_seconds > 0:
             raise UsageError(f"the longest clip must be more than 0 s (got {self.max_seconds})")
+        if not self.start_seconds > 0:
+            raise UsageError(f"the wait for speech must be more than 0 s (got {self.start_seconds})")
         if self.sample_rate is not None and self.sample_rate <= 0:
             raise UsageError(f"the sample rate must be positive (got {self.sample_rate})")
 
@@ -104,7 +109,7 @@ class Clip:
     sample_rate: int  # the rate the device recorded at (not resampled)
     # Why recording stopped: "silence" (speech, then the end silence), "stop" (the stop event), "limit"
     # (max_seconds), "interrupted" (Ctrl-C); for a SilentMicrophone's clip, what stopped it too.
-    ended_by: str
+    ended_by: str  # also "no speech" (VAD on: nothing spoken within start_seconds)
     recorded_seconds: float  # audio taken from the device before trimming
     speech_end: float | None = None  # where the last speech ended (seconds); None without VAD or speech
     overflows: int = 0  # times the device dropped input because its blocks were not taken in time
@@ -374,6 +379,8 @@ class _Turn:
                     # The turn ended at this frame's end: what the device gave after it is not part of it.
                     self.ended_at = round(self.endpoint.frames * VAD_FRAME_MS / 1000 * self.rate)
                     return "silence"
+            if not self.endpoint.heard and self.samples >= self.options.start_seconds * self.rate:
+                return "no speech"  # nobody spoke: `silence()` makes it the silent-microphone error
         return ended
 
     def clip(self, ended_by: str, trim: bool, everything: bool = False) -> Clip:
