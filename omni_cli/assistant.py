@@ -197,7 +197,13 @@ class Assistant:
         conv = (Conversation(conversation.system, list(conversation.turns)) if conversation
                 else Conversation(system=self.default_system))
         user, media, expand = self._audio_prompt(prompt, clips)
-        ids, dropped = fit(self.loaded.tokenizer, conv, user, self.max_context - n_text, expand)
+        try:
+            ids, dropped = fit(self.loaded.tokenizer, conv, user, self.max_context - n_text, expand)
+        except UsageError as exc:
+            if not clips:
+                raise
+            seconds = sum(clip.seconds for clip in clips)
+            raise UsageError(f"{exc} ({seconds:.1f} s of audio is part of it: use a shorter clip)") from None
         if dropped:
             # INFO: expected behaviour worth a note (the faces print INFO as `note: ...`), not a fault.
             log.info("dropped the oldest %d exchange(s) to fit the context", dropped)

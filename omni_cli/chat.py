@@ -573,8 +573,8 @@ class ChatRepl:
 
         out, n = [], 0
         for entry in self.attachments:
-            names = []
-            for clip in entry["clips"]:
+            names = list(entry.get("names", []))  # from a loaded transcript: the files it named
+            for clip in entry.get("clips", []):
                 if clip.source != "microphone":
                     names.append(clip.source)
                     continue
@@ -633,6 +633,7 @@ class ChatRepl:
         self.chat.history.turns[:] = [dict(t) for t in turns[start:]]
         self.transcript = [dict(t) for t in turns]
         self.speech = []  # indexes into the transcript: the loaded turns have no audio in this session
+        self.attachments = _loaded_attachments(data.get("attachments"), file.parent, len(turns))
         self.loaded_from = file
         self.say(f"loaded {file} ({_count(len(turns) // 2, 'exchange')})"
                  + (f"; it replaces this session's {_count(replaced, 'exchange')}" if replaced else ""))
@@ -833,3 +834,17 @@ class _Meter:
         if self.drawn:
             self.err.file.write("\r" + " " * (self.WIDTH + 14) + "\r")
             self.err.file.flush()
+
+
+def _loaded_attachments(entries, folder: Path, turns: int) -> list[dict]:
+    """A saved transcript's attachments, kept for the next /save: each file as a path that still finds it
+    from anywhere (a name beside the transcript becomes a path under its folder). Entries that do not
+    name a user turn of the transcript are dropped (a hand-edited file)."""
+    out = []
+    for entry in entries if isinstance(entries, list) else []:
+        turn = entry.get("turn") if isinstance(entry, dict) else None
+        names = entry.get("audio") if isinstance(entry, dict) else None
+        if isinstance(turn, int) and not isinstance(turn, bool) and 0 <= turn < turns and turn % 2 == 0 \
+                and isinstance(names, list) and all(isinstance(n, str) for n in names):
+            out.append({"turn": turn, "names": [str(folder / n) if "/" not in n else n for n in names]})
+    return out

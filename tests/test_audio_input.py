@@ -147,6 +147,22 @@ def test_qwen3_audio_prompt_equals_transformers(qwen3, text, clips):
     assert reply.stats["audio_encoder_ms"] > 0
 
 
+def test_a_clip_longer_than_the_context_is_one_line(tmp_path):
+    clip = tmp_path / "long.wav"
+    soundfile.write(clip, tone(40.0, 16_000, 300.0), 16_000)  # 40 s: ~1,000 audio tokens
+    r = run_omni_say("--audio", clip, "hi", "-o", tmp_path / "a.wav", env=cli_env())  # the demo model: 4,096
+    assert r.returncode == 0, r.stderr  # it fits
+    from omni_cli.errors import UsageError
+
+    import omni_cli
+
+    from omni_cli.config import RuntimeOptions
+
+    small = omni_cli.load(device="cpu", runtime=RuntimeOptions(device="cpu", max_context=256))
+    with pytest.raises(UsageError, match=r"context holds .*40\.0 s of audio is part of it"):
+        small.say("hi", audio=[str(clip)])
+
+
 def test_say_audio_from_a_file_and_from_stdin(tmp_path):
     clip = tmp_path / "q.flac"
     soundfile.write(clip, np.stack([tone(1.2, 44_100, 300.0)] * 2, axis=1), 44_100)  # stereo FLAC

@@ -47,6 +47,11 @@ def test_listen_hears_the_clip_and_answers(tmp_path):
     assert rate == RATE and abs(len(clip) / rate - heard) < 0.06
     # What the engine heard is the file, sample for sample (16-bit both ways: exact), up to where VAD cut.
     assert np.array_equal(clip, spoken[: len(clip)])
+    # /load keeps what went with each message: a later /save still names the recording.
+    r = chat(env, f"/load {base}\n/save {tmp_path / 'again'}\n", tmp_path)
+    assert r.returncode == 0, r.stderr
+    again = json.loads((tmp_path / "again.json").read_text())
+    assert again["attachments"] == [{"turn": 0, "audio": [str(tmp_path / "session.listen-1.wav")]}]
     # VAD ended the turn at the speech's end (2.3 s, then 3 s of quiet noise in the file): the clip keeps
     # the 0.3 s tail after the last speech the detector heard (it hears ~0.1 s past the voice).
     assert SPEECH_END + 0.2 <= heard <= SPEECH_END + 0.3 + 0.2, (heard, SPEECH_END)

@@ -36,7 +36,8 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from ..errors import AudioDeviceError, OmniError, OutputError, UsageError
 from .sinks import _reason
-from .speaker import import_sounddevice
+from . import speaker
+from .speaker import devices_of_kind
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     import numpy as np
@@ -135,41 +136,14 @@ class SilentMicrophone(OmniError):
 def _sounddevice(hint: str) -> Any:
     """sounddevice, imported now (PortAudio reads the sound setup here); errors say "record"."""
     try:
-        return import_sounddevice(hint)
+        return speaker.import_sounddevice(hint)  # looked up now: one place to replace it (tests)
     except AudioDeviceError as exc:  # its words are for playing: same failure, our verb
         raise AudioDeviceError(str(exc).replace("cannot play audio", "cannot record audio", 1)) from exc.__cause__
 
 
 def input_devices(sd: Any = None, hint: str = RECORD_HINT) -> list[dict]:
     """The input devices PortAudio sees: dicts with index, name, hostapi, channels, samplerate, default."""
-    sd = sd if sd is not None else _sounddevice(hint)
-    try:
-        devices = list(sd.query_devices())
-    except Exception as exc:
-        raise AudioDeviceError(f"cannot list the audio devices ({_reason(exc)}); {hint}") from exc
-    try:
-        hostapis = [h["name"] for h in sd.query_hostapis()]
-    except Exception:
-        hostapis = []
-    try:
-        default = int(sd.query_devices(kind="input")["index"])
-    except Exception:  # no default input device (PortAudioError: Error querying device -1)
-        default = None
-    out = []
-    for i, dev in enumerate(devices):
-        if int(dev.get("max_input_channels", 0)) <= 0:
-            continue
-        index = int(dev.get("index", i))
-        api = dev.get("hostapi", 0)
-        out.append({
-            "index": index,
-            "name": str(dev.get("name", f"device {index}")),
-            "hostapi": hostapis[api] if isinstance(api, int) and 0 <= api < len(hostapis) else "",
-            "channels": int(dev["max_input_channels"]),
-            "samplerate": float(dev.get("default_samplerate", 0) or 0),
-            "default": index == default,
-        })
-    return out
+    return devices_of_kind("input", sd if sd is not None else _sounddevice(hint), hint)
 
 
 def _listing(devices: list[dict]) -> str:

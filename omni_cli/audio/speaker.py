@@ -52,7 +52,12 @@ def import_sounddevice(hint: str = PLAY_HINT):
 
 def output_devices(sd: Any = None, hint: str = PLAY_HINT) -> list[dict]:
     """The output devices PortAudio sees: dicts with index, name, hostapi, channels, samplerate, default."""
-    sd = sd if sd is not None else import_sounddevice(hint)
+    return devices_of_kind("output", sd if sd is not None else import_sounddevice(hint), hint)
+
+
+def devices_of_kind(kind: str, sd: Any, hint: str) -> list[dict]:
+    """The devices PortAudio sees with channels of `kind` ("output" or "input"), as `output_devices` lists
+    them; `hint` ends the error when they cannot be listed."""
     try:
         devices = list(sd.query_devices())
     except Exception as exc:
@@ -62,12 +67,13 @@ def output_devices(sd: Any = None, hint: str = PLAY_HINT) -> list[dict]:
     except Exception:
         hostapis = []
     try:
-        default = int(sd.query_devices(kind="output")["index"])
-    except Exception:  # no default output device (PortAudioError: Error querying device -1)
+        default = int(sd.query_devices(kind=kind)["index"])
+    except Exception:  # no default device of that kind (PortAudioError: Error querying device -1)
         default = None
+    channels = f"max_{kind}_channels"
     out = []
     for i, dev in enumerate(devices):
-        if int(dev.get("max_output_channels", 0)) <= 0:
+        if int(dev.get(channels, 0)) <= 0:
             continue
         index = int(dev.get("index", i))
         api = dev.get("hostapi", 0)
@@ -75,7 +81,7 @@ def output_devices(sd: Any = None, hint: str = PLAY_HINT) -> list[dict]:
             "index": index,
             "name": str(dev.get("name", f"device {index}")),
             "hostapi": hostapis[api] if isinstance(api, int) and 0 <= api < len(hostapis) else "",
-            "channels": int(dev["max_output_channels"]),
+            "channels": int(dev[channels]),
             "samplerate": float(dev.get("default_samplerate", 0) or 0),
             "default": index == default,
         })
