@@ -18,6 +18,7 @@ terminals, files or sound devices: audio goes to whatever sink the caller passes
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 import numpy as np
@@ -132,12 +133,13 @@ class Assistant:
 
     # ------------------------------------------------------------------------------------------
     def say(self, prompt: str, options: ReplyOptions | None = None, *, sink=None,
-            conversation: Conversation | None = None, audio=None, **fields) -> Reply:
+            conversation: Conversation | None = None, audio=None, images=None, **fields) -> Reply:
         """One reply, start to end. Audio goes to `sink` as it is produced (if given) and into `reply.audio`.
 
         `options` (a `ReplyOptions`) and/or its fields as keywords: voice, greedy, seed, max_text_tokens,
         max_codes, text_only, temperature, top_p, top_k (keywords override `options`)."""
-        events = self.stream(prompt, options, sink=sink, conversation=conversation, audio=audio, **fields)
+        events = self.stream(prompt, options, sink=sink, conversation=conversation, audio=audio, images=images,
+                             **fields)
         try:
             for event in events:
                 if isinstance(event, Done):
@@ -147,17 +149,17 @@ class Assistant:
         raise RuntimeError("turn ended without a reply")  # unreachable: stream always ends with Done
 
     def stream(self, prompt: str, options: ReplyOptions | None = None, *, sink=None,
-               conversation: Conversation | None = None, audio=None,
+               conversation: Conversation | None = None, audio=None, images=None,
                **fields) -> Iterator[TextDelta | AudioBlock | Done]:
         """Yield `TextDelta`s and `AudioBlock`s as they exist, then `Done(reply)`.
 
         `audio`: clips the user says with the prompt (paths, `media.AudioClip`s, or (samples, rate)
-        pairs); the prompt's text may then be empty. With a `conversation`, the prompt is appended to
+        pairs); `images`: what the user shows (paths or PIL images); the prompt's text may then be empty. With a `conversation`, the prompt is appended to
         its history and, once the turn completes, the reply too (an interrupted turn leaves the history
         as it was; the history keeps the text of a turn, not its audio).
         """
         opts = reply_options(options, fields)
-        req, conv = self._request(prompt, opts, sink, conversation, audio)
+        req, conv = self._request(prompt, opts, sink, conversation, audio, images)
         events = self.engine.stream(req)
         try:
             for event in events:
@@ -180,11 +182,12 @@ class Assistant:
         except UsageError:
             return voices[0] if voices else self.family.DEFAULT_VOICE
 
-    def _request(self, prompt, opts: ReplyOptions, sink, conversation, audio=None):
+    def _request(self, prompt, opts: ReplyOptions, sink, conversation, audio=None, images=None):
         from .loader import check_voice
 
         clips = self._clips(audio)
-        prompt = check_prompt(prompt) if not clips or (prompt or "").strip() else ""
+        pictures = self._images(images)
+        prompt = check_prompt(prompt) if not (clips or pictures) or (prompt or "").strip() else ""
         opts.check()
         voice = opts.voice or self.default_voice
         text_only = opts.text_only or not self.has_audio
@@ -196,7 +199,7 @@ class Assistant:
             raise UsageError(f"max_codes {n_codes} is above this session's limit of {self.engine.max_codes}")
         conv = (Conversation(conversation.system, list(conversation.turns)) if conversation
                 else Conversation(system=self.default_system))
-        user, media, expand = self._audio_prompt(prompt, clips)
+        user, media, expand = self._media_prompt(prompt, clips, pictures)
         try:
             ids, dropped = fit(self.loaded.tokenizer, conv, user, self.max_context - n_text, expand)
         except UsageError as exc:
@@ -237,23 +240,51 @@ class Assistant:
             clips.append(clip.at())
         return clips
 
-    def _audio_prompt(self, prompt: str, clips: list):
-        """(the user message, the encoder inputs, how the rendered ids become the prompt's)."""
-        if not clips:
-            return prompt, None, None
-        from transformers import AutoFeatureExtractor
+    def _images(self, images) -> list:
+        if images is None:
+            return []
+        from .media import read_image
 
+        items = images if isinstance(images, (list, tuple)) else [images]
+        if items and not hasattr(self.family, "image_inputs"):
+            raise UsageError(f"image input for {self.family.TITLE} is not supported yet")
+        return [read_image(item) if isinstance(item, (str, os.PathLike)) else item.convert("RGB") for item in items]
+
+    def _media_prompt(self, prompt: str, clips: list, pictures: list):
+        """(the user message: its images, audio and text parts; the encoder inputs; how the rendered ids
+        become the prompt's: each placeholder repeated as the processor repeats it)."""
+        if not clips and not pictures:
+            return prompt, None, None
         from .prompt import expand_placeholders
 
-        if self._feature_extractor is None:
-            self._feature_extractor = AutoFeatureExtractor.from_pretrained(str(self.loaded.path), local_files_only=True)
-        media, counts = self.family.audio_inputs(self._feature_extractor, clips)  # the processor's rules
-        media["audio_seconds"] = sum(clip.seconds for clip in clips)
-        token = self.family.audio_token_id(self.loaded.model.config)
-        user = [{"type": "audio"} for _ in clips] + ([{"type": "text", "text": prompt}] if prompt else [])
-        return user, media, (lambda ids: expand_placeholders(ids, token, counts))
+        config = self.loaded.model.config
+        media, expansions = {}, []
+        if pictures:
+            if self._image_processor is None:
+                self._image_processor = self.family.image_processor(self.loaded.path)
+            found, counts = self.family.image_inputs(self._image_processor, pictures)
+            media.update(found, images=len(pictures))
+            expansions.append((self.family.image_token_id(config), counts))
+        if clips:
+            from transformers import AutoFeatureExtractor
 
-    _feature_extractor = None
+            if self._feature_extractor is None:
+                self._feature_extractor = AutoFeatureExtractor.from_pretrained(str(self.loaded.path),
+                                                                               local_files_only=True)
+            found, counts = self.family.audio_inputs(self._feature_extractor, clips)  # the processor's rules
+            media.update(found, audio_seconds=sum(clip.seconds for clip in clips))
+            expansions.append((self.family.audio_token_id(config), counts))
+        user = ([{"type": "image"} for _ in pictures] + [{"type": "audio"} for _ in clips]
+                + ([{"type": "text", "text": prompt}] if prompt else []))
+
+        def expand(ids):
+            for token, counts in expansions:
+                ids = expand_placeholders(ids, token, counts)
+            return ids
+
+        return user, media, expand
+
+    _feature_extractor = _image_processor = None
 
     def _limit(self, value, key) -> int:
         return self.limits[key] if value is None else int(value)

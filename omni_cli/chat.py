@@ -68,6 +68,7 @@ HELP = [
     ("/load PATH", "resume a conversation saved with /save (PATH or PATH.json)"),
     ("/stats", "timing of the last reply, totals of the session"),
     ("/audio [PATH]", "say this audio file with your next message (no PATH: what is attached)"),
+    ("/image [PATH]", "show the model this image with your next message (no PATH: what is attached)"),
     ("/listen", "speak: record from the microphone until you stop talking (or Enter), then send it;"
                 " Ctrl-T on an empty line does the same"),
     ('"""', 'begin and end a multi-line message'),
@@ -124,6 +125,7 @@ class ChatRepl:
         # Audio clips for the next message (/audio), and what went with earlier ones (transcript index of
         # the user message, the clips' sources), for /save.
         self.attached: list = []
+        self.shown: list[tuple[str, Any]] = []  # images for the next message (/image): (path, image)
         self.attachments: list[dict] = []
         # /listen's microphone settings (audio/microphone.RecordOptions; None: the defaults).
         self.record_options = record
@@ -218,6 +220,8 @@ class ChatRepl:
                 sink = self.speaker()
             with stop_on_interrupt(sink, times=times):
                 extra = {"audio": list(self.attached)} if self.attached else {}
+                if self.shown:
+                    extra["images"] = [image for _name, image in self.shown]
                 events = self.chat.stream(text, self.options, sink=sink, text_only=self.muted or sink is None, **extra)
                 try:
                     for event in events:
@@ -276,9 +280,11 @@ class ChatRepl:
             self.err.print("[dim]interrupted[/dim]")
 
     def _record(self, text: str, reply: Any, sink: Any, stats: dict) -> None:
-        if self.attached:  # they went with this message: the transcript names them, the next turn has none
-            self.attachments.append({"turn": len(self.transcript), "clips": list(self.attached)})
+        if self.attached or self.shown:  # they went with this message: the transcript names them
+            self.attachments.append({"turn": len(self.transcript), "clips": list(self.attached),
+                                     "images": [name for name, _image in self.shown]})
             self.attached.clear()
+            self.shown.clear()
         self.transcript.append({"role": "user", "content": text})
         self.transcript.append({"role": "assistant", "content": reply.text})
         if reply.audio is not None and len(reply.audio):
@@ -322,6 +328,7 @@ class ChatRepl:
             "/stats": self.cmd_stats,
             "/audio": self.cmd_audio,
             "/listen": self.cmd_listen,
+            "/image": self.cmd_image,
         }
         if name not in handlers:
             self.err.print(f"unknown command '{name}': type /? for help", style="yellow", markup=False, highlight=False)
@@ -367,6 +374,19 @@ class ChatRepl:
         clip = read_audio(arg)
         self.attached.append(clip)
         self.say(f"attached {clip.source} ({clip.seconds:.1f} s of audio): it goes with your next message")
+
+    def cmd_image(self, arg: str) -> None:
+        """/image PATH attaches an image to the next message (opened and checked now); /image lists them."""
+        if not arg:
+            if not self.shown:
+                self.say("no image attached: /image PATH shows an image with your next message")
+            for name, _image in self.shown:
+                self.say(f"attached: {name}")
+            return
+        from .media import read_image
+
+        self.shown.append((arg, read_image(arg)))
+        self.say(f"attached {arg}: it goes with your next message")
 
     def cmd_listen(self, arg: str) -> None:
         """Record one spoken turn (a live level meter on stderr; it ends when the speaker stops, on Enter,
@@ -573,7 +593,7 @@ class ChatRepl:
 
         out, n = [], 0
         for entry in self.attachments:
-            names = list(entry.get("names", []))  # from a loaded transcript: the files it named
+            names = list(entry.get("names", []))  # from a loaded transcript: the audio files it named
             for clip in entry.get("clips", []):
                 if clip.source != "microphone":
                     names.append(clip.source)
@@ -582,7 +602,10 @@ class ChatRepl:
                 path = base.with_name(f"{base.name}.listen-{n}.wav")
                 save_clip(Clip(clip.pcm, clip.sample_rate, "saved", clip.seconds), path)
                 names.append(path.name)
-            out.append({"turn": entry["turn"], "audio": names})
+            saved = {"turn": entry["turn"], "audio": names}
+            if entry.get("images"):
+                saved["images"] = list(entry["images"])
+            out.append(saved)
         return out
 
     def _context_from(self) -> int:
@@ -843,8 +866,10 @@ def _loaded_attachments(entries, folder: Path, turns: int) -> list[dict]:
     out = []
     for entry in entries if isinstance(entries, list) else []:
         turn = entry.get("turn") if isinstance(entry, dict) else None
-        names = entry.get("audio") if isinstance(entry, dict) else None
+        names = entry.get("audio", []) if isinstance(entry, dict) else None
+        images = entry.get("images", []) if isinstance(entry, dict) else None
         if isinstance(turn, int) and not isinstance(turn, bool) and 0 <= turn < turns and turn % 2 == 0 \
-                and isinstance(names, list) and all(isinstance(n, str) for n in names):
-            out.append({"turn": turn, "names": [str(folder / n) if "/" not in n else n for n in names]})
+                and all(isinstance(x, list) and all(isinstance(n, str) for n in x) for x in (names, images)):
+            out.append({"turn": turn, "names": [str(folder / n) if "/" not in n else n for n in names],
+                        "images": list(images)})
     return out

@@ -527,7 +527,10 @@ def say(
     audio: Annotated[Optional[list[str]], typer.Option(
         "--audio", "-a", metavar="FILE", show_default=False,
         help="Say this audio to the model with the prompt (any format libsndfile reads, any rate; '-': stdin); "
-        "repeatable. The prompt's text is then optional. Qwen2.5-Omni so far.")] = None,
+        "repeatable. The prompt's text is then optional.")] = None,
+    image: Annotated[Optional[list[str]], typer.Option(
+        "--image", "-i", metavar="FILE", show_default=False,
+        help="Show the model this image with the prompt (any format Pillow opens); repeatable. Qwen2.5-Omni so far.")] = None,
     list_voices: Annotated[bool, typer.Option("--list-voices", help="List the model's voices (read from the checkpoint, without loading it) and exit.")] = False,
     list_audio_devices: ListDevicesOpt = False,
     verbose: VerboseOpt = False,
@@ -569,7 +572,12 @@ def say(
                                top_k=top_k).check()
         play = not text_only and (play or output is None)
         clips = _read_clips(audio or [])
-        if audio and (prompt is not None or file is not None or "-" in audio):
+        from .media import read_image
+
+        pictures = [read_image(name) for name in image or []]  # checked before the model loads
+        if image and not audio:
+            text = gather_prompt(prompt, file) if (prompt or file or read_stdin_needed()) else ""
+        elif audio and (prompt is not None or file is not None or "-" in audio):
             text = gather_prompt(prompt, file) if (prompt or file) else ""  # stdin is the audio's, or unread
         elif audio:
             text = (read_stdin() or "").strip()
@@ -600,9 +608,9 @@ def say(
         if to_stdout:
             with _stdout_for_wav() as wav_file:
                 reply = _say_once(assistant, text, options, outputs, wav_file, _TextOut(None if quiet else sys.stderr),
-                                  interrupt, clips)
+                                  interrupt, clips, pictures)
         else:
-            reply = _say_once(assistant, text, options, outputs, None, _TextOut(sys.stdout), interrupt, clips)
+            reply = _say_once(assistant, text, options, outputs, None, _TextOut(sys.stdout), interrupt, clips, pictures)
         if not quiet:
             seconds = len(reply.audio) / reply.sample_rate if reply.audio is not None else 0.0
             if outputs.file is not None:
@@ -650,6 +658,11 @@ class _Outputs:
         return [s for s in (self.file, self.stream, self.speaker) if s is not None]
 
 
+def read_stdin_needed() -> bool:
+    """Whether stdin is piped (so it may hold the prompt's text)."""
+    return sys.stdin is not None and not _isatty(sys.stdin)
+
+
 def _read_clips(names: list[str]) -> list:
     """`--audio` files (`-`: stdin's bytes) read and checked before the model loads."""
     from .media import read_audio
@@ -667,7 +680,7 @@ def _read_clips(names: list[str]) -> list:
 
 
 def _say_once(assistant, text: str, options, outputs: _Outputs, wav_file, text_out: _TextOut, interrupt,
-              clips=()):
+              clips=(), pictures=()):
     """One reply: text to `text_out`, speech to `outputs` (and, for -o -, a WAV stream on `wav_file`)."""
     from .audio.sinks import TeeSink, WavStreamSink
     from .runtime.events import AudioBlock, Done, TextDelta
@@ -684,7 +697,8 @@ def _say_once(assistant, text: str, options, outputs: _Outputs, wav_file, text_o
     clock = AudioClock()
     try:
         with stop_on_interrupt(speaker, times=interrupt):
-            events = assistant.stream(text, options, sink=sink, **({"audio": list(clips)} if clips else {}))
+            media = {**({"audio": list(clips)} if clips else {}), **({"images": list(pictures)} if pictures else {})}
+            events = assistant.stream(text, options, sink=sink, **media)
             try:
                 for event in events:
                     if isinstance(event, TextDelta):

@@ -1,9 +1,10 @@
-"""Audio given as input (a file, stdin's bytes, or samples): read, checked, made mono and resampled to the
-16 kHz the models' audio encoders hear.
+"""Audio and images given as input. Audio (a file, stdin's bytes, or samples): read, checked, made mono
+and resampled to the 16 kHz the models' audio encoders hear. Images: opened with Pillow as RGB.
 
 Any format libsndfile reads (WAV, FLAC, Ogg, MP3, ...) at any rate; the resampler is soxr's (high
 quality). A file that is missing, empty, not audio, or holds no samples is a one-line `UsageError`.
-It knows no model (the features and the prompt's audio tokens are the family's) and imports no torch.
+It knows no model (the features and the prompt's audio and image tokens are the family's) and imports
+no torch.
 """
 
 from __future__ import annotations
@@ -72,3 +73,22 @@ def read_audio(source: str | os.PathLike | bytes, name: str | None = None) -> Au
 def _reason(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     return text.split(": ", 1)[-1] if text.startswith("Error opening") else text
+
+
+def read_image(source: str | os.PathLike):
+    """An image file as an RGB `PIL.Image` (a one-line UsageError for what Pillow cannot open)."""
+    path = Path(source).expanduser()
+    if not path.exists():
+        raise UsageError(f"image file {source} does not exist")
+    if path.is_dir():
+        raise UsageError(f"image file {source} is a folder")
+    try:
+        from PIL import Image, UnidentifiedImageError
+    except ImportError:
+        raise UsageError("images need Pillow: pip install pillow") from None
+    try:
+        with Image.open(path) as image:
+            image.load()
+            return image.convert("RGB")
+    except (UnidentifiedImageError, OSError, ValueError) as exc:
+        raise UsageError(f"{source} is not an image Pillow can open ({_reason(exc)})") from None

@@ -112,6 +112,10 @@ def timing_lines(stats: dict, playback: dict | None = None, played: bool = False
         rows.append(("real-time factor", f"{made_in / audio:.2f} ({audio:.1f} s of audio made in {made_in:.2f} s)"))
     else:
         rows.append(("real-time factor", "- (no audio)"))
+    shown = stats.get("images_in")
+    if shown:
+        enc = stats.get("image_encoder_ms")
+        rows.append(("images in", f"{shown}" + (f" (encoder {enc:.0f} ms, in the prefill)" if enc is not None else "")))
     heard = stats.get("audio_in_seconds")
     if heard:
         enc = stats.get("audio_encoder_ms")

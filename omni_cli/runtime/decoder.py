@@ -18,25 +18,30 @@ from . import compat
 from .kv_cache import StaticKVCache
 
 
-def forward_layers(model, embeds: torch.Tensor, cache: StaticKVCache, mrope: bool = True) -> torch.Tensor:
+def forward_layers(model, embeds: torch.Tensor, cache: StaticKVCache, mrope: bool = True,
+                   positions: torch.Tensor | None = None, shift: int = 0) -> torch.Tensor:
     """Run `embeds` [1, n, width] through `model.layers` and `model.norm`; append n positions to `cache`.
 
     With n > 1 this is a causal prefill (mask-free SDPA with is_causal, like the reference); with n == 1
     a decode step attending to the whole valid cache. `mrope`: the stack's rotary takes the three M-RoPE
     rows of positions ([3, 1, n]); False for a plain RoPE stack ([1, n]: Qwen3-Omni's code predictor).
+    `positions`: the prompt's M-RoPE positions when they are not the cache's slots (an image's 3-D
+    grid); `shift`: added to the slots' positions (the rope delta such a prompt leaves for what follows).
     """
-    return forward_layers_keeping(model, embeds, cache, None, mrope)[0]
+    return forward_layers_keeping(model, embeds, cache, None, mrope, positions, shift)[0]
 
 
 def forward_layers_keeping(model, embeds: torch.Tensor, cache: StaticKVCache, keep: int | None,
-                           mrope: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+                           mrope: bool = True, positions: torch.Tensor | None = None,
+                           shift: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`forward_layers`, also returning what transformers records as `hidden_states[keep]`: the input
     embeddings for 0, the output of layer keep-1, the final-normed state when keep is the last layer
     (transformers replaces the last recorded state by the normed one); None when `keep` is None."""
     n = embeds.shape[1]
     start = cache.length
-    positions = torch.arange(start, start + n, device=embeds.device).view(1, 1, n)
-    positions = positions.expand(3, 1, n) if mrope else positions[0]
+    if positions is None:
+        positions = torch.arange(start + shift, start + shift + n, device=embeds.device).view(1, 1, n)
+        positions = positions.expand(3, 1, n) if mrope else positions[0]
     position_embeddings = model.rotary_emb(embeds, positions)
     layers = model.layers
     cache_kw = compat.layer_cache_kwargs(cache, layers[0])  # the same keyword for every layer of a stack

@@ -210,6 +210,9 @@ class FusedDecoder:
         self.cos, self.sin = cos[0], sin[0]
         self.span_index = torch.arange(cache.max_len, device=param.device)
         self.as_sum = as_sum
+        # Added to a slot's position for its RoPE angle: the delta an image prompt's 3-D positions leave
+        # for what follows (0 for text and audio); a device tensor, so one captured graph serves every turn.
+        self.rope_shift = torch.zeros(1, dtype=torch.long, device=param.device)
         self.layer_fn = compile_fn(layer_step, fullgraph=True) if compile and not whole else layer_step
         if compile and whole:
             self.step = compile_fn(self.step, fullgraph=True)
@@ -217,8 +220,9 @@ class FusedDecoder:
     def step(self, embeds: torch.Tensor, pos: torch.Tensor, span: int) -> torch.Tensor:
         """`embeds` [1, n, W] at positions `pos` ([n] long, device), attending to `span` ≥ max(pos)+1 rows."""
         n = embeds.shape[1]
-        cos = self.cos.index_select(0, pos).view(1, 1, n, -1)
-        sin = self.sin.index_select(0, pos).view(1, 1, n, -1)
+        angle = pos + self.rope_shift
+        cos = self.cos.index_select(0, angle).view(1, 1, n, -1)
+        sin = self.sin.index_select(0, angle).view(1, 1, n, -1)
         valid = (self.span_index[:span].view(1, span) <= pos.view(n, 1)).view(1, 1, n, span)
         hidden = embeds
         for i, L in enumerate(self.layers):

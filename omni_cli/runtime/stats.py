@@ -176,9 +176,10 @@ class PhaseTimer:
 
 
 @contextlib.contextmanager
-def encoder_timer(media: dict, device):
+def encoder_timer(media: dict, device, kind: str = "audio"):
     """Time an encoder's run inside a prefill without a host sync: CUDA events (read when the turn's
-    stats are made), perf_counter on a CPU. Kept in the request's `media` as "encoder_time"."""
+    stats are made), perf_counter on a CPU. Kept in the request's `media` as "encoder_time" (audio) or
+    "image_encoder_time"."""
     cuda = device.type == "cuda"
     start = torch.cuda.Event(enable_timing=True) if cuda else time.perf_counter()
     if cuda:
@@ -187,7 +188,8 @@ def encoder_timer(media: dict, device):
     end = torch.cuda.Event(enable_timing=True) if cuda else time.perf_counter()
     if cuda:
         end.record()
-    media["encoder_time"] = media.get("encoder_time", []) + [(start, end)]
+    key = "encoder_time" if kind == "audio" else f"{kind}_encoder_time"
+    media[key] = media.get(key, []) + [(start, end)]
 
 
 def media_stats(media: dict | None) -> dict:
@@ -197,13 +199,15 @@ def media_stats(media: dict | None) -> dict:
     out = {}
     if media.get("audio_seconds"):
         out["audio_in_seconds"] = float(media["audio_seconds"])
-    spans = media.get("encoder_time") or []
-    if spans:
-        if isinstance(spans[0][0], float):
-            out["audio_encoder_ms"] = sum(1000 * (b - a) for a, b in spans)
-        else:
+    if media.get("images"):
+        out["images_in"] = int(media["images"])
+    for key, name in (("encoder_time", "audio_encoder_ms"), ("image_encoder_time", "image_encoder_ms")):
+        spans = media.get(key) or []
+        if spans and isinstance(spans[0][0], float):
+            out[name] = sum(1000 * (b - a) for a, b in spans)
+        elif spans:
             torch.cuda.synchronize()
-            out["audio_encoder_ms"] = sum(a.elapsed_time(b) for a, b in spans)
+            out[name] = sum(a.elapsed_time(b) for a, b in spans)
     return out
 
 

@@ -83,3 +83,33 @@ def audio_inputs(feature_extractor, clips) -> tuple[dict, list[int]]:
 def audio_token_id(config) -> int:
     """The prompt's audio placeholder id (`<|AUDIO|>`)."""
     return int(config.thinker_config.audio_token_index)
+
+
+def image_inputs(image_processor, images) -> tuple[dict, list[int]]:
+    """The vision encoder's inputs for `images` (RGB PIL images) as the processor makes them (patches and
+    each image's grid), and how many image tokens each becomes (its grid's patches merged 2x2)."""
+    out = image_processor(images=images, return_tensors="pt")
+    grid = out["image_grid_thw"]
+    counts = (grid.prod(-1) // image_processor.merge_size**2).tolist()
+    return {"pixel_values": out["pixel_values"], "image_grid_thw": grid}, counts
+
+
+def image_token_id(config) -> int:
+    """The prompt's image placeholder id (`<|IMAGE|>`)."""
+    return int(config.thinker_config.image_token_index)
+
+
+def image_processor(path: Path):
+    """The checkpoint's image processor as transformers picks it (its fast one needs torchvision; without
+    it, the Pillow one, which the library falls back to as well)."""
+    from transformers import AutoImageProcessor
+
+    from ...loader import _quiet_transformers
+
+    with _quiet_transformers():
+        try:
+            return AutoImageProcessor.from_pretrained(str(path), local_files_only=True)
+        except ImportError:  # no torchvision
+            from transformers import Qwen2VLImageProcessorPil
+
+            return Qwen2VLImageProcessorPil.from_pretrained(str(path), local_files_only=True)

@@ -147,7 +147,8 @@ class _TalkerTurn:
         self.suppress[0, talker.codec_bos] = True
         if force_audio:  # benchmarks: only audio codes, so the reply has exactly the asked length
             self.suppress[0, AUDIO_CODE_LIMIT:] = True
-        self.voice_bos = steps.thinker.embed(torch.tensor([[steps.speakers[voice]["bos_token"]]], device=dev))
+        self.voice_bos_id = int(steps.speakers[voice]["bos_token"])
+        self.voice_bos = steps.thinker.embed(torch.tensor([[self.voice_bos_id]], device=dev))
 
     def _pick(self, logits: torch.Tensor) -> torch.Tensor:
         code = select(logits, self.sampling, self.seen, self.suppress, self.gen)
@@ -155,8 +156,16 @@ class _TalkerTurn:
         return code
 
     def prefill(self, prompt, first_vec: torch.Tensor) -> torch.Tensor:
-        embeds = prompt.embeds if prompt.talker_embeds is None else prompt.talker_embeds  # audio zeroed
-        return self._pick(self.talker.prefill(embeds, prompt.hidden, self.voice_bos, first_vec))
+        embeds = prompt.embeds if prompt.talker_embeds is None else prompt.talker_embeds  # media zeroed
+        positions, shift = None, 0
+        if prompt.media and prompt.media.get("pixel_values") is not None:
+            # The reference's talker takes its positions from the prompt, the voice's text-bos and the
+            # first reply token (a text token: its value does not move any position).
+            from .thinker import rope_index
+
+            ids = list(prompt.prompt_ids) + [self.voice_bos_id, 0]
+            positions, shift = rope_index(self.talker.module, ids, prompt.media, embeds.device)
+        return self._pick(self.talker.prefill(embeds, prompt.hidden, self.voice_bos, first_vec, positions, shift))
 
     def step(self, code: torch.Tensor, vec: torch.Tensor) -> torch.Tensor:
         return self._pick(self.talker.decode_one(code, vec))

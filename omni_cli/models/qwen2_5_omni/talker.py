@@ -19,6 +19,8 @@ from ...runtime.kv_cache import StaticKVCache
 
 class Talker:
     def __init__(self, talker_module, cache: StaticKVCache) -> None:
+        self.module = talker_module
+        self.rope_delta = 0  # what an image prompt's M-RoPE positions leave for the steps after it
         self.model = talker_module.model  # Qwen2_5OmniTalkerModel
         self.proj = talker_module.thinker_to_talker_proj
         self.codec_embed = talker_module.get_input_embeddings()
@@ -63,14 +65,19 @@ class Talker:
         prompt_hidden: torch.Tensor,  # [1, L, W] thinker last hidden states of the prompt
         voice_bos_embed: torch.Tensor,  # [1, 1, W] thinker embedding of the voice's text-bos id
         first_reply: torch.Tensor,  # [1, 1, W] reply vector of the first reply token
+        positions: torch.Tensor | None = None,  # [3, 1, L + 2] M-RoPE positions of an image prompt
+        shift: int = 0,  # their delta for the steps after the prompt
     ) -> torch.Tensor:
         """Returns float32 logits [1, vocab] for code 0."""
         self.cache.reset()
+        self.rope_delta = shift
+        if self.fused is not None:
+            self.fused.rope_shift.fill_(shift)
         x = torch.cat([prompt_hidden + prompt_embeds, voice_bos_embed, first_reply], dim=1)
         pad_bos = self.codec_embed(self.pad_bos_ids)
         x[:, -1, :] += pad_bos[1]
         x[:, -2, :] += pad_bos[0]
-        hidden = forward_layers(self.model, self.proj(x), self.cache)
+        hidden = forward_layers(self.model, self.proj(x), self.cache, positions=positions)
         # Same as the reference: head over all positions, last row kept.
         return self.codec_head(hidden).float()[:, -1]
 
@@ -84,7 +91,7 @@ class Talker:
             self.cache.advance(1)
             return logits
         x = self.codec_embed(code.view(1, 1)) + reply
-        hidden = forward_layers(self.model, self.proj(x), self.cache)
+        hidden = forward_layers(self.model, self.proj(x), self.cache, shift=self.rope_delta)
         return self.codec_head(hidden).float()[:, -1]
 
     def prompt_ids(self, prompt_len: int) -> list[int]:

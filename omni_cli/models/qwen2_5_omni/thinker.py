@@ -31,14 +31,19 @@ class ThinkerOut:
     embeds: torch.Tensor  # [1, n, width] input embeddings of the fed tokens
     hidden: torch.Tensor  # [1, n, width] last hidden state (after the final norm)
     logits: torch.Tensor  # [1, vocab] float32 logits for the token after the last fed one
-    # [1, n, width] the embeddings the talker's prompt reads (audio positions zeroed); None: `embeds`
+    # [1, n, width] the embeddings the talker's prompt reads (audio/image positions zeroed); None: `embeds`
     talker_embeds: torch.Tensor | None = None
+    # The prompt's media (encoder inputs) and ids, for the talker's positions; None for a decode step.
+    media: dict | None = None
+    prompt_ids: list | None = None
 
 
 class Thinker:
     def __init__(self, thinker_module, cache: StaticKVCache) -> None:
         self.module = thinker_module
         self.audio_token = thinker_module.config.audio_token_index
+        self.image_token = thinker_module.config.image_token_index
+        self.rope_delta = 0  # what the last prompt's M-RoPE positions leave for the steps after it
         self.model = compat.thinker_text_model(thinker_module)  # Qwen2_5OmniThinkerTextModel
         self.embed_tokens = thinker_module.get_input_embeddings()
         self.lm_head = thinker_module.lm_head
@@ -60,17 +65,35 @@ class Thinker:
         return self.embed_tokens(ids)
 
     def prefill(self, input_ids: torch.Tensor, media: dict | None = None) -> ThinkerOut:
-        """Run the whole prompt ([1, L] ids) from an empty cache; `media`: its audio features."""
+        """Run the whole prompt ([1, L] ids) from an empty cache; `media`: its audio features and images."""
         self.cache.reset()
         embeds = self.embed(input_ids)
-        talker_embeds = None
-        if media and media.get("input_features") is not None:
+        talker_embeds, positions, self.rope_delta = None, None, 0
+        media = media or {}
+        if media.get("input_features") is not None:
             embeds, talker_embeds = self._with_audio(input_ids, embeds, media)
-        hidden = forward_layers(self.model, embeds, self.cache)
+        if media.get("pixel_values") is not None:
+            embeds, talker_embeds = self._with_images(input_ids, embeds, talker_embeds, media)
+            positions, self.rope_delta = rope_index(self.module, input_ids[0].tolist(), media, embeds.device)
+        if self.fused is not None:
+            self.fused.fused.rope_shift.fill_(self.rope_delta)
+        hidden = forward_layers(self.model, embeds, self.cache, positions=positions)
         # The reference projects every position and keeps the last row: do the same matmul so the
         # picked token is bit-identical (a one-row matmul may round differently).
         logits = self.lm_head(hidden)[:, -1].float()
-        return ThinkerOut(embeds, hidden, logits, talker_embeds)
+        return ThinkerOut(embeds, hidden, logits, talker_embeds, media or None, input_ids[0].tolist())
+
+    def _with_images(self, input_ids, embeds, talker_embeds, media):
+        """The vision encoder's outputs at the image positions (and zeros there for the talker)."""
+        dev = embeds.device
+        with encoder_timer(media, dev, "image"):
+            out = self.module.get_image_features(media["pixel_values"].to(dev), media["image_grid_thw"].to(dev),
+                                                 return_dict=True)
+        images = torch.cat(list(out.pooler_output), dim=0).to(embeds.dtype)
+        positions = (input_ids == self.image_token).unsqueeze(-1).expand_as(embeds)
+        embeds = embeds.masked_scatter(positions, images)
+        base = talker_embeds if talker_embeds is not None else embeds
+        return embeds, base.masked_fill(positions, 0.0)
 
     def _with_audio(self, input_ids, embeds, media):
         """(embeds with the audio encoder's outputs at the audio positions, the same with them zeroed)."""
@@ -88,5 +111,15 @@ class Thinker:
         if self.fused is not None:  # outputs in static (graph) buffers until the next step: use them at once
             return ThinkerOut(*self.fused(token))
         embeds = self.embed(token.view(1, 1))
-        hidden = forward_layers(self.model, embeds, self.cache)
+        hidden = forward_layers(self.model, embeds, self.cache, shift=self.rope_delta)
         return ThinkerOut(embeds, hidden, self.lm_head(hidden)[:, -1].float())
+
+
+def rope_index(module, ids: list[int], media: dict, device) -> tuple[torch.Tensor, int]:
+    """(the prompt's M-RoPE positions [3, 1, L] on `device`, the delta the steps after it add): the
+    reference's `get_rope_index` of `module` (thinker or talker) on the host, so no step waits for it."""
+    mask = media.get("feature_attention_mask")
+    positions, delta = module.get_rope_index(
+        torch.tensor([ids]), media.get("image_grid_thw"), None, torch.ones(1, len(ids), dtype=torch.long), False,
+        None if mask is None else mask.sum(-1), None)
+    return positions.to(device), int(delta.reshape(-1)[0])

@@ -7,7 +7,10 @@ stdin, with one-line errors for files that are not audio.
 The processor is built without its image and video processors: with no image or video given it reads
 only their merge sizes, and the real ones need torchvision, which does not install beside this CPU torch.
 Qwen3-Omni the same way (its processor, its encoder's length rule, its talker's `hidden_projection` of
-the audio positions). Images are not written yet.
+the audio positions). Images (Qwen2.5-Omni): the vision encoder's outputs at the image positions, the
+prompt's 3-D M-RoPE positions and the delta the decode steps add, in the thinker and the talker; the
+reference's generate is given `thinker_pixel_values` (transformers 5.17's generate hands `pixel_values`
+to the talker too, whose generate refuses them). Qwen3-Omni's images are not written yet.
 """
 
 from __future__ import annotations
@@ -161,6 +164,65 @@ def test_a_clip_longer_than_the_context_is_one_line(tmp_path):
     small = omni_cli.load(device="cpu", runtime=RuntimeOptions(device="cpu", max_context=256))
     with pytest.raises(UsageError, match=r"context holds .*40\.0 s of audio is part of it"):
         small.say("hi", audio=[str(clip)])
+
+
+def picture(height: int, width: int, seed: int = 0):
+    from PIL import Image
+
+    return Image.fromarray((np.random.default_rng(seed).random((height, width, 3)) * 255).astype("uint8"))
+
+
+@pytest.mark.parametrize("text, images, clips", [
+    ("What is in it?", [(90, 120)], []),  # one image: a 3x4 grid of merged patches, rope delta -8
+    ("And these?", [(60, 80), (100, 70)], [(0.8, 22_050, 250.0)]),  # two images and a clip
+], ids=["image", "two-images-and-audio"])
+def test_image_prompt_equals_transformers(assistant, text, images, clips):
+    from omni_cli.media import AudioClip
+    from omni_cli.models.qwen2_5_omni import image_processor
+
+    pictures = [picture(h, w, i) for i, (h, w) in enumerate(images)]
+    clips = [AudioClip(tone(s, r, hz, i), r) for i, (s, r, hz) in enumerate(clips)]
+    proc = processor(ASSET)
+    proc.image_processor = image_processor(ASSET)
+    parts = ([{"type": "image"} for _ in pictures] + [{"type": "audio"} for _ in clips]
+             + [{"type": "text", "text": text}])
+    messages = [{"role": "system", "content": assistant.default_system}, {"role": "user", "content": parts}]
+    rendered = proc.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    inputs = dict(proc(text=rendered, images=pictures, audio=[c.at().pcm for c in clips] or None,
+                       return_tensors="pt", padding=True))
+    ids = inputs["input_ids"][0].tolist()
+    inputs["thinker_pixel_values"] = inputs.pop("pixel_values")  # see the module docstring
+    ref_text, ref_codes = reference_generate(assistant.loaded.model, [], n_text=10, n_codes=60,
+                                             eos=assistant.engine.eos_ids, inputs=inputs,
+                                             repetition_penalty=assistant.thinker_sampling.repetition_penalty)
+    seen, original = {}, assistant.engine.stream
+
+    def spy(req):
+        seen["ids"] = list(req.input_ids)
+        return original(req)
+
+    assistant.engine.stream = spy
+    try:
+        reply = assistant.say(text, images=pictures, audio=clips or None, greedy=True, max_text_tokens=10,
+                              max_codes=60, seed=0)
+    finally:
+        assistant.engine.stream = original
+    assert seen["ids"] == ids
+    assert reply.text_ids == ref_text
+    assert reply.codes == ref_codes and len(reply.codes) > 0
+    assert reply.stats["images_in"] == len(pictures) and reply.stats["image_encoder_ms"] > 0
+
+
+def test_say_image_and_its_errors(tmp_path):
+    png = tmp_path / "p.png"
+    picture(90, 120).save(png)
+    r = run_omni_say("--image", png, "What is this?", "-o", tmp_path / "a.wav", "--verbose", env=cli_env())
+    assert r.returncode == 0 and "images in" in r.stderr, r.stderr
+    (tmp_path / "not.png").write_bytes(b"not an image")
+    r = run_omni_say("--image", tmp_path / "not.png", "hi", "-o", tmp_path / "b.wav", env=cli_env())
+    assert r.returncode == 2 and "not an image Pillow can open" in r.stderr and "Traceback" not in r.stderr
+    r = run_omni_say("-m", QWEN3, "--image", png, "hi", "-o", tmp_path / "b.wav", env=cli_env())
+    assert r.returncode == 2 and "not supported yet" in r.stderr
 
 
 def test_say_audio_from_a_file_and_from_stdin(tmp_path):
