@@ -530,7 +530,7 @@ def say(
         "repeatable. The prompt's text is then optional.")] = None,
     image: Annotated[Optional[list[str]], typer.Option(
         "--image", "-i", metavar="FILE", show_default=False,
-        help="Show the model this image with the prompt (any format Pillow opens); repeatable. Qwen2.5-Omni so far.")] = None,
+        help="Show the model this image with the prompt (any format Pillow opens); repeatable.")] = None,
     list_voices: Annotated[bool, typer.Option("--list-voices", help="List the model's voices (read from the checkpoint, without loading it) and exit.")] = False,
     list_audio_devices: ListDevicesOpt = False,
     verbose: VerboseOpt = False,

@@ -195,19 +195,8 @@ def test_image_prompt_equals_transformers(assistant, text, images, clips):
     ref_text, ref_codes = reference_generate(assistant.loaded.model, [], n_text=10, n_codes=60,
                                              eos=assistant.engine.eos_ids, inputs=inputs,
                                              repetition_penalty=assistant.thinker_sampling.repetition_penalty)
-    seen, original = {}, assistant.engine.stream
-
-    def spy(req):
-        seen["ids"] = list(req.input_ids)
-        return original(req)
-
-    assistant.engine.stream = spy
-    try:
-        reply = assistant.say(text, images=pictures, audio=clips or None, greedy=True, max_text_tokens=10,
-                              max_codes=60, seed=0)
-    finally:
-        assistant.engine.stream = original
-    assert seen["ids"] == ids
+    reply, seen = say_seeing_ids(assistant, text, clips or None, images=pictures, max_text_tokens=10, max_codes=60)
+    assert seen == ids
     assert reply.text_ids == ref_text
     assert reply.codes == ref_codes and len(reply.codes) > 0
     assert reply.stats["images_in"] == len(pictures) and reply.stats["image_encoder_ms"] > 0
@@ -222,7 +211,40 @@ def test_say_image_and_its_errors(tmp_path):
     r = run_omni_say("--image", tmp_path / "not.png", "hi", "-o", tmp_path / "b.wav", env=cli_env())
     assert r.returncode == 2 and "not an image Pillow can open" in r.stderr and "Traceback" not in r.stderr
     r = run_omni_say("-m", QWEN3, "--image", png, "hi", "-o", tmp_path / "b.wav", env=cli_env())
-    assert r.returncode == 2 and "not supported yet" in r.stderr
+    assert r.returncode == 0, r.stderr
+
+
+def test_qwen3_image_prompt_equals_transformers(qwen3):
+    """Qwen3-Omni sees: the vision encoder's outputs at the image positions, its deepstack features added
+    after the first layers, the 3-D positions and their delta in the thinker and the talker, the talker's
+    user rows from hidden_projection at the image positions; all 16 codebooks of every frame compared."""
+    import warnings
+
+    from omni_cli.models.qwen3_omni import image_processor
+
+    proc = processor(QWEN3, "Qwen3OmniMoeProcessor")
+    proc.image_processor = image_processor(QWEN3)
+    pictures = [picture(96, 128)]
+    parts = [{"type": "image"}, {"type": "text", "text": "What is this?"}]
+    rendered = proc.tokenizer.apply_chat_template([{"role": "user", "content": parts}], add_generation_prompt=True,
+                                                  tokenize=False)
+    inputs = dict(proc(text=rendered, images=pictures, return_tensors="pt"))
+    model, caught = qwen3.loaded.model, {}
+    hook = model.code2wav.register_forward_pre_hook(lambda _m, args: caught.setdefault("codes", args[0]))
+    try:
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            sequences, _ = model.generate(
+                **inputs, speaker="ethan", thinker_max_new_tokens=10, thinker_eos_token_id=qwen3.engine.eos_ids,
+                thinker_do_sample=False, thinker_repetition_penalty=qwen3.thinker_sampling.repetition_penalty,
+                talker_do_sample=False, talker_max_new_tokens=31)
+    finally:
+        hook.remove()
+    reply, ids = say_seeing_ids(qwen3, "What is this?", None, images=pictures, max_text_tokens=10, max_codes=30)
+    n = inputs["input_ids"].shape[1]
+    assert ids == inputs["input_ids"][0].tolist()
+    assert reply.text_ids == sequences[0, n:].tolist()
+    assert reply.codes == caught["codes"][0].T.tolist() and len(reply.codes) > 0
 
 
 def test_say_audio_from_a_file_and_from_stdin(tmp_path):

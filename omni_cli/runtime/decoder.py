@@ -33,10 +33,12 @@ def forward_layers(model, embeds: torch.Tensor, cache: StaticKVCache, mrope: boo
 
 def forward_layers_keeping(model, embeds: torch.Tensor, cache: StaticKVCache, keep: int | None,
                            mrope: bool = True, positions: torch.Tensor | None = None,
-                           shift: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+                           shift: int = 0, after_layer=None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`forward_layers`, also returning what transformers records as `hidden_states[keep]`: the input
     embeddings for 0, the output of layer keep-1, the final-normed state when keep is the last layer
-    (transformers replaces the last recorded state by the normed one); None when `keep` is None."""
+    (transformers replaces the last recorded state by the normed one); None when `keep` is None.
+    `after_layer(i, hidden) -> hidden`: what the stack adds between layers (Qwen3-Omni's deepstack image
+    features after its first layers); the kept state is the layer's own output, as transformers records it."""
     n = embeds.shape[1]
     start = cache.length
     if positions is None:
@@ -53,6 +55,8 @@ def forward_layers_keeping(model, embeds: torch.Tensor, cache: StaticKVCache, ke
                            **cache_kw)
             if keep is not None and i + 1 == keep:
                 kept = hidden
+            if after_layer is not None:
+                hidden = after_layer(i, hidden)
     cache.advance(n)
     normed = model.norm(hidden)
     return normed, (normed if keep is not None and keep >= len(layers) else kept)
@@ -74,3 +78,12 @@ def no_cudnn_attention(enabled: bool):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+
+def mrope_positions(module, ids: list[int], media: dict, device) -> tuple[torch.Tensor, int]:
+    """(the prompt's M-RoPE positions [3, 1, L] on `device`, the delta the steps after it add): the
+    reference's `get_rope_index` of `module` (thinker or talker) on the host, so no step waits for it."""
+    mask = media.get("feature_attention_mask")
+    positions, delta = module.get_rope_index(
+        torch.tensor([ids]), media.get("image_grid_thw"), None, torch.ones(1, len(ids), dtype=torch.long), False,
+        None if mask is None else mask.sum(-1), None)
+    return positions.to(device), int(delta.reshape(-1)[0])

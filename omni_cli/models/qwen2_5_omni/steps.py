@@ -161,10 +161,10 @@ class _TalkerTurn:
         if prompt.media and prompt.media.get("pixel_values") is not None:
             # The reference's talker takes its positions from the prompt, the voice's text-bos and the
             # first reply token (a text token: its value does not move any position).
-            from .thinker import rope_index
+            from ...runtime.decoder import mrope_positions
 
             ids = list(prompt.prompt_ids) + [self.voice_bos_id, 0]
-            positions, shift = rope_index(self.talker.module, ids, prompt.media, embeds.device)
+            positions, shift = mrope_positions(self.talker.module, ids, prompt.media, embeds.device)
         return self._pick(self.talker.prefill(embeds, prompt.hidden, self.voice_bos, first_vec, positions, shift))
 
     def step(self, code: torch.Tensor, vec: torch.Tensor) -> torch.Tensor:

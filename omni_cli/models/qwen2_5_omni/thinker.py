@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from ...runtime import compat
-from ...runtime.decoder import forward_layers
+from ...runtime.decoder import forward_layers, mrope_positions
 from ...runtime.kv_cache import StaticKVCache
 from ...runtime.stats import encoder_timer
 
@@ -74,7 +74,7 @@ class Thinker:
             embeds, talker_embeds = self._with_audio(input_ids, embeds, media)
         if media.get("pixel_values") is not None:
             embeds, talker_embeds = self._with_images(input_ids, embeds, talker_embeds, media)
-            positions, self.rope_delta = rope_index(self.module, input_ids[0].tolist(), media, embeds.device)
+            positions, self.rope_delta = mrope_positions(self.module, input_ids[0].tolist(), media, embeds.device)
         if self.fused is not None:
             self.fused.fused.rope_shift.fill_(self.rope_delta)
         hidden = forward_layers(self.model, embeds, self.cache, positions=positions)
@@ -114,12 +114,3 @@ class Thinker:
         hidden = forward_layers(self.model, embeds, self.cache, shift=self.rope_delta)
         return ThinkerOut(embeds, hidden, self.lm_head(hidden)[:, -1].float())
 
-
-def rope_index(module, ids: list[int], media: dict, device) -> tuple[torch.Tensor, int]:
-    """(the prompt's M-RoPE positions [3, 1, L] on `device`, the delta the steps after it add): the
-    reference's `get_rope_index` of `module` (thinker or talker) on the host, so no step waits for it."""
-    mask = media.get("feature_attention_mask")
-    positions, delta = module.get_rope_index(
-        torch.tensor([ids]), media.get("image_grid_thw"), None, torch.ones(1, len(ids), dtype=torch.long), False,
-        None if mask is None else mask.sum(-1), None)
-    return positions.to(device), int(delta.reshape(-1)[0])

@@ -97,3 +97,29 @@ def audio_inputs(feature_extractor, clips, n_window: int = 50) -> tuple[dict, li
 def audio_token_id(config) -> int:
     """The prompt's audio placeholder id."""
     return int(config.thinker_config.audio_token_id)
+
+
+def image_inputs(image_processor, images) -> tuple[dict, list[int]]:
+    """As Qwen2.5-Omni's (the same processor rules: patches, grids, 2x2 merged tokens)."""
+    from ..qwen2_5_omni import image_inputs as same
+
+    return same(image_processor, images)
+
+
+def image_token_id(config) -> int:
+    return int(config.thinker_config.image_token_id)
+
+
+def image_processor(path: Path):
+    """The checkpoint's image processor (as Qwen2.5-Omni's), its patch, time and merge sizes those of the
+    vision encoder in config.json: a checkpoint whose preprocessor_config.json leaves them out (the
+    built-in tiny model's) would otherwise get the processor's defaults (14-pixel patches) and not fit."""
+    from ..qwen2_5_omni import image_processor as same
+
+    processor = same(path)
+    vision = json.loads((Path(path) / "config.json").read_text(encoding="utf-8"))["thinker_config"]["vision_config"]
+    for name, key in (("patch_size", "patch_size"), ("temporal_patch_size", "temporal_patch_size"),
+                      ("merge_size", "spatial_merge_size")):
+        if key in vision:
+            setattr(processor, name, int(vision[key]))
+    return processor

@@ -72,6 +72,9 @@ class Talker:
         talker = model.talker
         cfg = model.config
         tcfg = cfg.talker_config
+        self.module = talker
+        self.rope_delta = 0  # what an image prompt's M-RoPE positions leave for the steps after it
+        self._tts_pad = cfg.tts_pad_token_id
         self.model = talker.model  # Qwen3OmniMoeTalkerModel
         self.codec_embed = talker.get_input_embeddings()  # codebook 0 and the codec control ids
         self.codec_head = talker.codec_head
@@ -266,8 +269,11 @@ class Talker:
         codec = torch.cat([self._no_codec, self.codec_embed(self._codec_ids).unsqueeze(0)], dim=1)
         x = torch.cat([user, text + codec], dim=1)
         self.cache.reset()
-        if self.prefill_graphs is None:
-            hidden = forward_layers(self.model, x, self.cache)
+        positions, self.rope_delta = self._positions(prompt, x.device)
+        if self.fused is not None:
+            self.fused.rope_shift.fill_(self.rope_delta)
+        if self.prefill_graphs is None or positions is not None:
+            hidden = forward_layers(self.model, x, self.cache, positions=positions)
         else:
             hidden, _ = self.prefill_graphs(x)
         # `codec_head` over every prompt position, last row kept: the reference's matmul shape.
@@ -278,6 +284,17 @@ class Talker:
         self._hidden.copy_(hidden[:, -1:])
         self._logits.copy_(logits)
         return self.frame_graphs(self.predictor_cache.max_len).clone()  # out of the graph's buffer
+
+    def _positions(self, prompt, device):
+        """(the talker prompt's M-RoPE positions, their delta) for an image prompt, else (None, 0): the
+        reference's talker takes them from its own ids, the user turns' and one tts-pad id per opener row."""
+        media = getattr(prompt, "media", None)
+        if not media or media.get("pixel_values") is None:
+            return None, 0
+        from ...runtime.decoder import mrope_positions
+
+        users = [prompt.prompt_ids[i] for i in self._user_idx.tolist()]
+        return mrope_positions(self.module, users + [self._tts_pad] * 9, media, device)
 
     def _user_rows(self, prompt) -> torch.Tensor:
         """[L, D]: every prompt position as the talker's user rows read it."""
@@ -297,7 +314,7 @@ class Talker:
         self._draw()
         if self.fused is None:
             x = self._embed_frame(frame) + vec
-            hidden = forward_layers(self.model, x, self.cache)
+            hidden = forward_layers(self.model, x, self.cache, shift=self.rope_delta)
             return self._frame(hidden, self.codec_head(hidden)[:, -1].float())
         self._in_frame.copy_(frame)
         self._in_vec.copy_(vec)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from ...runtime import compat
-from ...runtime.decoder import forward_layers_keeping
+from ...runtime.decoder import forward_layers_keeping, mrope_positions
 from ...runtime.kv_cache import StaticKVCache
 from ...runtime.stats import encoder_timer
 
@@ -39,6 +39,9 @@ class ThinkerOut:
     # accept_hidden_layer-1, or the final-normed state when that is the last layer (transformers replaces
     # the last recorded hidden state by the normed one). The talker reads it only at multimodal positions.
     accepted: torch.Tensor | None = None
+    # The prompt's media (encoder inputs) and ids, for the talker's positions; None for a decode step.
+    media: dict | None = None
+    prompt_ids: list | None = None
 
 
 class Thinker:
@@ -47,6 +50,8 @@ class Thinker:
         None leaves `ThinkerOut.accepted` empty (text-only turns never read it)."""
         self.module = thinker_module
         self.audio_token = thinker_module.config.audio_token_id
+        self.image_token = thinker_module.config.image_token_id
+        self.rope_delta = 0  # what the last prompt's M-RoPE positions leave for the steps after it
         self.model = compat.thinker_text_model(thinker_module)  # Qwen3OmniMoeThinkerTextModel
         self.embed_tokens = thinker_module.get_input_embeddings()
         self.lm_head = thinker_module.lm_head
@@ -79,11 +84,13 @@ class Thinker:
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(ids)
 
-    def _forward(self, embeds: torch.Tensor, prefill: bool = False) -> ThinkerOut:
-        if prefill and self.prefill_graphs is not None:  # a graph per prompt-length bucket (fast decode)
+    def _forward(self, embeds: torch.Tensor, prefill: bool = False, positions=None, after_layer=None) -> ThinkerOut:
+        if prefill and self.prefill_graphs is not None and positions is None:  # a graph per length bucket
             hidden, accepted = self.prefill_graphs(embeds)
         else:
-            hidden, accepted = forward_layers_keeping(self.model, embeds, self.cache, self.accept_layer)
+            hidden, accepted = forward_layers_keeping(self.model, embeds, self.cache, self.accept_layer,
+                                                      positions=positions, shift=0 if prefill else self.rope_delta,
+                                                      after_layer=after_layer)
         # The reference projects every fed position and keeps the last row: the same matmul keeps the
         # picked token bit-identical (a one-row matmul may round differently from an L-row one).
         logits = self.lm_head(hidden)[:, -1].float()
@@ -103,7 +110,36 @@ class Thinker:
                     features, media["feature_attention_mask"].to(dev), return_dict=True).last_hidden_state
             positions = (input_ids == self.audio_token).unsqueeze(-1).expand_as(embeds)
             embeds = embeds.masked_scatter(positions, audio.to(embeds.dtype))
-        return self._forward(embeds, prefill=True)
+        positions, deepstack, self.rope_delta = None, None, 0
+        if media and media.get("pixel_values") is not None:
+            embeds, deepstack = self._with_images(input_ids, embeds, media)
+            positions, self.rope_delta = mrope_positions(self.module, input_ids[0].tolist(), media, embeds.device)
+        if self.fused is not None:
+            self.fused.fused.rope_shift.fill_(self.rope_delta)
+        out = self._forward(embeds, prefill=True, positions=positions, after_layer=deepstack)
+        out.media, out.prompt_ids = media or None, input_ids[0].tolist()
+        return out
+
+    def _with_images(self, input_ids, embeds, media):
+        """(embeds with the vision encoder's outputs at the image positions, the deepstack step: its
+        multiscale features added at those positions after the first layers, as the reference adds them)."""
+        dev = embeds.device
+        with encoder_timer(media, dev, "image"):
+            out = self.module.get_image_features(media["pixel_values"].to(dev), media["image_grid_thw"].to(dev),
+                                                 return_dict=True)
+        mask = input_ids[0] == self.image_token
+        embeds = embeds.masked_scatter(mask.view(1, -1, 1).expand_as(embeds),
+                                       torch.cat(list(out.pooler_output), dim=0).to(embeds.dtype))
+        levels = [f.to(embeds.dtype) for f in out.deepstack_features]
+
+        def deepstack(i: int, hidden: torch.Tensor) -> torch.Tensor:
+            if i >= len(levels):
+                return hidden
+            hidden = hidden.clone()
+            hidden[0, mask] = hidden[0, mask] + levels[i]
+            return hidden
+
+        return embeds, deepstack
 
     def decode_one(self, token: torch.Tensor) -> ThinkerOut:
         """Feed one token ([1] long, on device) and return its vectors and the next logits (with fast
