@@ -106,6 +106,28 @@ def test_audio_prompt_equals_transformers(assistant, text, clips):
 QWEN3 = "assets/tiny-qwen3-omni"
 
 
+def assert_qwen3_reference(qwen3, inputs: dict, ids: list[int], reply) -> None:
+    """Our prompt ids, text ids and every codebook of every frame equal Qwen3's greedy `generate` on the
+    processor's `inputs` (10 text tokens, 30 frames)."""
+    import warnings
+
+    model, caught = qwen3.loaded.model, {}
+    hook = model.code2wav.register_forward_pre_hook(lambda _m, args: caught.setdefault("codes", args[0]))
+    try:
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            sequences, _ = model.generate(
+                **inputs, speaker="ethan", thinker_max_new_tokens=10, thinker_eos_token_id=qwen3.engine.eos_ids,
+                thinker_do_sample=False, thinker_repetition_penalty=qwen3.thinker_sampling.repetition_penalty,
+                talker_do_sample=False, talker_max_new_tokens=31)
+    finally:
+        hook.remove()
+    n = inputs["input_ids"].shape[1]
+    assert ids == inputs["input_ids"][0].tolist()
+    assert reply.text_ids == sequences[0, n:].tolist()
+    assert reply.codes == caught["codes"][0].T.tolist() and len(reply.codes) > 0
+
+
 @pytest.fixture(scope="module")
 def qwen3():
     import omni_cli
@@ -120,8 +142,6 @@ def qwen3():
 def test_qwen3_audio_prompt_equals_transformers(qwen3, text, clips):
     """The same for Qwen3-Omni, whose talker reads the audio positions of the user turn through
     `hidden_projection` of the thinker's accepted hidden state (every codebook of every frame compared)."""
-    import warnings
-
     from omni_cli.media import AudioClip
 
     clips = [AudioClip(tone(s, r, hz, i), r) for i, (s, r, hz) in enumerate(clips)]
@@ -130,22 +150,8 @@ def test_qwen3_audio_prompt_equals_transformers(qwen3, text, clips):
     rendered = proc.tokenizer.apply_chat_template([{"role": "user", "content": parts}], add_generation_prompt=True,
                                                   tokenize=False)
     inputs = proc(text=rendered, audio=[c.at().pcm for c in clips], return_tensors="pt")
-    model, caught = qwen3.loaded.model, {}
-    hook = model.code2wav.register_forward_pre_hook(lambda _m, args: caught.setdefault("codes", args[0]))
-    try:
-        with torch.no_grad(), warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            sequences, _ = model.generate(
-                **inputs, speaker="ethan", thinker_max_new_tokens=10, thinker_eos_token_id=qwen3.engine.eos_ids,
-                thinker_do_sample=False, thinker_repetition_penalty=qwen3.thinker_sampling.repetition_penalty,
-                talker_do_sample=False, talker_max_new_tokens=31)
-    finally:
-        hook.remove()
     reply, ids = say_seeing_ids(qwen3, text, clips, max_text_tokens=10, max_codes=30)
-    n = inputs["input_ids"].shape[1]
-    assert ids == inputs["input_ids"][0].tolist()
-    assert reply.text_ids == sequences[0, n:].tolist()
-    assert reply.codes == caught["codes"][0].T.tolist() and len(reply.codes) > 0
+    assert_qwen3_reference(qwen3, dict(inputs), ids, reply)
     assert reply.stats["audio_in_seconds"] == pytest.approx(sum(c.at().seconds for c in clips))  # heard at 16 kHz
     assert reply.stats["audio_encoder_ms"] > 0
 
@@ -218,8 +224,6 @@ def test_qwen3_image_prompt_equals_transformers(qwen3):
     """Qwen3-Omni sees: the vision encoder's outputs at the image positions, its deepstack features added
     after the first layers, the 3-D positions and their delta in the thinker and the talker, the talker's
     user rows from hidden_projection at the image positions; all 16 codebooks of every frame compared."""
-    import warnings
-
     from omni_cli.models.qwen3_omni import image_processor
 
     proc = processor(QWEN3, "Qwen3OmniMoeProcessor")
@@ -229,22 +233,8 @@ def test_qwen3_image_prompt_equals_transformers(qwen3):
     rendered = proc.tokenizer.apply_chat_template([{"role": "user", "content": parts}], add_generation_prompt=True,
                                                   tokenize=False)
     inputs = dict(proc(text=rendered, images=pictures, return_tensors="pt"))
-    model, caught = qwen3.loaded.model, {}
-    hook = model.code2wav.register_forward_pre_hook(lambda _m, args: caught.setdefault("codes", args[0]))
-    try:
-        with torch.no_grad(), warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            sequences, _ = model.generate(
-                **inputs, speaker="ethan", thinker_max_new_tokens=10, thinker_eos_token_id=qwen3.engine.eos_ids,
-                thinker_do_sample=False, thinker_repetition_penalty=qwen3.thinker_sampling.repetition_penalty,
-                talker_do_sample=False, talker_max_new_tokens=31)
-    finally:
-        hook.remove()
     reply, ids = say_seeing_ids(qwen3, "What is this?", None, images=pictures, max_text_tokens=10, max_codes=30)
-    n = inputs["input_ids"].shape[1]
-    assert ids == inputs["input_ids"][0].tolist()
-    assert reply.text_ids == sequences[0, n:].tolist()
-    assert reply.codes == caught["codes"][0].T.tolist() and len(reply.codes) > 0
+    assert_qwen3_reference(qwen3, inputs, ids, reply)
 
 
 def test_say_audio_from_a_file_and_from_stdin(tmp_path):
