@@ -213,7 +213,10 @@ def test_on_a_cpu_the_engine_waits_for_the_first_chunk_instead_of_competing_with
     monkeypatch.setattr(vocoder_mod.StreamingVocoder, "push", slow_push)
     sink = RecordingSink()
     reply = assistant.say(PROMPT, greedy=True, max_text_tokens=8, max_codes=120, sink=sink)
-    first_audio = sink.first_block_time
+    # When the first block existed (what releases the engine), not when the sink's own thread got it: on a
+    # loaded machine that thread may run a few talker steps later, which is no fault of the engine.
+    first_audio = reply.stats["started_at"] + reply.stats["time_to_first_audio"]
+    assert first_audio <= sink.first_block_time
     need = (24 + 24) // 2  # the tiny DiT: a first chunk of one block (24 frames) + one block look-ahead
     made_before = sum(t < first_audio for t in steps) + 1  # + the talker prefill (step 0)
     assert need <= made_before <= need + 1

@@ -222,3 +222,11 @@ def qwen2_5_talker_keeps_its_mask(model):
             del talker.forward
         else:
             talker.forward = own
+
+
+def deepstack_levels(features) -> list:
+    """Qwen3-Omni's deepstack image features, one tensor per level over all images: 5.17 returns them so;
+    5.24 splits each level per image (a tuple), which the model then joins back."""
+    import torch
+
+    return [f if isinstance(f, torch.Tensor) else torch.cat(list(f), dim=0) for f in features]

@@ -101,7 +101,8 @@ def image_token_id(config) -> int:
 
 def image_processor(path: Path):
     """The checkpoint's image processor as transformers picks it (its fast one needs torchvision; without
-    it, the Pillow one, which the library falls back to as well)."""
+    it, the Pillow one, which the library falls back to as well; so too when the folder's configs name no
+    image processor, as the built-in tiny Qwen3-Omni's do under transformers 5.24)."""
     from transformers import AutoImageProcessor
 
     from ...loader import _quiet_transformers
@@ -109,7 +110,7 @@ def image_processor(path: Path):
     with _quiet_transformers():
         try:
             return AutoImageProcessor.from_pretrained(str(path), local_files_only=True)
-        except ImportError:  # no torchvision
+        except (ImportError, ValueError):  # no torchvision; or a config that names no image processor
             from transformers import Qwen2VLImageProcessorPil
 
             return Qwen2VLImageProcessorPil.from_pretrained(str(path), local_files_only=True)

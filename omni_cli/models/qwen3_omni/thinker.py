@@ -130,7 +130,7 @@ class Thinker:
         mask = input_ids[0] == self.image_token
         embeds = embeds.masked_scatter(mask.view(1, -1, 1).expand_as(embeds),
                                        torch.cat(list(out.pooler_output), dim=0).to(embeds.dtype))
-        levels = [f.to(embeds.dtype) for f in out.deepstack_features]
+        levels = [f.to(embeds.dtype) for f in compat.deepstack_levels(out.deepstack_features)]
 
         def deepstack(i: int, hidden: torch.Tensor) -> torch.Tensor:
             if i >= len(levels):
