@@ -75,13 +75,17 @@ def _reason(exc: BaseException) -> str:
     return text.split(": ", 1)[-1] if text.startswith("Error opening") else text
 
 
-def read_image(source: str | os.PathLike):
-    """An image file as an RGB `PIL.Image` (a one-line UsageError for what Pillow cannot open)."""
-    path = Path(source).expanduser()
-    if not path.exists():
-        raise UsageError(f"image file {source} does not exist")
-    if path.is_dir():
-        raise UsageError(f"image file {source} is a folder")
+def read_image(source: str | os.PathLike | bytes, name: str | None = None):
+    """An image file (a path, or its bytes) as an RGB `PIL.Image` (a one-line UsageError for what Pillow
+    cannot open)."""
+    if isinstance(source, bytes):
+        path, source = io.BytesIO(source), name or "the image"
+    else:
+        path = Path(source).expanduser()
+        if not path.exists():
+            raise UsageError(f"image file {source} does not exist")
+        if path.is_dir():
+            raise UsageError(f"image file {source} is a folder")
     try:
         from PIL import Image, UnidentifiedImageError
     except ImportError:

@@ -576,7 +576,7 @@ def test_whole_reply_audio_format_defaults_to_wav():
 
 
 SYSTEM = {"role": "system", "content": "Be brief."}
-IMAGE_PART = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
+IMAGE_PART = {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}  # the server fetches nothing
 BAD_BODIES = [
     # (id, body, param, what the message says)
     ("messages not a list", {"messages": "Hi"}, "messages", "messages must be"),
@@ -638,6 +638,13 @@ def test_input_audio_goes_with_the_last_user_message():
     with pytest.raises(p.RequestError) as info:
         p.parse_chat_request({"messages": [{"role": "user", "content": [bad]}]})
     assert "not base64" in str(info.value)
+
+
+def test_image_url_data_goes_with_the_last_user_message():
+    png = b"\x89PNG\r\n\x1a\n...."  # any bytes: opening them as an image is the server's next step
+    part = {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(png).decode()}}
+    req = p.parse_chat_request({"messages": [{"role": "user", "content": [part, {"type": "text", "text": "?"}]}]})
+    assert req.images == [png] and req.audio == [] and req.prompt == "?"
 
 
 def test_body_not_an_object_is_a_400():

@@ -158,7 +158,7 @@ def test_say_with_server_writes_the_wav_the_server_streamed(server, tmp_path):
     assert r.stdout.strip()  # the text on stdout, as for a local model
 
 
-def test_say_with_server_takes_audio_input(server, tmp_path):
+def test_say_with_server_takes_audio_and_image_input(server, tmp_path):
     import soundfile
 
     clip = tmp_path / "q.wav"
@@ -171,6 +171,12 @@ def test_say_with_server_takes_audio_input(server, tmp_path):
     r = run_omni_say("--audio", str(tmp_path / "nope.wav"), "hi", "--server", server.url, "--api-key", KEY,
                      env=cli_env(OMNI_LOCAL="0"))
     assert r.returncode == 2 and "does not exist" in r.stderr
+    from PIL import Image
+
+    Image.fromarray(np.zeros((64, 96, 3), dtype=np.uint8)).save(tmp_path / "p.png")
+    r = run_omni_say("--image", str(tmp_path / "p.png"), "And this?", "--server", server.url, "--api-key", KEY,
+                     "-o", str(tmp_path / "b.wav"), "--verbose", env=cli_env(OMNI_LOCAL="0"))
+    assert r.returncode == 0 and re.search(r"images in\s+1 \(encoder", r.stderr), r.stderr
 
 
 def test_wrong_key_is_401_and_bad_bodies_are_400(server):

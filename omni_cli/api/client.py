@@ -161,17 +161,20 @@ class RemoteAssistant:
         raise ServerError("the reply ended without its last event")
 
     def stream(self, prompt: str, options: ReplyOptions | None = None, *, sink=None,
-               conversation: Conversation | None = None, audio=None,
+               conversation: Conversation | None = None, audio=None, images=None,
                **fields) -> Iterator[TextDelta | AudioBlock | Done]:
         """The reply's events as the server streams them; the audio also goes to `sink`. `audio`: clips
-        (`media.AudioClip`s) said with the prompt, sent as `input_audio` parts (WAV)."""
+        (`media.AudioClip`s) said with the prompt, sent as `input_audio` parts (WAV); `images`: PIL images
+        shown with it, sent as `image_url` parts (PNG data: URLs)."""
         from dataclasses import replace
 
         opts = replace(options or ReplyOptions(), **fields).check()
         body = self._body(prompt, opts, conversation)
-        if audio:
-            parts = [{"type": "input_audio", "input_audio": {"data": p.b64(_wav(clip)), "format": "wav"}}
-                     for clip in audio]
+        if audio or images:
+            parts = [{"type": "image_url", "image_url": {"url": "data:image/png;base64," + p.b64(_png(image))}}
+                     for image in images or []]
+            parts += [{"type": "input_audio", "input_audio": {"data": p.b64(_wav(clip)), "format": "wav"}}
+                      for clip in audio or []]
             body["messages"][-1]["content"] = parts + ([{"type": "text", "text": prompt}] if prompt else [])
         reader = _Reader(sink)
         t0 = time.perf_counter()
@@ -268,6 +271,13 @@ class _Reader:
                 self.sink.abort()
             except Exception:  # noqa: BLE001 - the error being raised is what counts
                 pass
+
+
+def _png(image) -> bytes:
+    """A PIL image as PNG bytes (lossless: the server sees what this side opened)."""
+    out = io.BytesIO()
+    image.save(out, format="PNG")
+    return out.getvalue()
 
 
 def _wav(clip) -> bytes:

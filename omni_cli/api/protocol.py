@@ -53,6 +53,7 @@ class ChatRequest:
     prompt: str  # the last user message's text
     turns: list[dict] = field(default_factory=list)  # the user/assistant messages before it
     audio: list[bytes] = field(default_factory=list)  # audio files said with the last user message
+    images: list[bytes] = field(default_factory=list)  # image files shown with it (data: URLs' bytes)
     system: str | None = None  # None: the model's default system prompt
     options: ReplyOptions = field(default_factory=ReplyOptions)
     stream: bool = False
@@ -69,9 +70,9 @@ def parse_chat_request(body: object) -> ChatRequest:
     system, turns = None, []
     messages = _messages(body)
     for i, message in enumerate(messages):
-        if message["audio"] and i != len(messages) - 1:
-            raise RequestError(f"messages[{i}] holds audio: audio goes with the last user message only (earlier "
-                               "turns are kept as text)", param=f"messages[{i}].content")
+        if (message["audio"] or message["images"]) and i != len(messages) - 1:
+            raise RequestError(f"messages[{i}] holds audio or images: they go with the last user message only "
+                               "(earlier turns are kept as text)", param=f"messages[{i}].content")
         role, content = message["role"], message["content"]
         if role == "system":
             if turns:
@@ -116,7 +117,8 @@ def parse_chat_request(body: object) -> ChatRequest:
         top_p=_number(body.get("top_p"), "top_p", float), top_k=_number(body.get("top_k"), "top_k", int))
     stream_options = body.get("stream_options") or {}
     return ChatRequest(
-        prompt=turns[-1]["content"], turns=turns[:-1], audio=messages[-1]["audio"], system=system, options=options,
+        prompt=turns[-1]["content"], turns=turns[:-1], audio=messages[-1]["audio"], images=messages[-1]["images"],
+        system=system, options=options,
         stream=stream, spoken=audio,
         audio_format=fmt, model=_typed(body, "model", str, None),
         include_usage=bool(isinstance(stream_options, dict) and stream_options.get("include_usage")))
@@ -134,33 +136,49 @@ def _messages(body: dict) -> list[dict]:
         if role not in ("system", "user", "assistant"):
             raise RequestError(f"messages[{i}] has role {message['role']!r}: system, user or assistant only",
                                param=f"messages[{i}].role")
-        text, audio = _content(message, i)
-        out.append({"role": role, "content": text, "audio": audio})
+        text, audio, images = _content(message, i)
+        out.append({"role": role, "content": text, "audio": audio, "images": images})
     return out
 
 
-def _content(message: dict, i: int) -> tuple[str, list[bytes]]:
-    """A message's text and audio: a string, or text parts and (a user's) `input_audio` parts, whose
-    base64 data is an audio file; other parts are input this server does not take yet."""
+def _content(message: dict, i: int) -> tuple[str, list[bytes], list[bytes]]:
+    """A message's text, audio and images: a string, or text parts and (a user's) `input_audio` parts
+    (base64 audio files) and `image_url` parts (data: URLs; the server fetches nothing); other parts are
+    input this server does not take."""
     content = message.get("content")
     if content is None and message["role"] == "assistant" and isinstance(message.get("audio"), dict):
         content = message["audio"].get("transcript")  # a spoken reply given back with its transcript
     if isinstance(content, str):
-        return content, []
+        return content, [], []
     if isinstance(content, list):
-        texts, audio = [], []
+        texts, audio, images = [], [], []
         for part in content:
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            user = message["role"] == "user"
             if kind == "text" and isinstance(part.get("text"), str):
                 texts.append(part["text"])
-            elif kind == "input_audio" and message["role"] == "user":
+            elif kind == "input_audio" and user:
                 audio.append(_audio_part(part, i))
+            elif kind == "image_url" and user:
+                images.append(_image_part(part, i))
             else:
                 raise RequestError(f"messages[{i}] has a {kind!r} part: this server takes text parts, and "
-                                   "input_audio parts in user messages", param=f"messages[{i}].content")
-        return "".join(texts), audio
+                                   "input_audio and image_url parts in user messages", param=f"messages[{i}].content")
+        return "".join(texts), audio, images
     raise RequestError(f"messages[{i}].content must be a string or a list of text parts",
                        param=f"messages[{i}].content")
+
+
+def _image_part(part: dict, i: int) -> bytes:
+    spec = part.get("image_url")
+    url = spec.get("url") if isinstance(spec, dict) else spec
+    if not isinstance(url, str) or not url.startswith("data:") or ";base64," not in url:
+        raise RequestError(f"messages[{i}] has an image_url that is not a base64 data: URL (this server fetches "
+                           "nothing: send the image inline)", param=f"messages[{i}].content")
+    try:
+        return base64.b64decode(url.split(";base64,", 1)[1], validate=True)
+    except ValueError:
+        raise RequestError(f"messages[{i}]'s image_url data is not base64", param=f"messages[{i}].content") from None
 
 
 def _audio_part(part: dict, i: int) -> bytes:

@@ -32,7 +32,7 @@ from starlette.routing import Route
 
 from ..config import ReplyOptions
 from ..errors import OmniError, UsageError
-from ..media import read_audio
+from ..media import read_audio, read_image
 from ..prompt import Conversation
 from ..runtime.events import AudioBlock, Done, TextDelta, TurnInterrupted
 from . import protocol as p
@@ -46,9 +46,11 @@ POLL = 0.05  # seconds between disconnect checks of a whole-reply request
 class Job:
     """One request's reply, made on the worker thread and read by the request's task."""
 
-    def __init__(self, req: p.ChatRequest, loop: asyncio.AbstractEventLoop, clips: list | None = None) -> None:
+    def __init__(self, req: p.ChatRequest, loop: asyncio.AbstractEventLoop, clips: list | None = None,
+                 pictures: list | None = None) -> None:
         self.req = req
         self.clips = clips or []  # the last user message's audio, read and checked
+        self.pictures = pictures or []  # and its images
         self.loop = loop
         self.items: asyncio.Queue = asyncio.Queue()
         self.cancelled = threading.Event()
@@ -70,8 +72,9 @@ class Job:
         conv = Conversation(system=assistant.default_system if req.system is None else req.system,
                             turns=[dict(t) for t in req.turns])
         try:
-            events = assistant.stream(req.prompt, req.options, conversation=conv,
-                                      **({"audio": self.clips} if self.clips else {}))
+            media = {**({"audio": self.clips} if self.clips else {}),
+                     **({"images": self.pictures} if self.pictures else {})}
+            events = assistant.stream(req.prompt, req.options, conversation=conv, **media)
             try:
                 for event in events:
                     self.put(event)
@@ -181,11 +184,12 @@ def create_app(assistant, name: str, api_key: str | None = None, key: str | None
                 raise p.RequestError("this model has no talker: ask for modalities [\"text\"]", param="modalities")
             req.options = with_defaults(req.options, defaults).check()
             clips = [read_audio(data, f"input_audio {n + 1}") for n, data in enumerate(req.audio)]
+            pictures = [read_image(data, f"image_url {n + 1}") for n, data in enumerate(req.images)]
         except p.RequestError as exc:
             return error(exc)
         except UsageError as exc:
             return error(p.RequestError(str(exc)))
-        job = Job(req, asyncio.get_running_loop(), clips)
+        job = Job(req, asyncio.get_running_loop(), clips, pictures)
         ahead = worker.submit(job)
         headers = {p.QUEUE_HEADER: str(ahead)}
         first = await _first_item(job, request)
