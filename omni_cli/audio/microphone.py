@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from ..errors import AudioDeviceError, OmniError, OutputError, UsageError
 from .sinks import _reason
 from . import speaker
-from .speaker import devices_of_kind
+from .speaker import devices_of_kind, match_device
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     import numpy as np
@@ -156,26 +156,17 @@ def find_input_device(spec: str | int | None, sd: Any = None, hint: str = RECORD
     if not devices:
         raise AudioDeviceError(f"cannot record audio: no sound input device found (no microphone?); {hint}")
     text = "" if spec is None else str(spec).strip()
-    if not text:
-        for dev in devices:
-            if dev["default"]:
-                return dev
+    found = match_device(devices, text)
+    if isinstance(found, dict):
+        return found
+    if found == "default":
         raise AudioDeviceError("cannot record audio: there is no default sound input device: choose one "
                                f"(input devices: {_listing(devices)})")
-    if text.isdigit():
-        for dev in devices:
-            if dev["index"] == int(text):
-                return dev
+    if found == "index":
         raise UsageError(f"audio device {text} is not an input device here (input devices: {_listing(devices)})")
-    exact = [d for d in devices if d["name"].lower() == text.lower()]
-    if exact:
-        return exact[0]
-    partial = [d for d in devices if text.lower() in d["name"].lower()]
-    if len(partial) == 1:
-        return partial[0]
-    if not partial:
+    if found == "name":
         raise UsageError(f"no audio input device is called '{text}' (input devices: {_listing(devices)})")
-    raise UsageError(f"audio input device '{text}' is ambiguous ({_listing(partial[:5])}): give its index")
+    raise UsageError(f"audio input device '{text}' is ambiguous ({_listing(found[:5])}): give its index")
 
 
 # -- what the drain thread does with each block ----------------------------------------------------

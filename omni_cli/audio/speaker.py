@@ -95,26 +95,34 @@ def find_output_device(spec: str | int | None, sd: Any = None, hint: str = PLAY_
     if not devices:
         raise AudioDeviceError(f"cannot play audio: no sound output device found (no sound card?); {hint}")
     text = "" if spec is None else str(spec).strip()
-    if not text:
-        for dev in devices:
-            if dev["default"]:
-                return dev
+    found = match_device(devices, text)
+    if isinstance(found, dict):
+        return found
+    if found == "default":
         raise AudioDeviceError(f"cannot play audio: there is no default sound output device: choose one with --audio-device ({listing}); {hint}")
-    if text.isdigit():
-        for dev in devices:
-            if dev["index"] == int(text):
-                return dev
+    if found == "index":
         raise UsageError(f"audio device {text} is not an output device here ({listing})")
+    if found == "name":
+        raise UsageError(f"no audio output device is called '{text}' ({listing})")
+    names = ", ".join(f"{d['index']}: {d['name']}" for d in found[:5])
+    raise UsageError(f"audio device '{text}' is ambiguous ({names}): give its index")
+
+
+def match_device(devices: list[dict], text: str) -> dict | str | list[dict]:
+    """The device `text` names among `devices`: "" the default, digits an index, else a name (exact, or
+    the one that contains it, case aside). When there is none, what failed: "default", "index" or "name";
+    the candidates (a list) when a part of a name fits several."""
+    if not text:
+        return next((dev for dev in devices if dev["default"]), "default")
+    if text.isdigit():
+        return next((dev for dev in devices if dev["index"] == int(text)), "index")
     exact = [d for d in devices if d["name"].lower() == text.lower()]
     if exact:
         return exact[0]
     partial = [d for d in devices if text.lower() in d["name"].lower()]
     if len(partial) == 1:
         return partial[0]
-    if not partial:
-        raise UsageError(f"no audio output device is called '{text}' ({listing})")
-    names = ", ".join(f"{d['index']}: {d['name']}" for d in partial[:5])
-    raise UsageError(f"audio device '{text}' is ambiguous ({names}): give its index")
+    return partial or "name"
 
 
 # Streams that abort() stopped but did not close; closed on the caller's thread at the next open().
