@@ -300,12 +300,12 @@ def read_prompt_file(name: str) -> str:
     return _utf8(data, f"the prompt file {name}")
 
 
-def gather_prompt(argument: str | None, file: str | None = None) -> str:
+def gather_prompt(argument: str | None, file: str | None = None, optional: bool = False) -> str:
     """Piped stdin (or `-f FILE` instead) first, then the argument (like llm); a usage error if there
-    is nothing to say."""
+    is nothing to say, unless `optional` (audio or an image says it): then ""."""
     first = read_prompt_file(file) if file is not None else read_stdin()
     parts = [p.strip() for p in (first, argument) if p is not None and p.strip()]
-    if parts:
+    if parts or optional:
         return "\n".join(parts)
     if file is not None and argument is None:
         raise UsageError(f"empty prompt: {'stdin' if file == '-' else f'the prompt file {file}'} holds no text")
@@ -575,14 +575,8 @@ def say(
         from .media import read_image
 
         pictures = [read_image(name) for name in image or []]  # checked before the model loads
-        if image and not audio:
-            text = gather_prompt(prompt, file) if (prompt or file or read_stdin_needed()) else ""
-        elif audio and (prompt is not None or file is not None or "-" in audio):
-            text = gather_prompt(prompt, file) if (prompt or file) else ""  # stdin is the audio's, or unread
-        elif audio:
-            text = (read_stdin() or "").strip()
-        else:
-            text = gather_prompt(prompt, file)
+        # With audio or an image the text is optional (`--audio -` has read stdin to its end already).
+        text = gather_prompt(prompt, file, optional=bool(clips or pictures))
 
         # Outputs and voice first: a bad path or format, a missing sound device or an unknown voice
         # should not cost a minute of loading.
@@ -656,11 +650,6 @@ class _Outputs:
 
     def sinks(self) -> list:
         return [s for s in (self.file, self.stream, self.speaker) if s is not None]
-
-
-def read_stdin_needed() -> bool:
-    """Whether stdin is piped (so it may hold the prompt's text)."""
-    return sys.stdin is not None and not _isatty(sys.stdin)
 
 
 def _read_clips(names: list[str]) -> list:
