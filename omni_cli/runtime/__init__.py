@@ -12,6 +12,7 @@
     kv_cache.py        static KV cache
     decoder.py         a decoder stack's forward over the static cache (the library's layers)
     fused.py           the fixed-shape one-token step of a stack (dense or MoE), for graphs and compile
+    encoders.py        a prompt's audio and image placeholders filled with the thinker's encoders' outputs
     graphs.py          CUDA graphs and torch.compile behind one switch
     sampling.py        sync-free, transformers-exact token selection
     compat.py          the transformers versions' differences

@@ -17,6 +17,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ...config import SamplingOptions
+from ..vision import image_inputs, image_processor  # noqa: F401 - the family's, shared with Qwen3-Omni
 
 MODEL_TYPE = "qwen2_5_omni"
 TITLE = "Qwen2.5-Omni"
@@ -85,32 +86,7 @@ def audio_token_id(config) -> int:
     return int(config.thinker_config.audio_token_index)
 
 
-def image_inputs(image_processor, images) -> tuple[dict, list[int]]:
-    """The vision encoder's inputs for `images` (RGB PIL images) as the processor makes them (patches and
-    each image's grid), and how many image tokens each becomes (its grid's patches merged 2x2)."""
-    out = image_processor(images=images, return_tensors="pt")
-    grid = out["image_grid_thw"]
-    counts = (grid.prod(-1) // image_processor.merge_size**2).tolist()
-    return {"pixel_values": out["pixel_values"], "image_grid_thw": grid}, counts
-
-
 def image_token_id(config) -> int:
     """The prompt's image placeholder id (`<|IMAGE|>`)."""
     return int(config.thinker_config.image_token_index)
 
-
-def image_processor(path: Path):
-    """The checkpoint's image processor as transformers picks it (its fast one needs torchvision; without
-    it, the Pillow one, which the library falls back to as well; so too when the folder's configs name no
-    image processor, as the built-in tiny Qwen3-Omni's do under transformers 5.24)."""
-    from transformers import AutoImageProcessor
-
-    from ...loader import _quiet_transformers
-
-    with _quiet_transformers():
-        try:
-            return AutoImageProcessor.from_pretrained(str(path), local_files_only=True)
-        except (ImportError, ValueError):  # no torchvision; or a config that names no image processor
-            from transformers import Qwen2VLImageProcessorPil
-
-            return Qwen2VLImageProcessorPil.from_pretrained(str(path), local_files_only=True)

@@ -23,7 +23,7 @@ import torch
 from ...runtime import compat
 from ...runtime.decoder import forward_layers, mrope_positions
 from ...runtime.kv_cache import StaticKVCache
-from ...runtime.stats import encoder_timer
+from ...runtime import encoders
 
 
 @dataclass
@@ -85,25 +85,13 @@ class Thinker:
 
     def _with_images(self, input_ids, embeds, talker_embeds, media):
         """The vision encoder's outputs at the image positions (and zeros there for the talker)."""
-        dev = embeds.device
-        with encoder_timer(media, dev, "image"):
-            out = self.module.get_image_features(media["pixel_values"].to(dev), media["image_grid_thw"].to(dev),
-                                                 return_dict=True)
-        images = torch.cat(list(out.pooler_output), dim=0).to(embeds.dtype)
-        positions = (input_ids == self.image_token).unsqueeze(-1).expand_as(embeds)
-        embeds = embeds.masked_scatter(positions, images)
+        embeds, positions, _ = encoders.with_images(self.module, input_ids, embeds, media, self.image_token)
         base = talker_embeds if talker_embeds is not None else embeds
         return embeds, base.masked_fill(positions, 0.0)
 
     def _with_audio(self, input_ids, embeds, media):
         """(embeds with the audio encoder's outputs at the audio positions, the same with them zeroed)."""
-        dev = embeds.device
-        features = media["input_features"].to(dev, embeds.dtype)  # the processor's float32, in the model's dtype
-        mask = media["feature_attention_mask"].to(dev)
-        with encoder_timer(media, dev):
-            audio = self.module.get_audio_features(features, mask, return_dict=True).last_hidden_state
-        positions = (input_ids == self.audio_token).unsqueeze(-1).expand_as(embeds)
-        embeds = embeds.masked_scatter(positions, audio.to(embeds.dtype))
+        embeds, positions = encoders.with_audio(self.module, input_ids, embeds, media, self.audio_token)
         return embeds, embeds.masked_fill(positions, 0.0)
 
     def decode_one(self, token: torch.Tensor) -> ThinkerOut:

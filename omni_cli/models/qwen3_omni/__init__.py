@@ -18,6 +18,7 @@ import json
 from pathlib import Path
 
 from ...config import SamplingOptions
+from ..vision import image_inputs  # noqa: F401 - the family's, shared with Qwen2.5-Omni
 
 MODEL_TYPE = "qwen3_omni_moe"
 TITLE = "Qwen3-Omni"
@@ -99,13 +100,6 @@ def audio_token_id(config) -> int:
     return int(config.thinker_config.audio_token_id)
 
 
-def image_inputs(image_processor, images) -> tuple[dict, list[int]]:
-    """As Qwen2.5-Omni's (the same processor rules: patches, grids, 2x2 merged tokens)."""
-    from ..qwen2_5_omni import image_inputs as same
-
-    return same(image_processor, images)
-
-
 def image_token_id(config) -> int:
     return int(config.thinker_config.image_token_id)
 
@@ -114,9 +108,9 @@ def image_processor(path: Path):
     """The checkpoint's image processor (as Qwen2.5-Omni's), its patch, time and merge sizes those of the
     vision encoder in config.json: a checkpoint whose preprocessor_config.json leaves them out (the
     built-in tiny model's) would otherwise get the processor's defaults (14-pixel patches) and not fit."""
-    from ..qwen2_5_omni import image_processor as same
+    from .. import vision
 
-    processor = same(path)
+    processor = vision.image_processor(path)
     vision = json.loads((Path(path) / "config.json").read_text(encoding="utf-8"))["thinker_config"]["vision_config"]
     for name, key in (("patch_size", "patch_size"), ("temporal_patch_size", "temporal_patch_size"),
                       ("merge_size", "spatial_merge_size")):

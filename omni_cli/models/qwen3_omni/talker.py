@@ -185,6 +185,7 @@ class Talker:
         if not users:
             raise ValueError("the prompt has no user turn (the talker prompt is made of user turns)")
         dev = self._seen.device
+        self._users = users  # host-side, for an image prompt's positions (no device read in the loop)
         self._user_idx = torch.tensor(users, device=dev)
         media = [t for t, tok in enumerate(ids) if tok in self._media_ids]
         # Multimodal positions (audio, image, video placeholders) and the rest, each projected as one block
@@ -293,7 +294,7 @@ class Talker:
             return None, 0
         from ...runtime.decoder import mrope_positions
 
-        users = [prompt.prompt_ids[i] for i in self._user_idx.tolist()]
+        users = [prompt.prompt_ids[i] for i in self._users]
         return mrope_positions(self.module, users + [self._tts_pad] * 9, media, device)
 
     def _user_rows(self, prompt) -> torch.Tensor:

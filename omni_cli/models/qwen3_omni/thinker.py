@@ -27,7 +27,7 @@ import torch
 from ...runtime import compat
 from ...runtime.decoder import forward_layers_keeping, mrope_positions
 from ...runtime.kv_cache import StaticKVCache
-from ...runtime.stats import encoder_timer
+from ...runtime import encoders
 
 
 @dataclass
@@ -103,13 +103,7 @@ class Thinker:
         self.cache.reset()
         embeds = self.embed(input_ids)
         if media and media.get("input_features") is not None:
-            dev = embeds.device
-            features = media["input_features"].to(dev, embeds.dtype)
-            with encoder_timer(media, dev):
-                audio = self.module.get_audio_features(
-                    features, media["feature_attention_mask"].to(dev), return_dict=True).last_hidden_state
-            positions = (input_ids == self.audio_token).unsqueeze(-1).expand_as(embeds)
-            embeds = embeds.masked_scatter(positions, audio.to(embeds.dtype))
+            embeds, _ = encoders.with_audio(self.module, input_ids, embeds, media, self.audio_token)
         positions, deepstack, self.rope_delta = None, None, 0
         if media and media.get("pixel_values") is not None:
             embeds, deepstack = self._with_images(input_ids, embeds, media)
@@ -123,13 +117,8 @@ class Thinker:
     def _with_images(self, input_ids, embeds, media):
         """(embeds with the vision encoder's outputs at the image positions, the deepstack step: its
         multiscale features added at those positions after the first layers, as the reference adds them)."""
-        dev = embeds.device
-        with encoder_timer(media, dev, "image"):
-            out = self.module.get_image_features(media["pixel_values"].to(dev), media["image_grid_thw"].to(dev),
-                                                 return_dict=True)
-        mask = input_ids[0] == self.image_token
-        embeds = embeds.masked_scatter(mask.view(1, -1, 1).expand_as(embeds),
-                                       torch.cat(list(out.pooler_output), dim=0).to(embeds.dtype))
+        embeds, positions, out = encoders.with_images(self.module, input_ids, embeds, media, self.image_token)
+        mask = positions[0, :, 0]
         levels = [f.to(embeds.dtype) for f in compat.deepstack_levels(out.deepstack_features)]
 
         def deepstack(i: int, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,41 @@
+"""A prompt's audio and image placeholders filled with the thinker's encoders' outputs, as both families'
+reference forwards fill them: the library's `get_audio_features` / `get_image_features` on the
+processor's inputs, timed without a host sync (`stats.encoder_timer`), scattered in order over the
+placeholder positions.
+
+It knows neither the family (the caller passes its thinker module and placeholder id) nor the prompt's
+positions (decoder.mrope_positions) nor what the talker reads of them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .stats import encoder_timer
+
+
+def with_audio(module, input_ids: torch.Tensor, embeds: torch.Tensor, media: dict, token: int):
+    """(embeds with the audio encoder's outputs at the `token` positions, those positions [1, L, W])."""
+    dev = embeds.device
+    features = media["input_features"].to(dev, embeds.dtype)  # the processor's float32, in the model's dtype
+    with encoder_timer(media, dev):
+        audio = module.get_audio_features(features, media["feature_attention_mask"].to(dev),
+                                          return_dict=True).last_hidden_state
+    return place(embeds, input_ids, token, audio)
+
+
+def with_images(module, input_ids: torch.Tensor, embeds: torch.Tensor, media: dict, token: int):
+    """(embeds with the vision encoder's outputs at the `token` positions, those positions, the encoder's
+    whole output: Qwen3-Omni's deepstack features are in it)."""
+    dev = embeds.device
+    with encoder_timer(media, dev, "image"):
+        out = module.get_image_features(media["pixel_values"].to(dev), media["image_grid_thw"].to(dev),
+                                        return_dict=True)
+    embeds, positions = place(embeds, input_ids, token, torch.cat(list(out.pooler_output), dim=0))
+    return embeds, positions, out
+
+
+def place(embeds: torch.Tensor, input_ids: torch.Tensor, token: int, features: torch.Tensor):
+    """`features` ([n, W], in order) at the n positions of `token` in `input_ids` ([1, L])."""
+    positions = (input_ids == token).unsqueeze(-1).expand_as(embeds)
+    return embeds.masked_scatter(positions, features.to(embeds.dtype)), positions
