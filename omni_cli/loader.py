@@ -481,11 +481,19 @@ def load_model(model: str | os.PathLike | None = None, device: str = "auto", dty
     )
 
 
-def from_pretrained(cls, path: Path, dtype, name: str):
+def from_pretrained(cls, path: Path, dtype, name: str, device=None):
     """`cls.from_pretrained(path)` in `dtype` from local files, with one-line errors, and a warning for
-    weights the folder lacks (transformers' own is silenced by `_quiet_transformers`)."""
+    weights the folder lacks (transformers' own is silenced by `_quiet_transformers`).
+
+    On an accelerator the weights are read straight onto `device` (a `device_map`): no full copy in host
+    memory first, and the reading overlaps the host-to-device copies. On a CPU, or without `accelerate`
+    (which transformers needs for a device map), they are read into host memory and moved after."""
+    where = {}
+    if device is not None and getattr(device, "type", "cpu") != "cpu" and _has_accelerate():
+        where = {"device_map": {"": device}}
     try:
-        model, info = cls.from_pretrained(str(path), dtype=dtype, local_files_only=True, output_loading_info=True)
+        model, info = cls.from_pretrained(str(path), dtype=dtype, local_files_only=True, output_loading_info=True,
+                                          **where)
     except KeyboardInterrupt:
         raise
     except Exception as exc:
@@ -496,6 +504,12 @@ def from_pretrained(cls, path: Path, dtype, name: str):
     if missing:
         log.warning("%s lacks %d weights (first: %s): they are random", name, len(missing), missing[0])
     return model
+
+
+def _has_accelerate() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("accelerate") is not None
 
 
 def to_device(model, place, device, name: str) -> None:

@@ -33,7 +33,7 @@ def load(path: Path, device, dtype, name: str):
     # it, but asking for the loading report (the subclass's override cannot return it); the voices
     # are loaded below, as the override would.
     base = super(Qwen2_5OmniForConditionalGeneration, Qwen2_5OmniForConditionalGeneration)
-    omni = from_pretrained(base, path, dtype, name)
+    omni = from_pretrained(base, path, dtype, name, device)
 
     def place(model):
         model.to(device)

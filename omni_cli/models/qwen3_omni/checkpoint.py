@@ -18,6 +18,6 @@ def load(path: Path, device, dtype, name: str):
     from ...loader import from_pretrained, to_device
 
     voices = speaker_ids(path, name)
-    omni = from_pretrained(Qwen3OmniMoeForConditionalGeneration, path, dtype, name)
+    omni = from_pretrained(Qwen3OmniMoeForConditionalGeneration, path, dtype, name, device)
     to_device(omni, lambda m: m.to(device), device, name)
     return omni, voices
