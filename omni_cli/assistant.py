@@ -68,7 +68,8 @@ def eos_ids(generation_config, tokenizer) -> list[int]:
 
 
 class Assistant:
-    def __init__(self, loaded, *, max_context: int = 4096, max_codes: int | None = None, graphs: bool = True) -> None:
+    def __init__(self, loaded, *, max_context: int = 4096, max_codes: int | None = None, graphs: bool = True,
+                 compile: bool = False) -> None:
         self.loaded = loaded
         self.family = loaded.family
         self.is_demo = loaded.is_demo
@@ -81,6 +82,7 @@ class Assistant:
         self.max_context = max_context
         t = time.perf_counter()
         steps = self.family.build_steps(loaded.model, loaded.speakers, max_context=max_context, graphs=graphs,
+                                        compile=compile,
                                         max_codes=max_codes or round(DEFAULT_LIMITS["seconds"] * per_second))
         self.sample_rate = steps.sample_rate
         self.engine = Engine(steps, loaded.tokenizer, eos_ids=eos_ids(loaded.generation_config, loaded.tokenizer))
@@ -101,7 +103,7 @@ class Assistant:
 
         rt = runtime or RuntimeOptions(device=device, dtype=dtype)
         return cls(load_model(model, device=rt.device, dtype=rt.dtype), max_context=rt.max_context,
-                   max_codes=rt.max_codes, graphs=rt.graphs)
+                   max_codes=rt.max_codes, graphs=rt.graphs, compile=rt.compile)
 
     @property
     def voices(self) -> list[str]:

@@ -82,18 +82,21 @@ def _subject(model, family, voices: dict) -> _Subject:
 
 
 def _ours(subject: _Subject, prompt_ids, text_tokens, codes, device, graphs: bool, runs: int,
-          variant: str | None = None) -> dict:
+          variant: str | None = None, compile: bool = True) -> dict:
     from .runtime.engine import Engine
 
     t0 = time.perf_counter()
     steps = subject.family.steps(subject.model, subject.voices, max_context=max(1024, len(prompt_ids) + text_tokens + 8),
-                                 max_codes=codes, graphs=graphs, variant=variant)
+                                 max_codes=codes, graphs=graphs, variant=variant, compile=compile)
     engine = Engine(steps, _BenchTokenizer(), eos_ids=subject.eos_ids)
-    engine.warmup()
+    phases = engine.warmup()
     setup = time.perf_counter() - t0
-    progress(f"engine ready in {setup:.1f} s ({subject.family.READY_NOTE})")
+    how = "compiled" if steps.compile else "not compiled"
+    progress(f"engine ready in {setup:.1f} s ({subject.family.READY_NOTE}; {how})")
     out = _measure(engine, subject, prompt_ids, text_tokens, codes, device, runs)
     out["setup_s"] = setup
+    out["setup_phases_s"] = phases
+    out["compiled"] = bool(steps.compile)
     return out
 
 
@@ -297,8 +300,11 @@ def main(
                                                       "median (an even count: the mean of the middle two)"),
     device: str = typer.Option("auto", "--device"),
     dtype: str = typer.Option("auto", "--dtype", help="the full-size presets' LLMs (the tiny ones: float32)"),
-    graphs: bool = typer.Option(True, "--graphs/--no-graphs", help="CUDA graphs for the decode steps (Qwen2.5; "
-                                                                   "Qwen3's steps are all eager for now)"),
+    graphs: bool = typer.Option(True, "--graphs/--no-graphs", help="CUDA graphs for the decode steps and the "
+                                                                   "vocoder"),
+    compile: bool = typer.Option(True, "--compile/--no-compile", help="torch.compile the decode steps and the "
+                                 "vocoder first (with graphs); --no-compile measures what omni-say and omni-chat "
+                                 "run by default"),
     compare_hf: bool = typer.Option(False, "--compare-hf", help="also run transformers' generate"),
     variants: bool = typer.Option(False, "--variants", help="time each decode-step variant (eager, fused, graphs, "
                                                             "graphs+compile; Qwen2.5)"),
@@ -344,7 +350,7 @@ def main(
         table = _schedules(subject, prompt, text_tokens, codes, dev, runs)
         typer.echo(json.dumps(table, indent=2) if as_json else _variants_table(table))
         return
-    ours = _ours(subject, prompt, text_tokens, codes, dev, graphs, runs)
+    ours = _ours(subject, prompt, text_tokens, codes, dev, graphs, runs, compile=compile)
     ref = family.reference(model, prompt, text_tokens, codes, dev, progress) if compare_hf else None
     meta = {
         "preset": preset, "family": family.FAMILY, "approximate": PRESETS[preset]["approximate"],

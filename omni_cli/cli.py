@@ -120,7 +120,13 @@ ModelOpt = Annotated[Optional[str], typer.Option(
 VoiceOpt = Annotated[Optional[str], typer.Option("--voice", "-v", metavar="NAME", show_default=False, help="A voice of the model (Qwen2.5-Omni: Chelsie, the default, or Ethan; Qwen3-Omni: Ethan, the default, Chelsie or Aiden); see --list-voices.")]
 DeviceOpt = Annotated[str, typer.Option("--device", metavar="DEVICE", help="auto, cpu, cuda, cuda:N, npu, npu:N, mps.")]
 DtypeOpt = Annotated[str, typer.Option("--dtype", metavar="DTYPE", help="auto (bfloat16 on accelerators, float32 on CPU), float32, bfloat16, float16.")]
-GraphsOpt = Annotated[bool, typer.Option("--graphs/--no-graphs", help="CUDA graphs and compiled decode steps on a GPU (a no-op on CPU); --no-graphs runs them eagerly, as does OMNI_NO_GRAPHS=1.")]
+GraphsOpt = Annotated[bool, typer.Option("--graphs/--no-graphs", help="CUDA graphs of the decode steps and the vocoder on a GPU (a no-op on CPU); --no-graphs runs them eagerly, as does OMNI_NO_GRAPHS=1.")]
+CompileOpt = Annotated[bool, typer.Option("--compile/--no-compile", help="torch.compile the decode steps and the vocoder before the first reply (GPU, with graphs): faster steady speech after a compile of a minute or more the first time (cached for the next start, in TORCHINDUCTOR_CACHE_DIR or ~/.cache/omni_cli). Off by default: the first sound comes seconds after the command.")]
+
+
+def runtime_flags(graphs: bool, compile: bool) -> dict:
+    """RuntimeOptions fields for --graphs/--compile, leaving out what is at its default."""
+    return ({} if graphs else {"graphs": False}) | ({"compile": True} if compile else {})
 SeedOpt = Annotated[Optional[int], typer.Option("--seed", metavar="N", show_default=False, help="Seed for sampling and the vocoder noise (reproducible replies).")]
 GreedyOpt = Annotated[bool, typer.Option("--greedy", help="Greedy decoding instead of sampling.")]
 MaxTextOpt = Annotated[Optional[int], typer.Option("--max-text-tokens", min=1, metavar="N", show_default=False, help="Cap on the reply's text tokens (default: the model's).")]
@@ -512,6 +518,7 @@ def say(
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "auto",
     graphs: GraphsOpt = True,
+    compile: CompileOpt = False,
     seed: SeedOpt = None,
     greedy: GreedyOpt = False,
     temperature: TemperatureOpt = None,
@@ -541,9 +548,10 @@ def say(
     """Answer PROMPT: the text on stdout, the speech through the speakers, an audio file (-o FILE) or stdout (-o -)."""
     import time
 
-    from .ui import InterruptTimes, end_on_signals, safe_text_streams
+    from .ui import InterruptTimes, end_on_signals, process_started_at, safe_text_streams
 
     t_command = time.perf_counter()
+    t_process = process_started_at()  # before this function: the interpreter's start and our imports
 
     safe_text_streams()
     end_on_signals()
@@ -594,11 +602,13 @@ def say(
             if not text_only:
                 options = _checked_voice(options, model)
             t_load = time.perf_counter()
-            assistant = _load(model, device, dtype, err, quiet=quiet, **({} if graphs else {"graphs": False}))
+            assistant = _load(model, device, dtype, err, quiet=quiet, **runtime_flags(graphs, compile))
             loading = time.perf_counter() - t_load
             phases = getattr(assistant, "startup", None) or {}
             assistant.startup = {"before loading (prompt, outputs, voice)": t_load - t_command,
                                  "import torch and the engine": loading - sum(phases.values()), **phases}
+            if t_process is not None:
+                assistant.startup = {"start Python, import the command": t_command - t_process, **assistant.startup}
         if to_stdout:
             with _stdout_for_wav() as wav_file:
                 reply = _say_once(assistant, text, options, outputs, wav_file, _TextOut(None if quiet else sys.stderr),
@@ -616,7 +626,7 @@ def say(
 
             print_timing(err, reply.stats, outputs.speaker.stats if outputs.speaker is not None else None,
                          unit=speech_steps(assistant)[0])
-            _print_startup(err, assistant, reply.stats, t_command)
+            _print_startup(err, assistant, reply.stats, t_command if t_process is None else t_process)
     except BaseException as exc:  # noqa: BLE001 - every way out is reported, none with a traceback
         if isinstance(exc, (SystemExit, typer.Exit)):
             raise
@@ -625,7 +635,7 @@ def say(
 
 def _print_startup(err, assistant, stats: dict, t_command: float) -> None:
     """`--verbose`: the start-up's phases (a local model) and the first audio's time after the command
-    began (its Python start and imports before that are not counted)."""
+    began (`t_command`: the process's start where known, else when omni-say's code began)."""
     from .ui import print_startup
 
     first = stats.get("time_to_first_audio")
@@ -719,6 +729,7 @@ def chat(
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "auto",
     graphs: GraphsOpt = True,
+    compile: CompileOpt = False,
     seed: SeedOpt = None,
     greedy: GreedyOpt = False,
     temperature: TemperatureOpt = None,
@@ -770,7 +781,7 @@ def chat(
             options = _remote_voice(options, assistant)
         else:
             options = _checked_voice(options, model)
-            assistant = _load(model, device, dtype, err, max_context=max_context, **({} if graphs else {"graphs": False}))
+            assistant = _load(model, device, dtype, err, max_context=max_context, **runtime_flags(graphs, compile))
 
         def speaker():
             sink = SpeakerSink(audio_device, hint=CHAT_PLAY_HINT)

@@ -49,8 +49,13 @@ class RuntimeOptions:
     device: str = "auto"
     # "auto" = bfloat16 on accelerators, float32 on CPU. token2wav always runs in float32.
     dtype: str = "auto"
-    # CUDA graphs and compiled decode layers (a no-op on CPU); OMNI_NO_GRAPHS=1 also turns them off.
+    # CUDA graphs of the decode steps and the vocoder (a no-op on CPU); OMNI_NO_GRAPHS=1 also turns them off.
     graphs: bool = True
+    # torch.compile of the decode layers and the vocoder's DiT, before the first reply (with graphs, on a
+    # GPU). Off: the graphs replay the plain steps, captured in seconds (the first sound comes seconds
+    # after the command). On: faster steady decoding, after a compile that takes a minute or more the
+    # first time and is kept in a persistent cache (runtime/graphs.py) for the next start.
+    compile: bool = False
     # Longest prompt + reply text the thinker's static KV cache is sized for (tokens).
     max_context: int = 4096
     # Longest reply audio the talker's cache and the vocoder are sized for, in talker steps (Qwen2.5-Omni:

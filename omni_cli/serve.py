@@ -22,8 +22,9 @@ import typer
 
 from .api.protocol import DEFAULT_PORT
 from .cli import (
-    DebugOpt, DeviceOpt, DtypeOpt, GraphsOpt, GreedyOpt, MaxCodesOpt, MaxTextOpt, ModelOpt, SeedOpt, TemperatureOpt,
-    TopKOpt, TopPOpt, VersionOpt, _err, _exit_on, _load, _OneLineErrors, _report_library_logs,
+    CompileOpt, DebugOpt, DeviceOpt, DtypeOpt, GraphsOpt, GreedyOpt, MaxCodesOpt, MaxTextOpt, ModelOpt, SeedOpt,
+    TemperatureOpt, TopKOpt, TopPOpt, VersionOpt, _err, _exit_on, _load, _OneLineErrors, _report_library_logs,
+    runtime_flags,
 )
 from .config import ReplyOptions
 from .errors import UsageError
@@ -57,6 +58,7 @@ def serve(
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "auto",
     graphs: GraphsOpt = True,
+    compile: CompileOpt = False,
     seed: SeedOpt = None,
     greedy: GreedyOpt = False,
     temperature: TemperatureOpt = None,
@@ -81,7 +83,7 @@ def serve(
         listener = _listen(host, port, socket)  # a port in use is an error before a minute of loading
         from .ui import make_console
 
-        assistant = _load(model, device, dtype, make_console("stderr"), **({} if graphs else {"graphs": False}))
+        assistant = _load(model, device, dtype, make_console("stderr"), **runtime_flags(graphs, compile))
         _serve(assistant, model, listener, api_key, defaults)
     except BaseException as exc:  # noqa: BLE001 - every way out is reported, none with a traceback
         if isinstance(exc, (SystemExit, typer.Exit)):

@@ -39,12 +39,14 @@ def reference(model, ids, n_text, n_codes, eos, forced=False):
 
 
 def engines(model, eos, max_codes):
+    """(eager, graphed and compiled (omni-bench's), graphed uncompiled (omni-say's default)) engines."""
     eager = Engine(Qwen25Steps(model, model.speaker_map, max_context=1024, max_codes=max_codes, fast_decode=False),
                    _Tok(), eos_ids=eos)
-    graphed = Engine(Qwen25Steps(model, model.speaker_map, max_context=1024, max_codes=max_codes, fast_decode=True,
-                                 graphs=True), _Tok(), eos_ids=eos)
-    graphed.warmup()
-    return eager, graphed
+    made = [Engine(Qwen25Steps(model, model.speaker_map, max_context=1024, max_codes=max_codes, fast_decode=True,
+                               graphs=True, compile=compile), _Tok(), eos_ids=eos) for compile in (True, False)]
+    for engine in made:
+        engine.warmup()
+    return eager, *made
 
 
 @pytest.fixture(autouse=True)
@@ -62,13 +64,21 @@ def test_tiny_graphed_equals_eager_equals_transformers():
 
     ids = build_ids(tok, Conversation().messages("Hello there, how are you today?"))
     ref_text, ref_codes = reference(model, ids, 16, 200, eos)
-    eager, graphed = engines(model, eos, 256)
+    eager, graphed, uncompiled = engines(model, eos, 256)
     a = run(eager, ids, 16, 200)
     b = run(graphed, ids, 16, 200)
-    graphs = graphed.steps.thinker.fused.graphs
-    assert graphs.enabled and graphs.graphs  # really replayed graphs
+    c = run(uncompiled, ids, 16, 200)
+    for engine in (graphed, uncompiled):
+        graphs = engine.steps.thinker.fused.graphs
+        assert graphs.enabled and graphs.graphs  # really replayed graphs
+    assert uncompiled.steps.compile is False and graphed.steps.compile is True
     assert a.text_ids == ref_text and a.codes == ref_codes
     assert b.text_ids == ref_text and b.codes == ref_codes
+    assert c.text_ids == ref_text and c.codes == ref_codes
+    # The vocoder: eager (ODE step by step), and its steps' graphs replayed: the same kernels, float32.
+    diff = float(abs(c.audio - a.audio).max())
+    print(f"tiny: audio max |eager - step graphs| {diff:.2e}")
+    assert c.audio.shape == a.audio.shape and diff <= 1e-4
 
 
 @pytest.fixture(scope="module")
@@ -90,10 +100,12 @@ def test_true_size_graphed_equals_eager_equals_transformers_over_200_steps(big_m
     # Random weights: text EOS is held off and codes kept in the audio range on both sides (forced), else
     # the reference's token2wav indexes out of range on a random talker's non-audio ids.
     ref_text, ref_codes = reference(big_model, ids, 32, 200, eos, forced=True)
-    eager, graphed = engines(big_model, eos, 256)
+    eager, graphed, uncompiled = engines(big_model, eos, 256)
     logits = {}
     a = run_recording(eager, ids, 32, 200, logits.setdefault("eager", []))
     b = run_recording(graphed, ids, 32, 200, logits.setdefault("graphed", []))
+    c = run_recording(uncompiled, ids, 32, 200, [])
+    print("uncompiled graphs: text eq", c.text_ids == a.text_ids, "codes eq", c.codes == a.codes)
     first_diff = next((i for i, (x, y) in enumerate(zip(a.codes, b.codes)) if x != y), None)
     print("codes: ref", len(ref_codes), "eager", len(a.codes), "graphed", len(b.codes), "first eager/graphed diff", first_diff)
     print("text eq", a.text_ids == ref_text, b.text_ids == a.text_ids, "codes eq", a.codes == ref_codes, b.codes == a.codes)
@@ -111,6 +123,7 @@ def test_true_size_graphed_equals_eager_equals_transformers_over_200_steps(big_m
     assert a.text_ids == ref_text and a.codes == ref_codes
     assert b.text_ids == a.text_ids
     assert b.codes == a.codes
+    assert c.text_ids == a.text_ids and c.codes == a.codes
     assert len(a.codes) == 200
 
 

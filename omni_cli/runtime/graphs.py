@@ -9,7 +9,8 @@ so both paths do identical math.
 
 The switch: `RuntimeOptions.graphs` (`omni_cli.load(runtime=...)`), `omni-bench --no-graphs`, or the
 environment variable `OMNI_NO_GRAPHS=1`; it also turns off `torch.compile` of the decode layers
-(`compile_wanted`). It knows nothing about models.
+(`compile_wanted`), which `RuntimeOptions.compile` (`--compile`) asks for. Compiled code is kept in a
+persistent cache (`persistent_cache`). It knows nothing about models.
 """
 
 from __future__ import annotations
@@ -39,11 +40,30 @@ def compile_wanted(enabled: bool, device: torch.device) -> bool:
 def compile_fn(fn: Callable, **kwargs) -> Callable:
     """`torch.compile(fn)` with room for many specialisations of one function: each model, dtype and
     span bucket that runs it is one, and a process may hold several engines (tests, `omni-bench
-    --variants`); dynamo's default limit of 8 per function would make the ninth a hard error."""
+    --variants`); dynamo's default limit of 8 per function would make the ninth a hard error. What it
+    compiles is kept in `persistent_cache()` for later processes."""
     import torch._dynamo
 
+    persistent_cache()
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     return torch.compile(fn, **kwargs)
+
+
+CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
+
+
+def persistent_cache() -> str:
+    """The folder where torch.compile keeps what it made: `$TORCHINDUCTOR_CACHE_DIR` if set, else
+    `~/.cache/omni_cli/torch-compile` (under `$XDG_CACHE_HOME` if set). Inductor's default is a folder in
+    /tmp, which a reboot or a fresh container empties, so every start would compile again (a minute or
+    more for a 7B). Its caches (FX graphs, AOT autograd, Triton kernels under `triton/`) are PyTorch's own;
+    their keys hold the graph, the input shapes and dtypes, the torch version, the GPU and the compiler
+    settings, so one folder serves every model and machine, and a stale entry is never used. Set before
+    the first compile of the process (inductor reads the variable then)."""
+    if not os.environ.get(CACHE_ENV):
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        os.environ[CACHE_ENV] = os.path.join(base, "omni_cli", "torch-compile")
+    return os.environ[CACHE_ENV]
 
 
 def bucket(span: int, limit: int) -> int:

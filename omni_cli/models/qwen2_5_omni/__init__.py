@@ -51,10 +51,10 @@ def load(path: Path, device, dtype, name: str):
     return _load(path, device, dtype, name)
 
 
-def build_steps(model, voices: dict, *, max_context: int, max_codes: int, graphs: bool):
+def build_steps(model, voices: dict, *, max_context: int, max_codes: int, graphs: bool, compile: bool = False):
     from .steps import Qwen25Steps
 
-    return Qwen25Steps(model, voices, max_context=max_context, max_codes=max_codes, graphs=graphs)
+    return Qwen25Steps(model, voices, max_context=max_context, max_codes=max_codes, graphs=graphs, compile=compile)
 
 
 # The reference's talker settings (transformers' Qwen2_5OmniForConditionalGeneration.generate).

@@ -18,7 +18,7 @@ FAMILY = "qwen2.5-omni"  # as the bench's JSON names it
 UNIT = "codes"  # a talker step: one code (CODES_PER_SECOND of them a second of audio)
 PROMPT_FRAME = 0  # prompt ids that are not the user's: none (the prompt is plain random ids)
 GRAPHS = True  # the steps follow --graphs
-READY_NOTE = "graphs captured, layers compiled"  # what the engine's warm-up did
+READY_NOTE = "graphs captured"  # what the engine's warm-up did (the bench adds whether it compiled)
 
 _ENCODERS = dict(
     audio=dict(d_model=1280, encoder_layers=32, encoder_attention_heads=20, encoder_ffn_dim=5120),
@@ -48,8 +48,9 @@ PRESETS = {
     "tiny": dict(asset="tiny-qwen2.5-omni", approximate=False),
 }
 
-# How the decode steps run (Qwen25Steps' fast_decode, graphs, compile). The vocoder follows `graphs` only:
-# in both graph rows its windows are graphs with the DiT compiled (the switch for it is OMNI_NO_COMPILE=1).
+# How the decode steps run (Qwen25Steps' fast_decode, graphs, compile). The vocoder follows `graphs` and
+# `compile`: "graphs" replays its ODE steps as graphs of the plain DiT, "graphs+compile" each window's whole
+# ODE as one graph of the compiled DiT.
 VARIANTS = {
     "eager": dict(fast_decode=False, graphs=False, compile=False),  # the library's layers, one launch at a time
     "fused": dict(fast_decode=True, graphs=False, compile=False),  # fused QKV / gate-up fixed-shape step
@@ -144,11 +145,12 @@ def prompt(model, prompt_tokens: int) -> list[int]:
     return torch.randint(0, min(vocab, 150000), (prompt_tokens,), generator=g).tolist()
 
 
-def steps(model, voices: dict, *, max_context: int, max_codes: int, graphs: bool, variant: str | None = None):
-    """The engine's steps: `graphs` as asked, or one of VARIANTS."""
+def steps(model, voices: dict, *, max_context: int, max_codes: int, graphs: bool, variant: str | None = None,
+          compile: bool = True):
+    """The engine's steps: `graphs` and `compile` as asked, or one of VARIANTS."""
     from .steps import Qwen25Steps
 
-    options = VARIANTS[variant] if variant else dict(graphs=graphs)
+    options = VARIANTS[variant] if variant else dict(graphs=graphs, compile=compile and graphs)
     return Qwen25Steps(model, voices, max_context=max_context, max_codes=max_codes, **options)
 
 

@@ -28,9 +28,12 @@ class Qwen25Steps:
     audio_limit = AUDIO_CODE_LIMIT
     vector_from_token = False  # R[k] needs the hidden state of the thinker step that feeds token k
 
+    compile = False  # the decode layers and the vocoder's DiT compiled (set in __init__)
+
     def __init__(self, model, speakers: dict, *, max_context: int = 4096, max_codes: int = 4096,
                  graphs: bool = True, fast_decode: bool | None = None, compile: bool | None = None,
                  vocoder_chunk_codes: int = 192) -> None:
+        """`compile`: torch.compile the decode layers and the vocoder's DiT (None: where graphs are on)."""
         self.model = model
         self.speakers = speakers
         self.max_context = max_context
@@ -64,6 +67,7 @@ class Qwen25Steps:
             from ...runtime.graphs import compile_wanted
 
             compile = compile_wanted(graphs if compile is None else compile, self.device)
+            self.compile = compile
             self.thinker.enable_fast_decode(graphs, compile)
             if self.has_talker:
                 self.talker.enable_fast_decode(graphs, compile)
@@ -97,21 +101,23 @@ class Qwen25Steps:
         # The seed makes a CPU generator: the noise is drawn on the CPU, as transformers' is.
         return StreamingVocoder(self.model.token2wav, spk["cond"], spk["ref_mel"], max_codes=max_codes,
                                 generator=seed, codes_per_chunk=self.vocoder_chunk_codes,
-                                pad_windows=None if self.graphs else False)  # no graphs: no padding
+                                pad_windows=None if self.graphs else False,  # no graphs: no padding
+                                compiled=self.compile)
 
     # -- warm-up -------------------------------------------------------------------------------------
     def warmup(self) -> dict | None:
-        """Capture the CUDA graphs (decode steps for every span bucket; the vocoder's windows for every
-        voice) and compile, on this thread, with nothing else running: turns only replay them. Returns
+        """Capture the CUDA graphs (decode steps for every span bucket; the vocoder's windows) and, with
+        `compile`, compile, on this thread, with nothing else running: turns only replay them. Returns
         the seconds each phase took."""
         if self.device.type != "cuda":
             return None
         from ...runtime.stats import timed_warmup
 
-        phases = [("compile and capture the thinker's steps", self.thinker.capture_graphs)]
+        how = "compile and capture" if self.compile else "capture"
+        phases = [(f"{how} the thinker's steps", self.thinker.capture_graphs)]
         if self.has_talker:
-            phases += [("compile and capture the talker's steps", self.talker.capture_graphs),
-                       ("vocoder windows (compile and capture)", self.warmup_vocoder)]
+            phases += [(f"{how} the talker's steps", self.talker.capture_graphs),
+                       (f"{how} the vocoder's windows", self.warmup_vocoder)]
         return timed_warmup(self.device, phases)
 
     def warmup_vocoder(self) -> None:
@@ -122,9 +128,12 @@ class Qwen25Steps:
         from .vocoder import StreamingVocoder, warmup_codes
 
         codes = warmup_codes(self.vocoder_chunk_codes)
-        for spk in self.speakers.values():
+        # Compiled, a window's graph has its voice inside: one set per voice. Uncompiled, the step graphs
+        # take the voice as an input: one set serves all.
+        voices = list(self.speakers.values()) if self.compile else list(self.speakers.values())[:1]
+        for spk in voices:
             voc = StreamingVocoder(self.model.token2wav, spk["cond"], spk["ref_mel"], max_codes=len(codes),
-                                   generator=0, codes_per_chunk=self.vocoder_chunk_codes)
+                                   generator=0, codes_per_chunk=self.vocoder_chunk_codes, compiled=self.compile)
             voc._graphs.capturing = True
             try:
                 with torch.inference_mode():

@@ -11,8 +11,10 @@ History is never decoded again: each chunk costs its own frames plus a constant 
 (12, 24, 48, ... codes, doubling up to `codes_per_chunk`: 48 by default, 192 in the engine) so the first
 audio is early and later ones spend less on context and on each window's fixed cost; the last
 window of an utterance is padded to a full window's length with rows no real row attends to, so every
-window has one of a few fixed lengths and can be replayed as a CUDA graph (`_WindowGraphs`), with the
-DiT evaluation compiled by inductor inside it.
+window has one of a few fixed lengths and can be replayed as CUDA graphs (`_WindowGraphs`): with
+`compiled`, each window's whole ODE is one graph of the DiT compiled by inductor (fastest, but the
+compile takes a minute); without, each RK4 step of a window is one graph of the plain DiT (captured in
+a fraction of a second per window length, so a first reply never waits for a compiler).
 
 The starting noise of the whole utterance is drawn once, so a chunk's window uses the same noise
 rows as the whole-utterance decode (`decode_whole`), which makes the two comparable; with the same
@@ -56,6 +58,7 @@ class StreamingVocoder:
         num_steps: int = 10,
         guidance_scale: float = 0.5,
         sway_coefficient: float | None = -1.0,
+        compiled: bool = True,
         pad_windows: bool | None = None,
     ) -> None:
         """
@@ -73,6 +76,8 @@ class StreamingVocoder:
         num_steps, guidance_scale, sway_coefficient: the ODE settings; defaults are transformers'.
         pad_windows: run an utterance's last window at a full window's length (see `_decode_mel`), so
             it can replay a CUDA graph; default: when the windows are replayed as graphs.
+        compiled: where graphs are on, a window's whole ODE is one graph of the compiled DiT; False: one
+            graph per RK4 step of the plain DiT (`_ode_by_steps`). Same float operations either way.
         """
         self.model = token2wav.eval()
         self.dit = token2wav.code2wav_dit_model
@@ -103,6 +108,7 @@ class StreamingVocoder:
         if self.past_frames % self.block or self.past_frames < 0 or self.future_frames < 0:
             raise ValueError("past_frames must be a non-negative multiple of the DiT block size")
         self.bigvgan_context = bigvgan_context
+        self.compiled = compiled
         # Room past the longest utterance so a window padded to its full length (see _decode_mel) can
         # always be sliced from the noise and code buffers.
         self.pad_room = self.past_frames + max(self.chunk_frames, self.first_chunk_frames) + self.future_frames
@@ -239,8 +245,11 @@ class StreamingVocoder:
         r = self.repeats
         code = self.codes[:, window_start // r : (window_start + full) // r].to(self.device)
         blocks = self._block_index(full, window_end - window_start).to(self.device)
-        mel = self._graphs.run(("dit", self._voice_key, full), self._sample,
-                               code, self.noise[:, window_start : window_start + full], blocks)
+        noise = self.noise[:, window_start : window_start + full]
+        if self.compiled:
+            mel = self._graphs.run(("dit", self._voice_key, full), self._sample, code, noise, blocks)
+        else:
+            mel = self._sample(code, noise, blocks, by_step=True)
         self.mel[:, :, start:end] = mel[:, :, start - window_start : end - window_start]
         self.mel_done = end
         self.dit_frames += full
@@ -295,9 +304,10 @@ class StreamingVocoder:
         return self._bigvgan(mel).reshape(-1).float().cpu().numpy()
 
     # -- the DiT, called piece by piece --------------------------------------------------------
-    def _sample(self, code: torch.Tensor, noise: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    def _sample(self, code: torch.Tensor, noise: torch.Tensor, blocks: torch.Tensor,
+                by_step: bool = False) -> torch.Tensor:
         """Flow-matching ODE from `noise` [1, T, 80] given `code` [1, T/2] and each row's DiT block
-        `blocks` [T]; returns mel [1, 80, T]."""
+        `blocks` [T]; returns mel [1, 80, T]. `by_step`: through `_ode_by_steps`."""
         static = self._static_inputs(code)
         length = noise.shape[1]
         positions = torch.arange(length, device=self.device)[None, :].repeat(2, 1)
@@ -309,6 +319,11 @@ class StreamingVocoder:
         # Each layer's mask depends only on the window, not on the ODE's state: made once here instead
         # of in every layer of each of the 36 evaluations (on a small model, most of the DiT's time).
         masks = attention_masks(self.dit, block_diff, noise.dtype)
+        times = torch.linspace(0, 1, self.num_steps, device=self.device, dtype=self.dtype)
+        if self.sway_coefficient is not None:
+            times += self.sway_coefficient * (torch.cos(torch.pi / 2 * times) - 1 + times)
+        if by_step:
+            return self._ode_by_steps(noise, times, static, rope, masks).permute(0, 2, 1)
         guidance = self.guidance_scale
         forward = self._graphs.compiled_dit() if self._graphs.capturing else dit_forward
 
@@ -319,10 +334,35 @@ class StreamingVocoder:
             guided, null = torch.chunk(out, 2, dim=0)
             return guided + (guided - null) * guidance
 
-        times = torch.linspace(0, 1, self.num_steps, device=self.device, dtype=self.dtype)
-        if self.sway_coefficient is not None:
-            times += self.sway_coefficient * (torch.cos(torch.pi / 2 * times) - 1 + times)
         return rk4_final(velocity, noise, times).permute(0, 2, 1)
+
+    def _ode_by_steps(self, x, times, static, rope, masks) -> torch.Tensor:
+        """The ODE one RK4 step at a time, each step a CUDA graph per window length (`_WindowGraphs.stepper`):
+        uncompiled, the whole ODE's graph takes ~1.5 s to capture per window length (two runs of ~35 000
+        kernel launches from Python), one step's a ninth of that. The window's own tensors (conditioning,
+        RoPE, masks) are copied into the graph once per window, `x` and the step's times once per step.
+        The result lives in the graph's buffer until the next window: use it at once."""
+        shared, layer_mask = [], []  # the masks the layers share (by reach), and each layer's
+        for mask in masks:
+            i = next((j for j, m in enumerate(shared) if m is mask), None)
+            if i is None:
+                i, _ = len(shared), shared.append(mask)
+            layer_mask.append(i)
+        dit, guidance = self.dit, self.guidance_scale
+
+        def step(x, t0, t1, static, cos, sin, *shared):
+            by_layer = [shared[i] for i in layer_mask]
+
+            def velocity(t, y):
+                guided, null = torch.chunk(dit_forward(dit, y, t, static, (cos, sin), by_layer), 2, dim=0)
+                return guided + (guided - null) * guidance
+
+            return rk4_step(velocity, x, t0, t1)
+
+        run = self._graphs.stepper(("dit-step", x.shape[1]), step, (x, times[0], times[1]), (static, *rope, *shared))
+        for i in range(times.shape[0] - 1):
+            x = run(x, times[i], times[i + 1])
+        return x
 
     def _static_inputs(self, code: torch.Tensor) -> torch.Tensor:
         """The DiT input that stays fixed over the ODE: [ECAPA(ref_mel) | code embedding | cond], CFG batch."""
@@ -408,23 +448,28 @@ def rk4_final(velocity: Callable, x: torch.Tensor, times: torch.Tensor) -> torch
     scalars (host syncs); on its own grid every point is an interval end, so the final value is the
     last step's. Without those branches the whole ODE is capturable as one CUDA graph.
     """
-    third, two_thirds = 1 / 3, 2 / 3
     for i in range(times.shape[0] - 1):
-        t0, t1 = times[i], times[i + 1]
-        dt = t1 - t0
-        k1 = velocity(t0, x)
-        k2 = velocity(t0 + dt * third, x + dt * k1 * third)
-        k3 = velocity(t0 + dt * two_thirds, x + dt * (k2 - k1 * third))
-        k4 = velocity(t1, x + dt * (k1 - k2 + k3))
-        x = x + (k1 + 3 * (k2 + k3) + k4) * dt / 8
+        x = rk4_step(velocity, x, times[i], times[i + 1])
     return x
 
 
-class _WindowGraphs:
-    """Replays the vocoder's fixed-shape work (a DiT window's whole ODE, a BigVGAN span) as CUDA graphs.
+def rk4_step(velocity: Callable, x: torch.Tensor, t0: torch.Tensor, t1: torch.Tensor) -> torch.Tensor:
+    """One step of transformers' RK4 (3/8 rule) from t0 to t1."""
+    third, two_thirds = 1 / 3, 2 / 3
+    dt = t1 - t0
+    k1 = velocity(t0, x)
+    k2 = velocity(t0 + dt * third, x + dt * k1 * third)
+    k3 = velocity(t0 + dt * two_thirds, x + dt * (k2 - k1 * third))
+    k4 = velocity(t1, x + dt * (k1 - k2 + k3))
+    return x + (k1 + 3 * (k2 + k3) + k4) * dt / 8
 
-    One graph per key (kind, voice, length), replayed after: thousands of small kernel launches per
-    chunk become one. Graphs are captured only while `capturing` is set — by the engine's warm-up, on
+
+class _WindowGraphs:
+    """Replays the vocoder's fixed-shape work (a DiT window's whole ODE or one of its RK4 steps, a BigVGAN
+    span) as CUDA graphs.
+
+    One graph per key (kind, voice, length; a step's graph serves every voice: the voice is in the window's
+    tensors), replayed after: thousands of small kernel launches per chunk become one or nine. Graphs are captured only while `capturing` is set — by the engine's warm-up, on
     one thread with nothing else running on the GPU (capturing next to a busy engine thread is not
     safe). A key without a graph runs eagerly, as on CPU or with `OMNI_NO_GRAPHS=1`.
     """
@@ -476,6 +521,26 @@ class _WindowGraphs:
             buf.copy_(value)
         graph.replay()
         return static_out
+
+    def stepper(self, key, fn: Callable, inputs: tuple, window: tuple) -> Callable:
+        """`fn(*inputs, *window)` as a function of `inputs` alone, replayed as the CUDA graph of `key` (the
+        window's tensors copied in now, once); eager where there is no graph and none is being captured."""
+        entry = self.graphs.get(key) if self.enabled else None
+        if entry is None and self.enabled and self.capturing:
+            entry = self.graphs[key] = self._capture(fn, inputs + window)
+        if entry is None:
+            return lambda *args: fn(*args, *window)
+        graph, static_in, static_out = entry
+        for buf, value in zip(static_in[len(inputs):], window):
+            buf.copy_(value)
+
+        def replay(*args):
+            for buf, value in zip(static_in, args):
+                buf.copy_(value)
+            graph.replay()
+            return static_out
+
+        return replay
 
     def _capture(self, fn, inputs):
         static_in = [x.clone() for x in inputs]

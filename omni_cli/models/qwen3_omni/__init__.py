@@ -65,10 +65,10 @@ def load(path: Path, device, dtype, name: str):
     return _load(path, device, dtype, name)
 
 
-def build_steps(model, voices: dict, *, max_context: int, max_codes: int, graphs: bool):
+def build_steps(model, voices: dict, *, max_context: int, max_codes: int, graphs: bool, compile: bool = False):
     from .steps import Qwen3Steps
 
-    return Qwen3Steps(model, voices, max_context=max_context, max_codes=max_codes, graphs=graphs)
+    return Qwen3Steps(model, voices, max_context=max_context, max_codes=max_codes, graphs=graphs, compile=compile)
 
 
 def talker_sampling(generation_config=None) -> SamplingOptions:

@@ -19,7 +19,7 @@ FAMILY = "qwen3-omni"  # as the bench's JSON names it
 UNIT = "frames"  # a talker step: one 16-id frame (codebook 0 from the talker, 1-15 from the code predictor)
 PROMPT_FRAME = 8  # <|im_start|>user\n ... <|im_end|>\n<|im_start|>assistant\n: the rest is the user's
 GRAPHS = True  # the steps follow --graphs
-READY_NOTE = "graphs captured, layers compiled"  # what the engine's warm-up did
+READY_NOTE = "graphs captured"  # what the engine's warm-up did (the bench adds whether it compiled)
 
 PRESETS = {
     # True sizes of Qwen3-Omni-30B-A3B-Instruct, every field set (`_config_30b`); `parameters`: the real
@@ -187,11 +187,13 @@ def prompt(model, prompt_tokens: int) -> list[int]:
     return [start, cfg.user_token_id, nl] + body + [end, nl, start, cfg.assistant_token_id, nl]
 
 
-def steps(model, voices: dict, *, max_context: int, max_codes: int, graphs: bool, variant: str | None = None):
+def steps(model, voices: dict, *, max_context: int, max_codes: int, graphs: bool, variant: str | None = None,
+          compile: bool = True):
     """The engine's steps (`max_codes`: frames); the one variant."""
     from .steps import Qwen3Steps
 
-    return Qwen3Steps(model, voices, max_context=max_context, max_codes=max_codes, graphs=graphs)
+    return Qwen3Steps(model, voices, max_context=max_context, max_codes=max_codes, graphs=graphs,
+                      compile=compile and graphs)
 
 
 def reference(model, prompt_ids, text_tokens: int, frames: int, device, progress=lambda message: None) -> dict:

@@ -31,6 +31,8 @@ class Qwen3Steps:
     audio_limit = CODEBOOK_SIZE
     vector_from_token = True  # R[k] is the projected thinker embedding of token k (`token_vector`)
 
+    compile = False  # the decode layers and the picks compiled (set in __init__)
+
     def __init__(self, model, voices: dict[str, int], *, max_context: int = 4096, max_codes: int = 1024,
                  graphs: bool = True, fast_decode: bool | None = None, compile: bool | None = None) -> None:
         # `voices` (the loader's name -> codec id map) is not kept: the talker reads the same speaker map
@@ -67,6 +69,7 @@ class Qwen3Steps:
             from ...runtime.graphs import compile_wanted
 
             compile = compile_wanted(graphs if compile is None else compile, self.device)
+            self.compile = compile
             self.thinker.enable_fast_decode(graphs, compile)
             if self.has_talker:
                 self.talker.enable_fast_decode(graphs, compile)
@@ -100,16 +103,17 @@ class Qwen3Steps:
         return StreamingCode2Wav(self.model.code2wav, max_frames=max_codes)
 
     def warmup(self) -> dict | None:
-        """Capture the CUDA graphs (thinker and talker steps for every span bucket, the frame) and
-        compile, on this thread, with nothing else running: turns only replay them. Returns the seconds
+        """Capture the CUDA graphs (thinker and talker steps for every span bucket, the frame) and, with
+        `compile`, compile, on this thread, with nothing else running: turns only replay them. Returns the seconds
         each phase took."""
         if self.device.type != "cuda":
             return None
         from ...runtime.stats import timed_warmup
 
-        phases = [("compile and capture the thinker's steps", self.thinker.capture_graphs)]
+        how = "compile and capture" if self.compile else "capture"
+        phases = [(f"{how} the thinker's steps", self.thinker.capture_graphs)]
         if self.has_talker:
-            phases += [("compile and capture the talker's steps and frame", self.talker.capture_graphs),
+            phases += [(f"{how} the talker's steps and frame", self.talker.capture_graphs),
                        ("code2wav warm-up", self.warmup_vocoder)]
         return timed_warmup(self.device, phases)
 
