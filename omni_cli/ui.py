@@ -157,6 +157,20 @@ def print_timing(err, stats: dict, playback: dict | None = None, title: str = "t
         err.print(f"[dim]{label.ljust(width)}  {value}[/dim]")
 
 
+def process_started_at() -> float | None:
+    """When this process began, on the `time.perf_counter()` clock (Linux: from /proc, to 10 ms), so that
+    `--verbose` can count the interpreter's start and the imports before our code ran; None elsewhere."""
+    try:
+        with open("/proc/self/stat", encoding="ascii") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        with open("/proc/uptime", encoding="ascii") as f:
+            uptime = float(f.read().split()[0])
+        age = uptime - int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22 of stat: start, in ticks after boot
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
+    return time.perf_counter() - age if 0 <= age < 3600 else None
+
+
 def print_startup(err, startup: dict, after: dict, since_command: float | None = None) -> None:
     """`--verbose`: where start-up went (the assistant's `startup` phases, in order), what came after it
     (`after`: name -> seconds), and how long after the command the first audio existed."""

@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Start-up on a lent GPU machine, measured the way a user meets it (the device tool runs this from the
+# repository root; what lands in $OUT comes back). Steps, in the order given:
+#   folder    write a true-size random Qwen2.5-Omni-7B folder ($DIR; scripts/make_random_checkpoint.py)
+#   fresh     drop the page cache if allowed, then omni-say -m $DIR ... --verbose (nothing compiled yet)
+#   again     the same command a second time
+#   compile   omni-say --compile twice: the compiler's first run, then the persistent cache's
+#   serve     omni-serve -m $DIR in the background, then omni-say twice through it (found on the default
+#             address), then SIGTERM
+#   audio     a 5 s clip against a text prompt of as many tokens, in one process (scripts/audio_vs_text.py)
+# Each omni-say prints its start-up breakdown (--verbose) and is timed from outside with `date`.
+#   usage: DIR=/tmp/qwen25-7b bash scripts/cold_start.sh folder fresh again serve audio
+set -u
+out=${OUT:-/tmp/omni-cold-start}
+dir=${DIR:-/tmp/qwen2.5-omni-7b-random}
+mkdir -p "$out"
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+say=(python3 -m omni_cli.cli say -m "$dir" "Hello there, how are you today?" --max-codes 250 --max-text-tokens 32
+     --seed 0 --verbose)
+
+timed() {  # timed LABEL COMMAND...: run it, keep its stderr, print the wall time and the start-up lines
+  local label=$1; shift
+  local t0 t1
+  t0=$(date +%s.%N)
+  "$@" > "$out/$label.out" 2> "$out/$label.err"
+  local rc=$?
+  t1=$(date +%s.%N)
+  echo "== $label: rc=$rc wall $(python3 -c "print(f'{$t1 - $t0:.2f}')") s"
+  grep -vE "^\s*$" "$out/$label.err" | tail -22
+}
+
+for step in "$@"; do
+  case $step in
+    folder) timed folder python3 scripts/make_random_checkpoint.py "$dir" --preset qwen2.5-omni-7b --device cuda --force
+            du -sh "$dir" ;;
+    fresh) sync; if echo 3 > /proc/sys/vm/drop_caches 2>/dev/null; then echo "page cache dropped"; else
+             echo "page cache NOT dropped (not allowed here)"; fi
+           timed fresh "${say[@]}" -o "$out/fresh.wav" ;;
+    again) timed again "${say[@]}" -o "$out/again.wav" ;;
+    compile) timed compile1 "${say[@]}" --compile -o "$out/compile1.wav"
+             timed compile2 "${say[@]}" --compile -o "$out/compile2.wav" ;;
+    serve) python3 -m omni_cli.serve -m "$dir" > "$out/serve.out" 2> "$out/serve.err" &
+           pid=$!
+           for _ in $(seq 1 240); do
+             python3 -c "import httpx,sys; sys.exit(httpx.get('http://127.0.0.1:8484/health').status_code != 200)" \
+               2>/dev/null && break
+             sleep 0.5
+           done
+           tail -3 "$out/serve.err"
+           timed serve1 "${say[@]}" -o "$out/serve1.wav"
+           timed serve2 "${say[@]}" -o "$out/serve2.wav"
+           kill -TERM $pid; wait $pid; echo "omni-serve exit $?" ;;
+    audio) timed audio python3 scripts/audio_vs_text.py "$dir" ;;
+    *) echo "unknown step $step"; exit 2 ;;
+  esac
+done
