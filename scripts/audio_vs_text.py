@@ -54,7 +54,8 @@ def row(stats: dict) -> dict:
     return {
         "prompt_tokens": stats.get("prompt_tokens"),
         "audio_encoder_ms": stats.get("audio_encoder_ms"),
-        "first_text_ms": 1000 * stats["time_to_first_text"],
+        # a random model's text can decode to nothing (ids past the tiny tokenizer's): no first text then
+        "first_text_ms": 1000 * (stats["time_to_first_text"] or float("nan")),
         "first_audio_ms": 1000 * stats["time_to_first_audio"],
     }
 

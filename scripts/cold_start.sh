@@ -15,18 +15,19 @@ out=${OUT:-/tmp/omni-cold-start}
 dir=${DIR:-/tmp/qwen2.5-omni-7b-random}
 mkdir -p "$out"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-say=(python3 -m omni_cli.cli say -m "$dir" "Hello there, how are you today?" --max-codes 250 --max-text-tokens 32
+say=(python3 -c "from omni_cli.cli import say_main; say_main()" -m "$dir" "Hello there, how are you today?" --max-codes 250 --max-text-tokens 32
      --seed 0 --verbose)
 
-timed() {  # timed LABEL COMMAND...: run it, keep its stderr, print the wall time and the start-up lines
+timed() {  # timed LABEL COMMAND...: run it, print the wall time and its last lines (all in $out/cold_start.log)
   local label=$1; shift
   local t0 t1
   t0=$(date +%s.%N)
-  "$@" > "$out/$label.out" 2> "$out/$label.err"
+  "$@" > /tmp/omni-step.log 2>&1
   local rc=$?
   t1=$(date +%s.%N)
+  { echo "== $label: rc=$rc wall $(python3 -c "print(f'{$t1 - $t0:.2f}')") s"; cat /tmp/omni-step.log; } >> "$out/cold_start.log"
   echo "== $label: rc=$rc wall $(python3 -c "print(f'{$t1 - $t0:.2f}')") s"
-  grep -vE "^\s*$" "$out/$label.err" | tail -22
+  grep -vE "^\s*$" /tmp/omni-step.log | tail -22
 }
 
 for step in "$@"; do
@@ -35,21 +36,21 @@ for step in "$@"; do
             du -sh "$dir" ;;
     fresh) sync; if echo 3 > /proc/sys/vm/drop_caches 2>/dev/null; then echo "page cache dropped"; else
              echo "page cache NOT dropped (not allowed here)"; fi
-           timed fresh "${say[@]}" -o "$out/fresh.wav" ;;
-    again) timed again "${say[@]}" -o "$out/again.wav" ;;
-    compile) timed compile1 "${say[@]}" --compile -o "$out/compile1.wav"
-             timed compile2 "${say[@]}" --compile -o "$out/compile2.wav" ;;
-    serve) python3 -m omni_cli.serve -m "$dir" > "$out/serve.out" 2> "$out/serve.err" &
+           timed fresh "${say[@]}" -o /tmp/fresh.wav ;;
+    again) timed again "${say[@]}" -o /tmp/again.wav ;;
+    compile) timed compile1 "${say[@]}" --compile -o /tmp/compile1.wav
+             timed compile2 "${say[@]}" --compile -o /tmp/compile2.wav ;;
+    serve) python3 -m omni_cli.serve -m "$dir" > /tmp/serve.log 2>&1 &
            pid=$!
            for _ in $(seq 1 240); do
              python3 -c "import httpx,sys; sys.exit(httpx.get('http://127.0.0.1:8484/health').status_code != 200)" \
                2>/dev/null && break
              sleep 0.5
            done
-           tail -3 "$out/serve.err"
-           timed serve1 "${say[@]}" -o "$out/serve1.wav"
-           timed serve2 "${say[@]}" -o "$out/serve2.wav"
-           kill -TERM $pid; wait $pid; echo "omni-serve exit $?" ;;
+           tail -3 /tmp/serve.log
+           timed serve1 "${say[@]}" -o /tmp/serve1.wav
+           timed serve2 "${say[@]}" -o /tmp/serve2.wav
+           kill -TERM $pid; wait $pid; echo "omni-serve exit $?"; cat /tmp/serve.log >> "$out/cold_start.log" ;;
     audio) timed audio python3 scripts/audio_vs_text.py "$dir" ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac

@@ -81,6 +81,36 @@ def test_tiny_graphed_equals_eager_equals_transformers():
     assert c.audio.shape == a.audio.shape and diff <= 1e-4
 
 
+def test_tiny_lazy_graphs_across_span_buckets_equal_eager():
+    """Uncompiled (omni-say's default): the warm-up captures the first span bucket and the first vocoder
+    windows only; a long reply (700 codes: the talker's span crosses two bucket edges, the vocoder reaches
+    its 96- and 192-code windows) captures the rest mid-reply, beside the other thread's GPU work. Codes
+    and text equal the eager engine's, and the audio equals it to float32 rounding."""
+    from omni_dev import tiny_qwen2_5 as tiny
+
+    model = tiny.build_tiny_model(tiny.tiny_config(), seed=0).cuda().eval()
+    eos = tiny.make_generation_config().eos_token_id
+    ids = list(range(20, 80))
+    eager = Engine(Qwen25Steps(model, model.speaker_map, max_context=1024, max_codes=1024, fast_decode=False),
+                   _Tok(), eos_ids=eos)
+    lazy = Engine(Qwen25Steps(model, model.speaker_map, max_context=1024, max_codes=1024, graphs=True, compile=False),
+                  _Tok(), eos_ids=eos)
+    lazy.warmup()
+    talker_graphs, vocoder_graphs = lazy.steps.talker.graphs, model.token2wav._omni_window_graphs
+    before = (set(talker_graphs.graphs), set(vocoder_graphs.graphs))
+    assert before[0] == {256}
+    a = run(eager, ids, 24, 700, force_lengths=True)
+    b = run(lazy, ids, 24, 700, force_lengths=True)
+    print("lazy graphs: talker buckets", sorted(before[0]), "->", sorted(talker_graphs.graphs),
+          "; vocoder graphs", len(before[1]), "->", len(vocoder_graphs.graphs))
+    assert set(talker_graphs.graphs) >= {256, 512, 768}  # captured mid-reply
+    assert len(vocoder_graphs.graphs) > len(before[1])
+    assert b.text_ids == a.text_ids and b.codes == a.codes and len(a.codes) == 700
+    diff = float(abs(b.audio - a.audio).max())
+    print(f"lazy graphs: audio max |eager - graphs| {diff:.2e}")
+    assert b.audio.shape == a.audio.shape and diff <= 1e-4
+
+
 @pytest.fixture(scope="module")
 def big_model():
     from omni_cli.bench import build_model

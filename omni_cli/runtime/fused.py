@@ -248,7 +248,7 @@ class TokenDecoder:
         self.cache, self.embed, self.head = cache, embed, head
         self.token = torch.zeros(1, dtype=torch.long, device=dev)
         self.pos = torch.zeros(1, dtype=torch.long, device=dev)
-        self.graphs = StepGraphs(self._step, dev, cache.max_len, graphs)
+        self.graphs = StepGraphs(self._step, dev, cache.max_len, graphs, lazy=not compile)
 
     def _step(self, span: int):
         embeds = self.embed(self.token.view(1, 1))

@@ -3,9 +3,11 @@
 `StepGraphs(fn, ...)` turns `fn(span)` — a step that reads and writes only preallocated ("static")
 tensors — into graph replays, one graph per attention-span bucket (the span grows with the cache; the
 host knows it without reading the device, so choosing a graph costs no sync). Graphs share one memory
-pool and are captured only by `capture_all()` at warm-up, never during a turn. On CPU, with graphs
-switched off, or for a bucket without a graph, calling it runs `fn` eagerly with the same bucketed span,
-so both paths do identical math.
+pool. They are captured by `capture_all()` at warm-up, or, `lazy`, the first bucket there and each
+later one when a step first reaches it (`capture_anywhere`: a plain step's capture takes tens of ms, so
+a reply never waits for buckets it does not reach; compiled steps are never captured lazily, as a
+bucket's first run may compile). On CPU, with graphs switched off, or for a bucket without a graph,
+calling it runs `fn` eagerly with the same bucketed span, so both paths do identical math.
 
 The switch: `RuntimeOptions.graphs` (`omni_cli.load(runtime=...)`), `omni-bench --no-graphs`, or the
 environment variable `OMNI_NO_GRAPHS=1`; it also turns off `torch.compile` of the decode layers
@@ -15,6 +17,7 @@ persistent cache (`persistent_cache`). It knows nothing about models.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Callable
 
@@ -71,11 +74,13 @@ def bucket(span: int, limit: int) -> int:
 
 
 class StepGraphs:
-    def __init__(self, fn: Callable[[int], object], device: torch.device, limit: int, enabled: bool) -> None:
+    def __init__(self, fn: Callable[[int], object], device: torch.device, limit: int, enabled: bool,
+                 lazy: bool = False) -> None:
         self.fn = fn
         self.device = device
         self.limit = limit
         self.enabled = graphs_wanted(enabled, device)
+        self.lazy = lazy
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, object]] = {}
         self.pool = torch.cuda.graph_pool_handle() if self.enabled else None
         self.capture_stream = capture_stream(device) if self.enabled else None
@@ -84,25 +89,29 @@ class StepGraphs:
         size = bucket(span, self.limit)
         entry = self.graphs.get(size) if self.enabled else None
         if entry is None:
-            return self.fn(size)  # no graph for this span (CPU, switched off, or not captured)
+            if not (self.enabled and self.lazy):
+                return self.fn(size)  # no graph for this span (CPU, switched off, or not captured)
+            entry = self.graphs[size] = self._capture(size)  # the first step in this bucket
         graph, outputs = entry
         graph.replay()
         return outputs
 
     def capture_all(self) -> None:
-        """Capture every span bucket now. Called by the engine's warm-up, with nothing else on the GPU:
-        a capture next to another thread's GPU work is not safe. The static inputs must hold valid
-        values (the step writes one cache row, which the next prefill overwrites)."""
+        """Capture every span bucket now (`lazy`: the first only). Called by the engine's warm-up. The
+        static inputs must hold valid values (the step writes one cache row, which the next prefill
+        overwrites)."""
         if not self.enabled:
             return
-        for size in range(SPAN_BUCKET, self.limit + SPAN_BUCKET, SPAN_BUCKET):
+        sizes = range(SPAN_BUCKET, self.limit + SPAN_BUCKET, SPAN_BUCKET)
+        for size in sizes[:1] if self.lazy else sizes:
             size = min(size, self.limit)
             if size not in self.graphs:
                 self.graphs[size] = self._capture(size)
 
     def _capture(self, size: int):
         # Warm up on a side stream (lazy library init, autotuning), then capture. The step rewrites the
-        # same cache row with the same values each time, so warm-up runs leave no trace.
+        # same cache row with the same values each time (mid-reply too: the row of the step being taken),
+        # so warm-up runs leave no trace.
         side = self.capture_stream
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
@@ -110,9 +119,26 @@ class StepGraphs:
                 self.fn(size)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool, stream=self.capture_stream):
+        with capture_anywhere(graph, self.pool, side):
             outputs = self.fn(size)
         return graph, outputs
+
+
+@contextlib.contextmanager
+def capture_anywhere(graph: torch.cuda.CUDAGraph, pool, stream: torch.cuda.Stream):
+    """Capture `graph` on `stream` while other threads may be using the GPU (a step graph in the middle of
+    a reply, beside the vocoder's thread). `torch.cuda.graph` would synchronise the whole device first
+    (waiting for whatever the vocoder has in flight) and empty the allocator's caches under the other
+    threads; and in its default ("global") mode another thread's synchronising call (the vocoder copying
+    audio to the host) would break the capture. Here only this thread's calls are checked
+    ("thread_local"), the allocator serves the capture from `pool`, and nothing else is touched. The
+    work on `stream` before the capture must already be ordered after what the captured kernels read."""
+    with torch.cuda.stream(stream):
+        graph.capture_begin(pool, capture_error_mode="thread_local")
+        try:
+            yield graph
+        finally:
+            graph.capture_end()
 
 
 def capture_stream(device: torch.device) -> torch.cuda.Stream:

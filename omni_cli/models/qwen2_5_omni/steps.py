@@ -127,7 +127,10 @@ class Qwen25Steps:
             return  # without graphs the vocoder's windows run eagerly too (a window without a graph does)
         from .vocoder import StreamingVocoder, warmup_codes
 
-        codes = warmup_codes(self.vocoder_chunk_codes)
+        # Compiled, every window length is captured now (a capture may compile); uncompiled, the first
+        # chunks' (12, 24 and 48 codes), and the rest when a reply first reaches them (on the vocoder's
+        # thread, while the audio made so far plays).
+        codes = warmup_codes(self.vocoder_chunk_codes if self.compile else min(24, self.vocoder_chunk_codes))
         # Compiled, a window's graph has its voice inside: one set per voice. Uncompiled, the step graphs
         # take the voice as an input: one set serves all.
         voices = list(self.speakers.values()) if self.compile else list(self.speakers.values())[:1]

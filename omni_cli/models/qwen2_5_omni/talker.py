@@ -47,7 +47,7 @@ class Talker:
         self.static_code = torch.zeros(1, dtype=torch.long, device=dev)
         self.static_reply = torch.zeros(1, 1, width, dtype=self.proj.weight.dtype, device=dev)
         self.static_pos = torch.zeros(1, dtype=torch.long, device=dev)
-        self.graphs = StepGraphs(self._fused_step, dev, self.cache.max_len, graphs)
+        self.graphs = StepGraphs(self._fused_step, dev, self.cache.max_len, graphs, lazy=not compile)
 
     def capture_graphs(self) -> None:
         if self.fused is not None:

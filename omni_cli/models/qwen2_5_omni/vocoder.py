@@ -276,7 +276,8 @@ class StreamingVocoder:
             return []
         left = max(0, self.audio_done - self.bigvgan_context)
         right = self.mel_done
-        audio = self._graphs.run(("bigvgan", right - left), self._bigvgan, self.mel[:, :, left:right]).reshape(-1)
+        audio = self._graphs.run(("bigvgan", right - left), self._bigvgan, self.mel[:, :, left:right],
+                                 lazy=not self.compiled).reshape(-1)
         # BigVGAN gives exactly `hop` samples a frame (its transposed convs are padded that way),
         # so frame indices map onto sample indices without drift.
         hop = audio.shape[-1] // (right - left)
@@ -359,7 +360,8 @@ class StreamingVocoder:
 
             return rk4_step(velocity, x, t0, t1)
 
-        run = self._graphs.stepper(("dit-step", x.shape[1]), step, (x, times[0], times[1]), (static, *rope, *shared))
+        run = self._graphs.stepper(("dit-step", x.shape[1]), step, (x, times[0], times[1]), (static, *rope, *shared),
+                                   lazy=True)
         for i in range(times.shape[0] - 1):
             x = run(x, times[i], times[i + 1])
         return x
@@ -469,9 +471,12 @@ class _WindowGraphs:
     span) as CUDA graphs.
 
     One graph per key (kind, voice, length; a step's graph serves every voice: the voice is in the window's
-    tensors), replayed after: thousands of small kernel launches per chunk become one or nine. Graphs are captured only while `capturing` is set — by the engine's warm-up, on
-    one thread with nothing else running on the GPU (capturing next to a busy engine thread is not
-    safe). A key without a graph runs eagerly, as on CPU or with `OMNI_NO_GRAPHS=1`.
+    tensors), replayed after: thousands of small kernel launches per chunk become one or nine. The whole
+    ODE's graphs (compiled) are captured only while `capturing` is set, by the engine's warm-up; the
+    plain steps' and BigVGAN's beside them (`lazy`) also when a window length first comes up in a reply,
+    on the vocoder's thread (`graphs.capture_anywhere`: a capture beside the engine's thread; tens of ms
+    for a step, where running the window eagerly would take ~0.7 s). A key without a graph runs eagerly,
+    as on CPU or with `OMNI_NO_GRAPHS=1`.
     """
 
     def __init__(self, device: torch.device) -> None:
@@ -508,12 +513,12 @@ class _WindowGraphs:
             token2wav._omni_window_graphs = graphs
         return graphs
 
-    def run(self, key, fn: Callable, *inputs: torch.Tensor) -> torch.Tensor:
+    def run(self, key, fn: Callable, *inputs: torch.Tensor, lazy: bool = False) -> torch.Tensor:
         if not self.enabled:
             return fn(*inputs)
         entry = self.graphs.get(key)
         if entry is None:
-            if not self.capturing:
+            if not (self.capturing or lazy):
                 return fn(*inputs)
             entry = self.graphs[key] = self._capture(fn, inputs)
         graph, static_in, static_out = entry
@@ -522,11 +527,11 @@ class _WindowGraphs:
         graph.replay()
         return static_out
 
-    def stepper(self, key, fn: Callable, inputs: tuple, window: tuple) -> Callable:
+    def stepper(self, key, fn: Callable, inputs: tuple, window: tuple, lazy: bool = False) -> Callable:
         """`fn(*inputs, *window)` as a function of `inputs` alone, replayed as the CUDA graph of `key` (the
         window's tensors copied in now, once); eager where there is no graph and none is being captured."""
         entry = self.graphs.get(key) if self.enabled else None
-        if entry is None and self.enabled and self.capturing:
+        if entry is None and self.enabled and (self.capturing or lazy):
             entry = self.graphs[key] = self._capture(fn, inputs + window)
         if entry is None:
             return lambda *args: fn(*args, *window)
@@ -543,6 +548,8 @@ class _WindowGraphs:
         return replay
 
     def _capture(self, fn, inputs):
+        from ...runtime.graphs import capture_anywhere
+
         static_in = [x.clone() for x in inputs]
         stream = torch.cuda.current_stream(self.device)
         side = self.capture_stream
@@ -551,7 +558,7 @@ class _WindowGraphs:
             fn(*static_in)  # warm-up: cuDNN/cuBLAS choose their kernels outside the capture
         stream.wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool, stream=self.capture_stream):
+        with capture_anywhere(graph, self.pool, side):
             static_out = fn(*static_in)
         return graph, static_in, static_out
 

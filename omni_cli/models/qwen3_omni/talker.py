@@ -221,7 +221,7 @@ class Talker:
         self._in_frame = torch.zeros(self.frame_width, dtype=torch.long, device=dev)
         self._in_vec = torch.zeros_like(self.text_pad_vec)
         self._in_pos = torch.zeros(1, dtype=torch.long, device=dev)
-        self.step_graphs = StepGraphs(self._fused_step, dev, self.cache.max_len, graphs)
+        self.step_graphs = StepGraphs(self._fused_step, dev, self.cache.max_len, graphs, lazy=not compile)
         self.prefill_graphs = PrefillGraphs(self.model, self.cache, self._hidden.shape[-1], self._hidden.dtype, dev,
                                             graphs and self._hidden.dtype == torch.bfloat16)  # as the thinker's
         # The 16 picks of a frame, compiled: a sampled pick is ~20 small kernels eagerly (two sorts and two
