@@ -101,7 +101,7 @@ def _resolve(model: str | os.PathLike | None, notice: bool = True) -> tuple[Path
                 "source checkout): pass -m FOLDER_OR_HUB_ID or set OMNI_MODEL"
             )
         if notice:
-            _tiny_notice(None, TINY_MODEL_DIR)
+            log.info(DEMO_NOTICE)
         path = _check_folder(TINY_MODEL_DIR)
         return path, True, TINY_MODEL_DIR.name
 
@@ -113,20 +113,12 @@ def _resolve(model: str | os.PathLike | None, notice: bool = True) -> tuple[Path
         folder = _check_folder(path)
         tiny = _is_tiny(folder)
         if tiny and notice:
-            _tiny_notice(text, folder)
+            log.info("%s is a built-in tiny model: its weights are random, so it prints gibberish and speaks noise",
+                     folder.name)
         return folder, tiny, folder.name
     if _looks_like_hub_id(text):
         return _from_hub(text), False, text
     raise ModelError(f"model folder {text} does not exist")
-
-
-def _tiny_notice(model, folder: Path) -> None:
-    """Say (log) that a built-in random-weight model is in use: at length when nothing was named."""
-    if model is None:
-        log.info(DEMO_NOTICE)
-    else:
-        log.info("%s is a built-in tiny model: its weights are random, so it prints gibberish and speaks noise",
-                 folder.name)
 
 
 def _looks_like_hub_id(text: str) -> bool:
@@ -320,59 +312,6 @@ def pick_device(name: str = "auto") -> "torch.device":
     return device
 
 
-def open_device(name: str = "auto") -> "torch.device":
-    """`pick_device(name)`, and on CUDA the context made and the GEMM library loaded now (the first call
-    of each takes a second or more): `load_model` runs this beside its imports."""
-    device = pick_device(name)
-    if device.type == "cuda":
-        import torch
-
-        with torch.cuda.device(device):
-            torch.cuda.init()
-            torch.cuda.current_blas_handle()  # loads cuBLAS (process-wide; the handle itself is per thread)
-    return device
-
-
-def _prefetch(folder: Path, workers: int = 2) -> None:
-    """Have the kernel read the folder's weight files into the page cache now, in the background, while
-    the imports and the GPU's start go on: a cold disk read of a 7B's 20 GiB takes ~14 s (an H200 machine)
-    and would otherwise only begin once transformers reads the first tensor. `posix_fadvise(WILLNEED)`
-    costs nothing for pages already cached. Skipped where the files would not fit in half the free memory
-    (they would push each other out) or the call is missing (not Linux)."""
-    import threading
-
-    files = sorted(folder.glob("*.safetensors")) or sorted(folder.glob("*.bin"))
-    if not files or not hasattr(os, "posix_fadvise"):
-        return
-    try:
-        total = sum(f.stat().st_size for f in files)
-        with open("/proc/meminfo", encoding="ascii") as info:
-            free = next(int(line.split()[1]) * 1024 for line in info if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration, ValueError):
-        return
-    if total > free // 2:
-        return
-
-    def read(names: list[Path]) -> None:
-        step = 64 << 20  # in pieces, so the reads go in file order
-        for file in names:
-            try:
-                fd = os.open(file, os.O_RDONLY)
-            except OSError:
-                continue
-            try:
-                size = os.fstat(fd).st_size
-                for offset in range(0, size, step):
-                    os.posix_fadvise(fd, offset, min(step, size - offset), os.POSIX_FADV_WILLNEED)
-            except OSError:
-                pass
-            finally:
-                os.close(fd)
-
-    for i in range(min(workers, len(files))):
-        threading.Thread(target=read, args=(files[i::workers],), name="omni-prefetch", daemon=True).start()
-
-
 def pick_dtype(name: str, device: "torch.device") -> "torch.dtype":
     """"auto" = bfloat16 on accelerators, float32 on CPU; else float32 / bfloat16 / float16."""
     import torch
@@ -480,22 +419,11 @@ def load_model(model: str | os.PathLike | None = None, device: str = "auto", dty
     """Resolve, check and load a checkpoint of a supported family onto a device (see `LoadedModel`)."""
     import time
 
-    from concurrent.futures import ThreadPoolExecutor
-
     t0 = time.perf_counter()
-    # Three things that wait on different resources run at once: the GPU's start (driver, context,
-    # libraries: seconds) on a thread of its own, the disk reading the weights ahead (`_prefetch`), and
-    # importing transformers here.
-    background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="omni-device")
-    opening = background.submit(open_device, device)
-    background.shutdown(wait=False)
-    try:
-        path, is_demo, name = _resolve(model, notice=False)
-        fam = read_family(path)
-    except OmniError:
-        opening.result()  # a device that is not here is reported first
-        raise
-    _prefetch(path)
+    torch_device = pick_device(device)
+    torch_dtype = pick_dtype(dtype, torch_device)
+    path, is_demo, name = _resolve(model)
+    fam = read_family(path)
 
     import torch
 
@@ -503,14 +431,6 @@ def load_model(model: str | os.PathLike | None = None, device: str = "auto", dty
         from transformers import AutoTokenizer, GenerationConfig
 
         timings = {"import transformers, find the model": time.perf_counter() - t0}
-        t = time.perf_counter()
-        torch_device = opening.result()
-        torch_dtype = pick_dtype(dtype, torch_device)
-        if is_demo:  # after the device's errors, as before
-            env = os.environ.get(MODEL_ENV, "").strip()
-            _tiny_notice(model if model is not None else (env or None), path)
-        if time.perf_counter() - t > 0.01:
-            timings["start the device (beside the imports)"] = time.perf_counter() - t
         t = time.perf_counter()
         omni, speakers = fam.load(path, torch_device, torch_dtype, name)
         omni.eval()

@@ -7,6 +7,7 @@
 #   compile   omni-say --compile twice: the compiler's first run, then the persistent cache's
 #   serve     omni-serve -m $DIR in the background, then omni-say twice through it (found on the default
 #             address), then SIGTERM
+#   serve-compiled  the same with omni-serve --compile
 #   audio     a 5 s clip against a text prompt of as many tokens, in one process (scripts/audio_vs_text.py)
 # Each omni-say prints its start-up breakdown (--verbose) and is timed from outside with `date`.
 #   usage: DIR=/tmp/qwen25-7b bash scripts/cold_start.sh folder fresh again serve audio
@@ -30,6 +31,21 @@ timed() {  # timed LABEL COMMAND...: run it, print the wall time and its last li
   grep -vE "^\s*$" /tmp/omni-step.log | tail -22
 }
 
+serve() {  # serve [FLAG]: omni-serve -m $dir [FLAG] in the background, omni-say twice through it, SIGTERM
+  python3 -c "from omni_cli.serve import serve_main; serve_main()" -m "$dir" $1 > /tmp/serve.log 2>&1 &
+  local pid=$! t0
+  t0=$(date +%s.%N)
+  for _ in $(seq 1 480); do
+    python3 -c "import httpx,sys; sys.exit(httpx.get('http://127.0.0.1:8484/health').status_code != 200)" \
+      2>/dev/null && break
+    sleep 0.5
+  done
+  echo "omni-serve $1 ready after $(python3 -c "print(f'{$(date +%s.%N) - $t0:.1f}')") s"; tail -2 /tmp/serve.log
+  timed "serve$1-1" "${say[@]}" -o /tmp/serve1.wav
+  timed "serve$1-2" "${say[@]}" -o /tmp/serve2.wav
+  kill -TERM $pid; wait $pid; echo "omni-serve exit $?"; cat /tmp/serve.log >> "$out/cold_start.log"
+}
+
 for step in "$@"; do
   case $step in
     folder) timed folder python3 scripts/make_random_checkpoint.py "$dir" --preset qwen2.5-omni-7b --device cuda --force
@@ -40,17 +56,8 @@ for step in "$@"; do
     again) timed again "${say[@]}" -o /tmp/again.wav ;;
     compile) timed compile1 "${say[@]}" --compile -o /tmp/compile1.wav
              timed compile2 "${say[@]}" --compile -o /tmp/compile2.wav ;;
-    serve) python3 -m omni_cli.serve -m "$dir" > /tmp/serve.log 2>&1 &
-           pid=$!
-           for _ in $(seq 1 240); do
-             python3 -c "import httpx,sys; sys.exit(httpx.get('http://127.0.0.1:8484/health').status_code != 200)" \
-               2>/dev/null && break
-             sleep 0.5
-           done
-           tail -3 /tmp/serve.log
-           timed serve1 "${say[@]}" -o /tmp/serve1.wav
-           timed serve2 "${say[@]}" -o /tmp/serve2.wav
-           kill -TERM $pid; wait $pid; echo "omni-serve exit $?"; cat /tmp/serve.log >> "$out/cold_start.log" ;;
+    serve) serve "" ;;
+    serve-compiled) serve --compile ;;
     audio) timed audio python3 scripts/audio_vs_text.py "$dir" ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
