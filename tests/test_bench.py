@@ -61,6 +61,7 @@ def test_tiny_bench_json_has_every_metric_at_the_forced_lengths(capsys):
     assert ours["time_to_first_audio_ms"] / 1000 < reply_s < elapsed / 2
     # chunks of 12, 24, 48 codes and a 66-code tail: the largest before the last is 48
     assert ours["vocoder_chunk_codes"] == 48 and ours["peak_gib"] is None  # no GPU: no GPU memory
+    assert ours["compiled"] is False and ours["setup_phases_s"] is None  # a CPU compiles and captures nothing
     # Each phase says it ended, on stderr; the two measured runs' times are printed there to 0.01 s, and
     # their median (two runs: the mean) is the reported total.
     assert "engine ready" in err and "warm-up run" in err
