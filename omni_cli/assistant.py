@@ -69,7 +69,7 @@ def eos_ids(generation_config, tokenizer) -> list[int]:
 
 class Assistant:
     def __init__(self, loaded, *, max_context: int = 4096, max_codes: int | None = None, graphs: bool = True,
-                 compile: bool = False) -> None:
+                 compile: bool | None = None) -> None:
         self.loaded = loaded
         self.family = loaded.family
         self.is_demo = loaded.is_demo

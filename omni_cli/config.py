@@ -52,10 +52,11 @@ class RuntimeOptions:
     # CUDA graphs of the decode steps and the vocoder (a no-op on CPU); OMNI_NO_GRAPHS=1 also turns them off.
     graphs: bool = True
     # torch.compile of the decode layers and the vocoder's DiT, before the first reply (with graphs, on a
-    # GPU). Off: the graphs replay the plain steps, captured in seconds (the first sound comes seconds
-    # after the command). On: faster steady decoding, after a compile that takes a minute or more the
-    # first time and is kept in a persistent cache (runtime/graphs.py) for the next start.
-    compile: bool = False
+    # GPU). Off: the graphs replay the plain steps, captured in seconds. On: faster steady decoding, after
+    # a compile that takes a minute or more the first time and is kept in a persistent cache
+    # (runtime/graphs.py) for the next start. None: the family's default (`COMPILE_DEFAULT`: off for
+    # Qwen2.5-Omni; on for Qwen3-Omni until its plain graphs have run on a GPU).
+    compile: bool | None = None
     # Longest prompt + reply text the thinker's static KV cache is sized for (tokens).
     max_context: int = 4096
     # Longest reply audio the talker's cache and the vocoder are sized for, in talker steps (Qwen2.5-Omni:

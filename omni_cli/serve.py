@@ -58,7 +58,7 @@ def serve(
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "auto",
     graphs: GraphsOpt = True,
-    compile: CompileOpt = False,
+    compile: CompileOpt = None,
     seed: SeedOpt = None,
     greedy: GreedyOpt = False,
     temperature: TemperatureOpt = None,

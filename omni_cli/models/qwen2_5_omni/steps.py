@@ -106,9 +106,10 @@ class Qwen25Steps:
 
     # -- warm-up -------------------------------------------------------------------------------------
     def warmup(self) -> dict | None:
-        """Capture the CUDA graphs (decode steps for every span bucket; the vocoder's windows) and, with
-        `compile`, compile, on this thread, with nothing else running: turns only replay them. Returns
-        the seconds each phase took."""
+        """Capture the CUDA graphs and, with `compile`, compile, on this thread, with nothing else running.
+        Compiled: the decode steps for every span bucket and every vocoder window, so turns only replay
+        them. Uncompiled: the first span bucket and the first windows; a turn captures the others when it
+        first reaches them (tens of ms each). Returns the seconds each phase took."""
         if self.device.type != "cuda":
             return None
         from ...runtime.stats import timed_warmup

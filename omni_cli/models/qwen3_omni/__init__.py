@@ -65,9 +65,16 @@ def load(path: Path, device, dtype, name: str):
     return _load(path, device, dtype, name)
 
 
-def build_steps(model, voices: dict, *, max_context: int, max_codes: int, graphs: bool, compile: bool = False):
+# Compile the steps before the first reply unless told otherwise (`--no-compile`): yes, for now. Its graphs
+# have run on a GPU only compiled (~60 s at start for the 30B); the plain steps' graphs, which start in
+# seconds, have run on CPUs only (where graphs are off) and wait for a GPU check (tests/test_gpu.py).
+COMPILE_DEFAULT = True
+
+
+def build_steps(model, voices: dict, *, max_context: int, max_codes: int, graphs: bool, compile: bool | None = None):
     from .steps import Qwen3Steps
 
+    compile = COMPILE_DEFAULT if compile is None else compile
     return Qwen3Steps(model, voices, max_context=max_context, max_codes=max_codes, graphs=graphs, compile=compile)
 
 
