@@ -1068,3 +1068,14 @@ def test_omni_say_wraps_streamed_words_at_the_terminal_width(monkeypatch):
         plain.write(piece)
     plain.end()
     assert plain.stream.getvalue() == text + "\n"
+
+
+def test_process_start_is_read_from_proc():
+    """`--verbose` counts from the process's start: a process that slept 0.5 s before asking is at least
+    that old (and not much older: /proc's clock ticks are 10 ms)."""
+    code = ("import time; time.sleep(0.5); from omni_cli.ui import process_started_at; "
+            "t = process_started_at(); print('none' if t is None else time.perf_counter() - t)")
+    if not os.path.exists("/proc/self/stat"):
+        pytest.skip("no /proc here")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True).stdout
+    assert 0.5 <= float(out) < 5.0
