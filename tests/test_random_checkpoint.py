@@ -96,7 +96,7 @@ def test_the_folder_loads_and_replies_with_text_and_audio(made, caplog):
     assert not caplog.records  # no weight left random
     assert assistant.voices == ["Chelsie", "Ethan"]
     model = assistant.loaded.model
-    assert model.thinker.model.embed_tokens.weight.dtype == torch.float32
+    assert model.thinker.get_input_embeddings().weight.dtype == torch.float32
     assert model.token2wav.code2wav_dit_model.text_embed.codec_embed.weight.dtype == torch.float32
     reply = assistant.say("Hello", max_text_tokens=4, max_codes=30, greedy=True)
     assert 0 < len(reply.text_ids) <= 4
