@@ -595,9 +595,13 @@ def say(
         if play:
             outputs.speaker = SpeakerSink(audio_device)
         _, err = _consoles()
+        t_remote = time.perf_counter()
         assistant = _remote(server, api_key, local, model, quiet)
         if assistant is not None:
             options = options if text_only else _remote_voice(options, assistant)
+            # --verbose: the client's share of the wait (the server's is the reply's first audio)
+            assistant.startup = {"before the server (prompt, outputs)": t_remote - t_command,
+                                 "find the server, check the model and voice": time.perf_counter() - t_remote}
         else:
             if not text_only:
                 options = _checked_voice(options, model)
@@ -607,8 +611,8 @@ def say(
             phases = getattr(assistant, "startup", None) or {}
             assistant.startup = {"before loading (prompt, outputs, voice)": t_load - t_command,
                                  "import torch and the engine": loading - sum(phases.values()), **phases}
-            if t_process is not None:
-                assistant.startup = {"start Python, import the command": t_command - t_process, **assistant.startup}
+        if t_process is not None:
+            assistant.startup = {"start Python, import the command": t_command - t_process, **assistant.startup}
         if to_stdout:
             with _stdout_for_wav() as wav_file:
                 reply = _say_once(assistant, text, options, outputs, wav_file, _TextOut(None if quiet else sys.stderr),
