@@ -339,8 +339,8 @@ class StreamingVocoder:
 
     def _ode_by_steps(self, x, times, static, rope, masks) -> torch.Tensor:
         """The ODE one RK4 step at a time, each step a CUDA graph per window length (`_WindowGraphs.stepper`):
-        uncompiled, the whole ODE's graph takes ~1.5 s to capture per window length (two runs of ~35 000
-        kernel launches from Python), one step's a ninth of that. The window's own tensors (conditioning,
+        uncompiled, the whole ODE's graph would take ~1.5 s to capture per window length (an estimate: two
+        runs of ~35 000 kernel launches from Python), one step's a ninth of that. The window's own tensors (conditioning,
         RoPE, masks) are copied into the graph once per window, `x` and the step's times once per step.
         The result lives in the graph's buffer until the next window: use it at once."""
         shared, layer_mask = [], []  # the masks the layers share (by reach), and each layer's
