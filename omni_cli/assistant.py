@@ -68,6 +68,8 @@ def eos_ids(generation_config, tokenizer) -> list[int]:
 
 
 class Assistant:
+    keeps_media = True  # a conversation's turns keep their clips and images (the remote client's: text)
+
     def __init__(self, loaded, *, max_context: int = 4096, max_codes: int | None = None, graphs: bool = True,
                  compile: bool | None = None) -> None:
         self.loaded = loaded
@@ -158,16 +160,16 @@ class Assistant:
         `audio`: clips the user says with the prompt (paths, `media.AudioClip`s, or (samples, rate)
         pairs); `images`: what the user shows (paths or PIL images); the prompt's text may then be empty. With a `conversation`, the prompt is appended to
         its history and, once the turn completes, the reply too (an interrupted turn leaves the history
-        as it was; the history keeps the text of a turn, not its audio).
+        as it was); the turn's clips and images stay with it, so later turns hear and see them again.
         """
         opts = reply_options(options, fields)
-        req, conv = self._request(prompt, opts, sink, conversation, audio, images)
+        req, conv, media = self._request(prompt, opts, sink, conversation, audio, images)
         events = self.engine.stream(req)
         try:
             for event in events:
                 if isinstance(event, Done) and conversation is not None:
                     conversation.turns[:] = conv.turns
-                    conversation.add(prompt, event.reply.text)
+                    conversation.add(prompt, event.reply.text, media)
                 yield event
         finally:
             events.close()  # closing this generator (an interrupt) stops the turn at once
@@ -201,7 +203,7 @@ class Assistant:
             raise UsageError(f"max_codes {n_codes} is above this session's limit of {self.engine.max_codes}")
         conv = (Conversation(conversation.system, list(conversation.turns)) if conversation
                 else Conversation(system=self.default_system))
-        user, media, expand = self._media_prompt(prompt, clips, pictures)
+        user, media, expand = self._media_prompt(prompt, clips, pictures, conv)
         try:
             ids, dropped = fit(self.loaded.tokenizer, conv, user, self.max_context - n_text, expand)
         except UsageError as exc:
@@ -212,6 +214,8 @@ class Assistant:
         if dropped:
             # INFO: expected behaviour worth a note (the faces print INFO as `note: ...`), not a fault.
             log.info("dropped the oldest %d exchange(s) to fit the context", dropped)
+            if media is not None:  # the dropped turns' clips and images go with them
+                _, media, _ = self._media_prompt(prompt, clips, pictures, conv)
         tsamp = opts.thinker_sampling(self.thinker_sampling)
         ksamp = self.talker_sampling.greedy() if opts.greedy else self.talker_sampling
         req = TurnRequest(
@@ -219,7 +223,7 @@ class Assistant:
             max_codes=n_codes, seed=fresh_seed() if opts.seed is None else int(opts.seed), text_only=text_only,
             sink=sink, media=media,
         )
-        return req, conv
+        return req, conv, {"audio": clips, "images": pictures}
 
     def _clips(self, audio) -> list:
         """The request's audio as 16 kHz clips (a UsageError for what cannot be read, or a model that
@@ -252,12 +256,17 @@ class Assistant:
             raise UsageError(f"image input for {self.family.TITLE} is not supported yet")
         return [read_image(item) if isinstance(item, (str, os.PathLike)) else item.convert("RGB") for item in items]
 
-    def _media_prompt(self, prompt: str, clips: list, pictures: list):
-        """(the user message: its images, audio and text parts; the encoder inputs; how the rendered ids
-        become the prompt's: each placeholder repeated as the processor repeats it)."""
+    def _media_prompt(self, prompt: str, clips: list, pictures: list, history: Conversation):
+        """(the user message: its images, audio and text parts; the encoder inputs for the history's
+        media and this message's, in prompt order; how the rendered ids become the prompt's: each
+        placeholder repeated as the processor repeats it)."""
+        from .prompt import expand_placeholders, user_parts
+
+        user = user_parts(prompt, len(pictures), len(clips)) if clips or pictures else prompt
+        past_clips, past_pictures = history.media()
+        clips, pictures = past_clips + clips, past_pictures + pictures
         if not clips and not pictures:
             return prompt, None, None
-        from .prompt import expand_placeholders
 
         config = self.loaded.model.config
         media, expansions = {}, []
@@ -276,9 +285,6 @@ class Assistant:
             found, counts = self.family.audio_inputs(self._feature_extractor, clips)  # the processor's rules
             media.update(found, audio_seconds=sum(clip.seconds for clip in clips))
             expansions.append((self.family.audio_token_id(config), counts))
-        user = ([{"type": "image"} for _ in pictures] + [{"type": "audio"} for _ in clips]
-                + ([{"type": "text", "text": prompt}] if prompt else []))
-
         def expand(ids):
             for token, counts in expansions:
                 ids = expand_placeholders(ids, token, counts)

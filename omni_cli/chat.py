@@ -611,11 +611,35 @@ class ChatRepl:
     def _context_from(self) -> int:
         """Where the model's history starts in the transcript (turns dropped to fit the context come
         before it), so that a loaded conversation prompts the model exactly as this one would."""
-        history = self.chat.history.turns
+        history = self.chat.history.text_turns()
         start = len(self.transcript) - len(history)
         if start >= 0 and start % 2 == 0 and self.transcript[start:] == history:
             return start
         return 0  # not a suffix (cannot happen through this REPL): keep everything
+
+    def _restore_media(self, start: int) -> None:
+        """Give the loaded turns back the clips and images the transcript names, so that the model goes
+        on hearing and seeing them as the saved session did (a model in this process: a server's
+        history is text). A file that is gone or unreadable is a note; its turn goes on without it."""
+        if not getattr(self.assistant, "keeps_media", False):
+            return
+        from .media import read_audio, read_image
+
+        history = self.chat.history.turns
+        for entry in self.attachments:
+            turn = entry["turn"] - start
+            if not 0 <= turn < len(history):
+                continue  # dropped from the model's history before the save
+            media = {"audio": [], "images": []}
+            for kind, names, read in (("audio", entry["names"], lambda n: read_audio(n).at()),
+                                      ("images", entry["images"], read_image)):
+                for name in names:
+                    try:
+                        media[kind].append(read(name))
+                    except OmniError as exc:
+                        self.say(f"note: {exc}; that turn goes on without it")
+            if media["audio"] or media["images"]:
+                history[turn]["media"] = media
 
     # -- resuming a saved conversation -----------------------------------------------------------
     def cmd_load(self, arg: str) -> None:
@@ -657,6 +681,7 @@ class ChatRepl:
         self.transcript = [dict(t) for t in turns]
         self.speech = []  # indexes into the transcript: the loaded turns have no audio in this session
         self.attachments = _loaded_attachments(data.get("attachments"), file.parent, len(turns))
+        self._restore_media(start)
         self.loaded_from = file
         self.say(f"loaded {file} ({_count(len(turns) // 2, 'exchange')})"
                  + (f"; it replaces this session's {_count(replaced, 'exchange')}" if replaced else ""))

@@ -14,9 +14,11 @@ Every text that goes to the tokenizer is checked by `check_text`: a str holding 
 Python carries undecodable bytes: a non-UTF-8 argument, stdin or terminal input) is a usage error here
 rather than a TypeError deep inside the tokenizer.
 
-A user message may hold audio parts: the chat template renders one placeholder per clip, which
-`expand_placeholders` repeats as many times as the clip has audio tokens (the family computes those
-from its features). Images and video are not built here.
+A user message may hold audio and image parts: the chat template renders one placeholder per clip or
+image, which `expand_placeholders` repeats as many times as it has tokens (the family computes those
+from its features). A conversation keeps a turn's clips and images with it (in memory, `"media"`), so
+later turns hear and see them again; transcripts hold the text only (omni-chat saves the attachments
+beside them). The encoders' inputs are not built here.
 """
 
 from __future__ import annotations
@@ -41,21 +43,39 @@ class Conversation:
     system: str = DEFAULT_SYSTEM
     turns: list[dict] = field(default_factory=list)  # {"role": "user"|"assistant", "content": str}
 
-    def messages(self, pending_user: str | None = None) -> list[dict]:
+    def messages(self, pending_user: str | list | None = None) -> list[dict]:
+        """The chat template's messages: a turn with media as parts (`user_parts`)."""
         msgs = [{"role": "system", "content": self.system}] if self.system else []
-        msgs += [dict(t) for t in self.turns]
+        msgs += [_message(t) for t in self.turns]
         if pending_user is not None:
             msgs.append({"role": "user", "content": pending_user})
         return msgs
 
-    def add(self, user: str, assistant: str) -> None:
-        self.turns += [{"role": "user", "content": user}, {"role": "assistant", "content": assistant}]
+    def add(self, user: str, assistant: str, media: dict | None = None) -> None:
+        """A finished exchange; `media`: what the user said and showed with it ({"audio": [clips],
+        "images": [images]}), which the next turns' prompts carry again."""
+        turn = {"role": "user", "content": user}
+        if media and (media.get("audio") or media.get("images")):
+            turn["media"] = {"audio": list(media.get("audio") or ()), "images": list(media.get("images") or ())}
+        self.turns += [turn, {"role": "assistant", "content": assistant}]
+
+    def media(self) -> tuple[list, list]:
+        """(clips, images) of the turns, in prompt order."""
+        clips, images = [], []
+        for turn in self.turns:
+            clips += turn.get("media", {}).get("audio", [])
+            images += turn.get("media", {}).get("images", [])
+        return clips, images
 
     def clear(self) -> None:
         self.turns.clear()
 
+    def text_turns(self) -> list[dict]:
+        """The turns as a transcript holds them: roles and text (their media stay in memory)."""
+        return [{k: v for k, v in t.items() if k != "media"} for t in self.turns]
+
     def to_json(self) -> str:
-        data = {"format": TRANSCRIPT_FORMAT, "system": self.system, "turns": self.turns}
+        data = {"format": TRANSCRIPT_FORMAT, "system": self.system, "turns": self.text_turns()}
         return json.dumps(data, ensure_ascii=False, indent=2)
 
     @classmethod
@@ -75,6 +95,21 @@ class Conversation:
     @classmethod
     def load(cls, path: str | Path) -> "Conversation":
         return cls.from_json(Path(path).read_text(encoding="utf-8"))
+
+
+def user_parts(text: str, images: int = 0, clips: int = 0) -> list[dict]:
+    """A user message's content with media, in the order the families' processors expect: the images,
+    the audio, then the text."""
+    return ([{"type": "image"} for _ in range(images)] + [{"type": "audio"} for _ in range(clips)]
+            + ([{"type": "text", "text": text}] if text else []))
+
+
+def _message(turn: dict) -> dict:
+    media = turn.get("media")
+    if not media:
+        return {"role": turn["role"], "content": turn["content"]}
+    return {"role": turn["role"],
+            "content": user_parts(turn["content"], len(media["images"]), len(media["audio"]))}
 
 
 class TranscriptError(UsageError):
@@ -172,7 +207,11 @@ def build_ids(tokenizer, messages: list[dict]) -> list[int]:
 
 
 def expand_placeholders(ids: list[int], token: int, counts: list[int]) -> list[int]:
-    """`ids` with the i-th `token` repeated counts[i] times (what a processor does to `<|AUDIO|>`)."""
+    """`ids` with the i-th `token` repeated counts[i] times (what a processor does to `<|AUDIO|>`). Fewer
+    placeholders than counts: the oldest turns were dropped (`fit`), so the last counts are theirs."""
+    found = ids.count(token)
+    if found < len(counts):
+        counts = counts[len(counts) - found:]
     out, left = [], iter(counts)
     for i in ids:
         out.extend([i] * next(left) if i == token else [i])

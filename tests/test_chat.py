@@ -740,6 +740,41 @@ def test_real_save_and_load_give_the_prompt_of_a_session_that_never_stopped(tiny
     assert second.repl.chat.history == first.repl.chat.history
 
 
+def test_real_load_gives_the_turns_their_clips_back(tiny, tmp_path):
+    """A clip said with a message stays in the model's history (the next turns hear it again), and a
+    saved and loaded session has it there too: its next prompt is the one the first session would send.
+    A clip file gone by the time of the load is one note, and that turn goes on without it."""
+    clip = tmp_path / "sound.wav"
+    t = np.arange(16_000) / 16_000
+    sf.write(clip, (0.3 * np.sin(2 * np.pi * 300 * t)).astype(np.float32), 16_000)
+    options = ReplyOptions(seed=2, max_text_tokens=4)
+    first = Session(assistant=tiny, options=options, muted=True)
+    first.run(f"/audio {clip}\rWhat is it?\rAnd now?\r/save {tmp_path / 'talk'}\r\x04")
+    assert [len(t.get("media", {}).get("audio", [])) for t in first.repl.chat.history.turns] == [1, 0, 0, 0]
+    audio_token = tiny.family.audio_token_id(tiny.loaded.model.config)
+
+    def next_ids(repl):
+        seen, original = {}, tiny.engine.stream
+        tiny.engine.stream = lambda req: (seen.setdefault("ids", list(req.input_ids)), original(req))[1]
+        try:
+            repl.chat.say("Once more?", options)
+        finally:
+            tiny.engine.stream = original
+        return seen["ids"]
+
+    second = Session(assistant=tiny, options=options, muted=True)
+    second.repl.load_transcript(tmp_path / "talk")
+    ids = next_ids(second.repl)
+    assert ids.count(audio_token) > 10  # the first turn's clip, heard again
+    assert ids == next_ids(first.repl)
+
+    clip.unlink()
+    third = Session(assistant=tiny, options=options, muted=True)
+    third.repl.load_transcript(tmp_path / "talk")
+    assert "that turn goes on without it" in third.err
+    assert next_ids(third.repl).count(audio_token) == 0
+
+
 # -- omni-chat as a subprocess, reading a script on stdin -----------------------------------------
 
 

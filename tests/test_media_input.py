@@ -156,6 +156,65 @@ def test_qwen3_audio_prompt_equals_transformers(qwen3, text, clips):
     assert reply.stats["audio_encoder_ms"] > 0
 
 
+def _history_case(model, path: str, cls_name: str):
+    """Two turns: a clip with a question, then a text question. Returns (the processor's inputs for the
+    second turn's whole conversation, the second reply, the ids the engine got for it)."""
+    from omni_cli.media import AudioClip
+
+    clip = AudioClip(tone(1.2, 22_050, 300.0, 3), 22_050)
+    chat = model.conversation()
+    first = chat.say("What is this sound?", audio=[clip], greedy=True, seed=0, max_text_tokens=6, max_codes=20)
+    kept, _ = chat.history.media()  # kept with its turn, at the encoder's rate
+    assert len(kept) == 1 and np.array_equal(kept[0].pcm, clip.at().pcm)
+    seen, original = {}, model.engine.stream
+
+    def spy(req):
+        seen["ids"] = list(req.input_ids)
+        return original(req)
+
+    model.engine.stream = spy
+    try:
+        second = chat.say("And what came before?", greedy=True, seed=0, max_text_tokens=10,
+                          max_codes=60 if cls_name == "Qwen2_5OmniProcessor" else 30)
+    finally:
+        model.engine.stream = original
+    proc = processor(path, cls_name)
+    messages = ([{"role": "system", "content": model.default_system}] if model.default_system else []) + [
+        {"role": "user", "content": [{"type": "audio"}, {"type": "text", "text": "What is this sound?"}]},
+        {"role": "assistant", "content": first.text},
+        {"role": "user", "content": "And what came before?"},
+    ]
+    rendered = proc.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    inputs = proc(text=rendered, audio=[clip.at().pcm], return_tensors="pt", padding=True)
+    return dict(inputs), second, seen["ids"]
+
+
+def test_a_clip_said_in_an_earlier_turn_is_heard_again(assistant):
+    """A conversation keeps a turn's clip: the next turn's prompt holds it where the processor puts it
+    for the whole conversation, and the reply equals transformers' generate on that."""
+    inputs, reply, ids = _history_case(assistant, ASSET, "Qwen2_5OmniProcessor")
+    assert ids == inputs["input_ids"][0].tolist()
+    text_ids, codes = reference_generate(assistant.loaded.model, [], n_text=10, n_codes=60,
+                                         eos=assistant.engine.eos_ids, inputs=inputs,
+                                         repetition_penalty=assistant.thinker_sampling.repetition_penalty)
+    assert reply.text_ids == text_ids
+    assert reply.codes == codes and len(codes) > 0
+
+
+def test_qwen3_hears_an_earlier_turns_clip_again(qwen3):
+    inputs, reply, ids = _history_case(qwen3, QWEN3, "Qwen3OmniMoeProcessor")
+    assert_qwen3_reference(qwen3, inputs, ids, reply)
+
+
+def test_dropping_old_turns_drops_their_media():
+    """`fit` drops the oldest exchanges; their clips' placeholders go with them, and the expansion uses
+    the counts of the clips that stayed (the newest)."""
+    from omni_cli.prompt import expand_placeholders
+
+    assert expand_placeholders([1, 9, 2, 9, 3], 9, [2, 3]) == [1, 9, 9, 2, 9, 9, 9, 3]
+    assert expand_placeholders([1, 2, 9, 3], 9, [2, 3]) == [1, 2, 9, 9, 9, 3]  # the first clip's turn is gone
+
+
 def test_a_clip_longer_than_the_context_is_one_line(tmp_path):
     clip = tmp_path / "long.wav"
     soundfile.write(clip, tone(40.0, 16_000, 300.0), 16_000)  # 40 s: ~1,000 audio tokens
