@@ -285,6 +285,7 @@ class Assistant:
             found, counts = self.family.audio_inputs(self._feature_extractor, clips)  # the processor's rules
             media.update(found, audio_seconds=sum(clip.seconds for clip in clips))
             expansions.append((self.family.audio_token_id(config), counts))
+
         def expand(ids):
             for token, counts in expansions:
                 ids = expand_placeholders(ids, token, counts)

@@ -41,7 +41,8 @@ from .models.qwen2_5_omni import DEFAULT_SYSTEM  # noqa: E402 - a constant, no t
 @dataclass
 class Conversation:
     system: str = DEFAULT_SYSTEM
-    turns: list[dict] = field(default_factory=list)  # {"role": "user"|"assistant", "content": str}
+    # {"role": "user"|"assistant", "content": str}; a user turn may add "media": {"audio": [...], "images": [...]}
+    turns: list[dict] = field(default_factory=list)
 
     def messages(self, pending_user: str | list | None = None) -> list[dict]:
         """The chat template's messages: a turn with media as parts (`user_parts`)."""
