@@ -72,19 +72,24 @@ def reference(assistant, clips, text: str | None, n_text: int, n_codes: int):
     return inputs["input_ids"][0].tolist(), text_ids, codes
 
 
-def say_seeing_ids(assistant, text, clips, **options):
-    """(the reply, the prompt ids the engine got) for `text` and `clips` through the API."""
-    seen, original = {}, assistant.engine.stream
+def seeing_ids(model, call):
+    """(what `call()` returns, the prompt ids `model`'s engine got during it)."""
+    seen, original = {}, model.engine.stream
 
     def spy(req):
         seen["ids"] = list(req.input_ids)
         return original(req)
 
-    assistant.engine.stream = spy
+    model.engine.stream = spy
     try:
-        return assistant.say(text or "", audio=clips, greedy=True, seed=0, **options), seen["ids"]
+        return call(), seen["ids"]
     finally:
-        assistant.engine.stream = original
+        model.engine.stream = original
+
+
+def say_seeing_ids(assistant, text, clips, **options):
+    """(the reply, the prompt ids the engine got) for `text` and `clips` through the API."""
+    return seeing_ids(assistant, lambda: assistant.say(text or "", audio=clips, greedy=True, seed=0, **options))
 
 
 @pytest.mark.parametrize("text, clips", [
@@ -166,18 +171,9 @@ def _history_case(model, path: str, cls_name: str):
     first = chat.say("What is this sound?", audio=[clip], greedy=True, seed=0, max_text_tokens=6, max_codes=20)
     kept, _ = chat.history.media()  # kept with its turn, at the encoder's rate
     assert len(kept) == 1 and np.array_equal(kept[0].pcm, clip.at().pcm)
-    seen, original = {}, model.engine.stream
-
-    def spy(req):
-        seen["ids"] = list(req.input_ids)
-        return original(req)
-
-    model.engine.stream = spy
-    try:
-        second = chat.say("And what came before?", greedy=True, seed=0, max_text_tokens=10,
-                          max_codes=60 if cls_name == "Qwen2_5OmniProcessor" else 30)
-    finally:
-        model.engine.stream = original
+    steps = 60 if cls_name == "Qwen2_5OmniProcessor" else 30  # codes, or Qwen3's frames
+    second, ids = seeing_ids(model, lambda: chat.say("And what came before?", greedy=True, seed=0,
+                                                     max_text_tokens=10, max_codes=steps))
     proc = processor(path, cls_name)
     messages = ([{"role": "system", "content": model.default_system}] if model.default_system else []) + [
         {"role": "user", "content": [{"type": "audio"}, {"type": "text", "text": "What is this sound?"}]},
@@ -186,7 +182,7 @@ def _history_case(model, path: str, cls_name: str):
     ]
     rendered = proc.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     inputs = proc(text=rendered, audio=[clip.at().pcm], return_tensors="pt", padding=True)
-    return dict(inputs), second, seen["ids"]
+    return dict(inputs), second, ids
 
 
 def test_a_clip_said_in_an_earlier_turn_is_heard_again(assistant):
