@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from ...runtime.engine import enable_fast_steps
 from ...runtime.kv_cache import StaticKVCache
 from ...runtime.sampling import mark_seen, select
 from .talker import Talker
@@ -58,19 +59,7 @@ class Qwen25Steps:
         # CPU fewer, larger matmuls and less Python per step (one core, built-in model: talker
         # 3.3 -> 2.9 ms a step, thinker 1.4 -> 1.0 ms a token, real-time factor 0.23-0.27 -> 0.20-0.22).
         # Its picks equal the library layers' and transformers' (tests/test_parity.py checks both).
-        self.fast_decode = True if fast_decode is None else fast_decode
-        if self.device.type == "cuda":
-            from ...runtime.engine import configure_cuda
-
-            configure_cuda(float32_llm=dtype == torch.float32)
-        if self.fast_decode:
-            from ...runtime.graphs import compile_wanted
-
-            compile = compile_wanted(graphs if compile is None else compile, self.device)
-            self.compile = compile
-            self.thinker.enable_fast_decode(graphs, compile)
-            if self.has_talker:
-                self.talker.enable_fast_decode(graphs, compile)
+        enable_fast_steps(self, dtype, graphs, compile, fast_decode)
         # The vocoder's steady chunk (chunks grow 12, 24, 48, ... up to it; see vocoder.py). A DiT window
         # has a large fixed cost (36 evaluations of small kernels), so larger chunks cost less per second
         # of audio. Measured side by side on an H200 beside the 7B talker (omni-bench --schedules):

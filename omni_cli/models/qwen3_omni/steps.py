@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from ...runtime.engine import enable_fast_steps
 from ...runtime.kv_cache import StaticKVCache
 from .talker import Talker
 from .thinker import Thinker
@@ -60,19 +61,7 @@ class Qwen3Steps:
             self.talker = Talker(model, cache, predictor)
             self.stop_codes = tuple(self.talker.stop_codes)
             self.text_eos_vec, self.text_pad_vec = self.talker.text_eos_vec, self.talker.text_pad_vec
-        if self.device.type == "cuda":
-            from ...runtime.engine import configure_cuda
-
-            configure_cuda(float32_llm=dtype == torch.float32)
-        self.fast_decode = True if fast_decode is None else fast_decode
-        if self.fast_decode:
-            from ...runtime.graphs import compile_wanted
-
-            compile = compile_wanted(graphs if compile is None else compile, self.device)
-            self.compile = compile
-            self.thinker.enable_fast_decode(graphs, compile)
-            if self.has_talker:
-                self.talker.enable_fast_decode(graphs, compile)
+        enable_fast_steps(self, dtype, graphs, compile, fast_decode)
 
     # -- thinker -------------------------------------------------------------------------------------
     def prefill(self, input_ids: torch.Tensor, media: dict | None = None):
