@@ -55,7 +55,7 @@ class RuntimeOptions:
     # GPU). Off: the graphs replay the plain steps, captured in seconds. On: faster steady decoding, after
     # a compile that takes a minute or more the first time and is kept in a persistent cache
     # (runtime/graphs.py) for the next start. None: the family's default (`COMPILE_DEFAULT`: off for
-    # Qwen2.5-Omni; on for Qwen3-Omni until its plain graphs have run on a GPU).
+    # both, so a first reply never waits on a compiler; omni-bench compiles).
     compile: bool | None = None
     # Longest prompt + reply text the thinker's static KV cache is sized for (tokens).
     max_context: int = 4096

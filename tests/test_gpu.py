@@ -222,18 +222,21 @@ def test_qwen3_tiny_on_cuda_equals_transformers():
 
 # -- Qwen3-Omni ------------------------------------------------------------------------------------------
 
-def qwen3_engines(model, voices, tokenizer, eos, max_codes):
-    """(eager: the library's layers, graphed: the fused steps replayed as CUDA graphs, captured)."""
+def qwen3_engines(model, voices, tokenizer, eos, max_codes, compiles):
+    """(eager: the library's layers, then per `compiles` entry the fused steps replayed as CUDA graphs,
+    compiled (True: omni-bench's) or plain (False: the other commands' default), captured)."""
     from omni_cli.models.qwen3_omni.steps import Qwen3Steps
 
     eager = Engine(Qwen3Steps(model, voices, max_context=512, max_codes=max_codes, fast_decode=False), tokenizer,
                    eos_ids=eos)
-    graphed = Engine(Qwen3Steps(model, voices, max_context=512, max_codes=max_codes, graphs=True), tokenizer,
-                     eos_ids=eos)
-    graphed.warmup()
-    assert graphed.steps.talker.step_graphs.graphs and graphed.steps.talker.frame_graphs.graphs
-    assert graphed.steps.thinker.fused.graphs.graphs
-    return eager, graphed
+    made = [Engine(Qwen3Steps(model, voices, max_context=512, max_codes=max_codes, graphs=True, compile=compile),
+                   tokenizer, eos_ids=eos) for compile in compiles]
+    for graphed, compile in zip(made, compiles):
+        graphed.warmup()
+        assert graphed.steps.compile is compile
+        assert graphed.steps.talker.step_graphs.graphs and graphed.steps.talker.frame_graphs.graphs
+        assert graphed.steps.thinker.fused.graphs.graphs
+    return eager, *made
 
 
 def qwen3_run(engine, ids, n_text, frames, **kw):
@@ -269,7 +272,8 @@ def qwen3_reference(model, ids, n_text, frames, eos, forced=False):
     return sequences[0, len(ids):].tolist(), caught["codes"][0].T.tolist()
 
 
-def test_qwen3_tiny_graphed_equals_eager_equals_transformers():
+@pytest.mark.parametrize("compile", [False, True], ids=["plain", "compiled"])
+def test_qwen3_tiny_graphed_equals_eager_equals_transformers(compile):
     import qwen3_reference as ref
 
     model = ref.model("tiny").cuda()
@@ -277,10 +281,9 @@ def test_qwen3_tiny_graphed_equals_eager_equals_transformers():
     ids = ref.prompt_ids([{"role": "user", "content": "Hello there! What is the weather like today?"}])
     eos = [ref.im_end()]
     ref_text, ref_codes = qwen3_reference(model, ids, 12, 40, eos)
-    eager, graphed = qwen3_engines(model, voices, ref.tokenizer(), eos, 64)
-    a, b = qwen3_run(eager, ids, 12, 40), qwen3_run(graphed, ids, 12, 40)
-    assert a.text_ids == ref_text and a.codes == ref_codes
-    assert b.text_ids == ref_text and b.codes == ref_codes
+    for engine in qwen3_engines(model, voices, ref.tokenizer(), eos, 64, compiles=(compile,)):
+        reply = qwen3_run(engine, ids, 12, 40)
+        assert reply.text_ids == ref_text and reply.codes == ref_codes
 
 
 def qwen3_true_widths(dtype):
@@ -313,7 +316,8 @@ def test_qwen3_true_size_graphed_equals_eager_equals_transformers_over_200_frame
     ids = presets.prompt(model, 60)
     eos = [model.config.im_end_token_id]
     ref_text, ref_codes = qwen3_reference(model, ids, 32, 200, eos, forced=True)
-    eager, graphed = qwen3_engines(model, voices, _Tok(), eos, 256)
+    # Graphs as the commands run them (plain; the compiled ones passed this test when they were the default).
+    eager, graphed = qwen3_engines(model, voices, _Tok(), eos, 256, compiles=(False,))
     a = qwen3_run(eager, ids, 32, 200, force_lengths=True)
     b = qwen3_run(graphed, ids, 32, 200, force_lengths=True)
     first = next((i for i, (x, y) in enumerate(zip(a.codes, b.codes)) if x != y), None)
@@ -326,7 +330,7 @@ def test_qwen3_true_size_graphed_equals_eager_equals_transformers_over_200_frame
 def test_qwen3_loop_runs_under_sync_debug_error(monkeypatch):
     """In bfloat16, the dtype a GPU runs: there the prompts are graphs too (in float32 the library's
     experts, which the talker's prompt runs through, copy from the host)."""
-    from omni_cli.models.qwen3_omni.steps import Qwen3Steps
+    from omni_cli.models.qwen3_omni import build_steps
     from omni_cli.runtime import turn as turn_mod
 
     def no_vocoder(self):  # the vocoder thread copies audio to the host by design; leave it out here
@@ -338,7 +342,8 @@ def test_qwen3_loop_runs_under_sync_debug_error(monkeypatch):
     model, voices = qwen3_true_widths(torch.bfloat16)
     from omni_cli.models.qwen3_omni import presets
 
-    eng = Engine(Qwen3Steps(model, voices, max_context=512, max_codes=256), _Tok(), eos_ids=[model.config.im_end_token_id])
+    eng = Engine(build_steps(model, voices, max_context=512, max_codes=256, graphs=True), _Tok(),
+                 eos_ids=[model.config.im_end_token_id])  # as the commands build them (the family's compile default)
     eng.warmup()
     reply = qwen3_run(eng, presets.prompt(model, 60), 16, 200, force_lengths=True, sync_debug=True)
     assert len(reply.codes) == 200
