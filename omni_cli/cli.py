@@ -121,7 +121,7 @@ VoiceOpt = Annotated[Optional[str], typer.Option("--voice", "-v", metavar="NAME"
 DeviceOpt = Annotated[str, typer.Option("--device", metavar="DEVICE", help="auto, cpu, cuda, cuda:N, npu, npu:N, mps.")]
 DtypeOpt = Annotated[str, typer.Option("--dtype", metavar="DTYPE", help="auto (bfloat16 on accelerators, float32 on CPU), float32, bfloat16, float16.")]
 GraphsOpt = Annotated[bool, typer.Option("--graphs/--no-graphs", help="CUDA graphs of the decode steps and the vocoder on a GPU (a no-op on CPU); --no-graphs runs them eagerly, as does OMNI_NO_GRAPHS=1.")]
-CompileOpt = Annotated[Optional[bool], typer.Option("--compile/--no-compile", show_default=False, help="torch.compile the decode steps and the vocoder before the first reply (GPU, with graphs): faster steady speech after a compile of a minute or more the first time (cached for the next start, in TORCHINDUCTOR_CACHE_DIR or ~/.cache/omni_cli). Default: off for Qwen2.5-Omni (nothing is compiled before the first reply), on for Qwen3-Omni.")]
+CompileOpt = Annotated[Optional[bool], typer.Option("--compile/--no-compile", show_default=False, help="torch.compile the decode steps and the vocoder before the first reply (GPU, with graphs): faster steady speech after a compile of a minute or more the first time (cached for the next start, in TORCHINDUCTOR_CACHE_DIR or ~/.cache/omni_cli). Default: off (nothing is compiled before the first reply).")]
 SeedOpt = Annotated[Optional[int], typer.Option("--seed", metavar="N", show_default=False, help="Seed for sampling and the vocoder noise (reproducible replies).")]
 GreedyOpt = Annotated[bool, typer.Option("--greedy", help="Greedy decoding instead of sampling.")]
 MaxTextOpt = Annotated[Optional[int], typer.Option("--max-text-tokens", min=1, metavar="N", show_default=False, help="Cap on the reply's text tokens (default: the model's).")]
@@ -580,29 +580,37 @@ def say(
                                top_k=top_k).check()
         play = not text_only and (play or output is None)
         clips = _read_clips(audio or [])
-        from .media import read_image
-
-        pictures = [read_image(name) for name in image or []]  # checked before the model loads
+        pictures = _read_images(image or [])  # checked before the model loads
         # With audio or an image the text is optional (`--audio -` has read stdin to its end already).
         text = gather_prompt(prompt, file, optional=bool(clips or pictures))
+        media = {**({"audio": clips} if clips else {}), **({"images": pictures} if pictures else {})}
 
-        # Outputs and voice first: a bad path or format, a missing sound device or an unknown voice
-        # should not cost a minute of loading.
-        from .audio.sinks import AudioFileSink
-        from .audio.speaker import SpeakerSink
-
-        outputs.file = AudioFileSink(output, format) if output is not None and not to_stdout else None
-        if play:
-            outputs.speaker = SpeakerSink(audio_device)
+        # A server first, as it needs no loading: the request goes out now, and the server works on the
+        # reply while the outputs are set up here.
         _, err = _consoles()
         t_remote = time.perf_counter()
         assistant = _remote(server, api_key, local, model, quiet)
         if assistant is not None:
             options = options if text_only else _remote_voice(options, assistant)
+            assistant.send(text, options, **media)
             # --verbose: the client's share of the wait (the server's is the reply's first audio)
-            assistant.startup = {"before the server (prompt, outputs)": t_remote - t_command,
-                                 "find the server, check the model and voice": time.perf_counter() - t_remote}
-        else:
+            assistant.startup = {"before the server (prompt)": t_remote - t_command,
+                                 "find the server, check the model and voice, send": time.perf_counter() - t_remote}
+
+        # Outputs and voice before loading: a bad path or format, a missing sound device or an unknown voice
+        # should not cost a minute of loading (through a server: the request is withdrawn).
+        from .audio.sinks import AudioFileSink
+        from .audio.speaker import SpeakerSink
+
+        try:
+            outputs.file = AudioFileSink(output, format) if output is not None and not to_stdout else None
+            if play:
+                outputs.speaker = SpeakerSink(audio_device)
+        except BaseException:
+            if assistant is not None:
+                assistant.close()
+            raise
+        if assistant is None:
             if not text_only:
                 options = _checked_voice(options, model)
             t_load = time.perf_counter()
@@ -666,8 +674,19 @@ class _Outputs:
         return [s for s in (self.file, self.stream, self.speaker) if s is not None]
 
 
+def _read_images(names: list[str]) -> list:
+    """`--image` files, read and checked (media.py, which imports numpy, only when there are some)."""
+    if not names:
+        return []
+    from .media import read_image
+
+    return [read_image(name) for name in names]
+
+
 def _read_clips(names: list[str]) -> list:
     """`--audio` files (`-`: stdin's bytes) read and checked before the model loads."""
+    if not names:
+        return []
     from .media import read_audio
 
     if names.count("-") > 1:

@@ -36,7 +36,7 @@ serve() {  # serve [FLAG]: omni-serve -m $dir [FLAG] in the background, omni-say
   local pid=$! t0
   t0=$(date +%s.%N)
   for _ in $(seq 1 480); do
-    python3 -c "import httpx,sys; sys.exit(httpx.get('http://127.0.0.1:8484/health').status_code != 200)" \
+    python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:8484/health', timeout=2)" \
       2>/dev/null && break
     sleep 0.5
   done

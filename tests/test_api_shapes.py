@@ -3,7 +3,7 @@
 What this file checks:
 
 - `RemoteAssistant` (omni_cli/api/client.py) reading recorded reply streams (tests/data/api/*.sse) served
-  through `httpx.MockTransport`: vLLM-Omni's shape (a top-level "modality"; the speech as base64 in
+  through the client's `transport` stand-in for the network: vLLM-Omni's shape (a top-level "modality"; the speech as base64 in
   `choices[0].delta.content`, described by `choices[0].audio_metadata`), once with a WAV file per chunk and
   once with raw PCM16; OpenAI's shape as omni-serve sends it (`delta.audio.transcript`, `delta.audio.data`);
   an error event in the middle of a reply. For each: the text, the samples (exactly: every stream here
@@ -38,7 +38,6 @@ import wave
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
 import numpy as np
 import pytest
 
@@ -250,7 +249,7 @@ def write_fixtures() -> None:
 # -- a fake server and a recording sink ---------------------------------------------------------------
 
 
-class Pieces(httpx.SyncByteStream):
+class Pieces:
     """A response body in pieces that cut lines in two (as a network does); knows whether it was closed."""
 
     def __init__(self, body: bytes, size: int = 997) -> None:
@@ -265,22 +264,24 @@ class Pieces(httpx.SyncByteStream):
 
 
 class FakeServer:
-    """GET /v1/models answers `model`; POST /v1/chat/completions answers `sse` (and keeps the request)."""
+    """GET /v1/models answers `model`; POST /v1/chat/completions answers `sse` (and keeps the request).
+    `transport` is what the client calls instead of the network (api/client.py `_Connection`)."""
 
     def __init__(self, sse: str, model: dict) -> None:
         self.sse, self.model = sse, model
         self.requests: list[dict] = []
+        self.headers: list[dict] = []
         self.bodies: list[Pieces] = []
-        self.transport = httpx.MockTransport(self.handle)
 
-    def handle(self, request: httpx.Request) -> httpx.Response:
-        if request.method == "GET" and request.url.path == "/v1/models":
-            return httpx.Response(200, json={"object": "list", "data": [self.model]})
-        if request.method == "POST" and request.url.path == "/v1/chat/completions":
-            self.requests.append(json.loads(request.content))
+    def transport(self, method: str, path: str, headers: dict, body: bytes | None):
+        self.headers.append(headers)
+        if method == "GET" and path == "/v1/models":
+            return 200, {}, [json.dumps({"object": "list", "data": [self.model]}).encode()]
+        if method == "POST" and path == "/v1/chat/completions":
+            self.requests.append(json.loads(body))
             self.bodies.append(Pieces(self.sse.encode("utf-8")))
-            return httpx.Response(200, headers={"content-type": "text/event-stream"}, stream=self.bodies[-1])
-        return httpx.Response(404, json={"error": {"message": f"no route {request.method} {request.url.path}"}})
+            return 200, {"content-type": "text/event-stream"}, self.bodies[-1]
+        return 404, {}, [json.dumps({"error": {"message": f"no route {method} {path}"}}).encode()]
 
     def connect(self) -> RemoteAssistant:
         return RemoteAssistant.connect(URL, transport=self.transport)

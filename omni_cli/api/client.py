@@ -9,26 +9,32 @@ and `delta.audio.data`, base64 PCM16 at 24 kHz) and vLLM-Omni's (a top-level `"m
 in `delta.content` with `audio_metadata` {format, sample_rate_hz, ...}). Closing the event stream closes
 the connection: the server stops the reply.
 
-No torch here, nor anywhere it imports: a client face starts in a fraction of a second.
+No torch here, nor anywhere it imports: a client face starts in a fraction of a second. HTTP is the
+standard library's `http.client` over one kept-alive connection (`_Connection`), not httpx: importing httpx
+and setting up its client took ~0.13 s of a command's start on a CPU box, more than the rest of the client
+(the server's side uses httpx only in tests). Proxy variables are not read: the server is usually on this
+machine.
 """
 
 from __future__ import annotations
 
 import base64
+import http.client as http_client
 import io
 import json
 import os
 import time
 from pathlib import Path
-from typing import Iterator
-
-import numpy as np
+from typing import TYPE_CHECKING, Iterator
 
 from ..config import ReplyOptions
 from ..errors import OmniError, UsageError
 from ..prompt import Chat, Conversation
 from ..runtime.events import AudioBlock, Done, Reply, TextDelta
 from . import protocol as p
+
+if TYPE_CHECKING:  # imported once audio comes: the request goes out before numpy loads
+    import numpy as np
 
 SERVER_ENV = "OMNI_SERVER"
 API_KEY_ENV = "OMNI_API_KEY"
@@ -80,38 +86,42 @@ def find_local_server(model: str | None, api_key: str | None = None) -> "RemoteA
 class RemoteAssistant:
     """A served model, used like a local `Assistant` (the attributes the faces read, and `stream`)."""
 
-    def __init__(self, url: str, api_key: str | None, model: dict, transport=None) -> None:
-        """`model`: the server's entry in `GET /v1/models`; `transport`: an httpx transport (tests)."""
-        import httpx
-
+    def __init__(self, url: str, api_key: str | None, model: dict, http: "_Connection") -> None:
+        """`model`: the server's entry in `GET /v1/models`; `http`: the connection that asked for it."""
         self.url = base_url(url)
         self.api_key = api_key
         self.name = model.get("id", "?")
         self.info = model.get("omni") or {}
         self.is_demo = bool(self.info.get("is_demo", False))
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        # Long reads: a queued request waits for the ones before it.
-        self.http = httpx.Client(base_url=self.url, headers=headers, timeout=httpx.Timeout(10.0, read=None),
-                                 transport=transport)
+        self.http = http
+        self._sent: tuple[str, float] | None = None  # the prompt `send` sent, and when, for `stream`
 
     @classmethod
     def connect(cls, url: str, api_key: str | None = None, timeout: float = 10.0, transport=None) -> "RemoteAssistant":
-        """Ask the server what it serves (`GET /v1/models`); a ServerError if it cannot say."""
-        import httpx
-
+        """Ask the server what it serves (`GET /v1/models`); a ServerError if it cannot say. `transport`:
+        tests' stand-in for the network (see `_Connection`)."""
         url = base_url(url)
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        http = _Connection(url, headers, timeout, transport)
         try:
-            with httpx.Client(headers=headers, timeout=timeout, transport=transport) as http:
-                response = http.get(f"{url}/v1/models")
-        except httpx.HTTPError as exc:
+            response = http.request("GET", "/v1/models")
+            body = response.read()
+        except _NETWORK_ERRORS as exc:
+            http.close()
             raise ServerError(f"no server answers at {url} ({type(exc).__name__}): start one with omni-serve, "
                               "or leave out --server to load the model here") from None
-        _check(response, url)
-        models = response.json().get("data") or []
+        if response.status_code != 200:
+            http.close()
+            _check(response, url)
+        try:
+            models = json.loads(body).get("data") or []
+        except (ValueError, AttributeError):
+            models = []
         if not models:
+            http.close()
             raise ServerError(f"the server at {url} serves no model")
-        return cls(url, api_key, models[0], transport=transport)
+        http.read_timeout = None  # from now on: a queued request waits for the ones before it
+        return cls(url, api_key, models[0], http)
 
     # -- what the faces read --------------------------------------------------------------------------
     @property
@@ -147,6 +157,7 @@ class RemoteAssistant:
         return Chat(self, Conversation(system=self.default_system if system is None else system))
 
     def close(self) -> None:
+        self._sent = None
         self.http.close()
 
     # -- a reply --------------------------------------------------------------------------------------
@@ -160,12 +171,51 @@ class RemoteAssistant:
             events.close()
         raise ServerError("the reply ended without its last event")
 
+    def send(self, prompt: str, options: ReplyOptions | None = None, *, conversation: Conversation | None = None,
+             audio=None, images=None, **fields) -> None:
+        """Send the request of the next `stream` call (the same arguments, but the sink) now: the server works
+        on the reply while this side sets up its outputs (omni-say). `close` withdraws it."""
+        self._sent = (prompt, self._post(prompt, options, conversation, audio, images, fields))
+
     def stream(self, prompt: str, options: ReplyOptions | None = None, *, sink=None,
                conversation: Conversation | None = None, audio=None, images=None,
                **fields) -> Iterator[TextDelta | AudioBlock | Done]:
         """The reply's events as the server streams them; the audio also goes to `sink`. `audio`: clips
         (`media.AudioClip`s) said with the prompt, sent as `input_audio` parts (WAV); `images`: PIL images
-        shown with it, sent as `image_url` parts (PNG data: URLs)."""
+        shown with it, sent as `image_url` parts (PNG data: URLs). The request is the one `send` sent, if
+        it sent this prompt's."""
+        sent, self._sent = self._sent, None
+        if sent is not None and sent[0] != prompt:
+            self.http.close()
+            sent = None
+        reader = _Reader(sink)
+        try:
+            t0 = sent[1] if sent is not None else self._post(prompt, options, conversation, audio, images, fields)
+            response = self.http.receive()
+            try:
+                if response.status_code != 200:
+                    response.read()
+                    _check(response, self.url)
+                for data in _events(response):
+                    for event in reader.feed(data, t0):
+                        yield event
+                response.read()  # what follows `[DONE]` (the body's end): the connection serves the next turn
+            finally:
+                response.close()  # before its end (an interrupt, an error): the server sees us go
+            reply = reader.reply(t0)
+        except _NETWORK_ERRORS as exc:
+            reader.abort()
+            self.http.close()
+            raise ServerError(f"the connection to {self.url} broke ({type(exc).__name__}: {exc})") from None
+        except BaseException:
+            reader.abort()
+            raise
+        if conversation is not None:
+            conversation.add(prompt, reply.text)
+        yield Done(reply)
+
+    def _post(self, prompt, options, conversation, audio, images, fields) -> float:
+        """POST the request (its response is `self.http.receive()`); when it was sent."""
         from dataclasses import replace
 
         opts = replace(options or ReplyOptions(), **fields).check()
@@ -176,23 +226,12 @@ class RemoteAssistant:
             parts += [{"type": "input_audio", "input_audio": {"data": p.b64(_wav(clip)), "format": "wav"}}
                       for clip in audio or []]
             body["messages"][-1]["content"] = parts + ([{"type": "text", "text": prompt}] if prompt else [])
-        reader = _Reader(sink)
         t0 = time.perf_counter()
         try:
-            with self.http.stream("POST", "/v1/chat/completions", json=body) as response:
-                if response.status_code != 200:
-                    response.read()
-                    _check(response, self.url)
-                for data in _events(response):
-                    for event in reader.feed(data, t0):
-                        yield event
-            reply = reader.reply(t0)
-        except BaseException:
-            reader.abort()
-            raise
-        if conversation is not None:
-            conversation.add(prompt, reply.text)
-        yield Done(reply)
+            self.http.send("POST", "/v1/chat/completions", body)
+            return t0
+        except _NETWORK_ERRORS as exc:
+            raise ServerError(f"the connection to {self.url} broke ({type(exc).__name__}: {exc})") from None
 
     def _body(self, prompt: str, opts: ReplyOptions, conversation: Conversation | None) -> dict:
         messages = conversation.messages(prompt) if conversation is not None else [{"role": "user", "content": prompt}]
@@ -243,7 +282,7 @@ class _Reader:
                 events.append(self._audio(audio, rate))
         return events
 
-    def _audio(self, pcm: np.ndarray, rate: int) -> AudioBlock:
+    def _audio(self, pcm: "np.ndarray", rate: int) -> AudioBlock:
         if self.pcm and rate != self.rate:
             raise ServerError(f"the server changed the sample rate mid-reply ({self.rate} -> {rate} Hz)")
         self.rate = rate
@@ -262,6 +301,8 @@ class _Reader:
         server = {f"server_{k}": stats.pop(k) for k in ("time_to_first_audio", "time_to_first_text", "total_time")
                   if k in stats}
         stats.update(server, **self.times, total_time=time.perf_counter() - t0, started_at=t0)
+        import numpy as np
+
         audio = np.concatenate(self.pcm) if self.pcm else np.zeros(0, dtype=np.float32)
         return Reply("".join(self.text), [], [], audio, self.rate, stats)
 
@@ -315,6 +356,8 @@ def _decode_audio(raw: bytes, meta: dict) -> tuple[np.ndarray, int]:
         pcm, rate = soundfile.read(io.BytesIO(raw), dtype="float32", always_2d=True)
         return pcm.mean(axis=1) if pcm.shape[1] > 1 else pcm[:, 0], int(rate)
     if fmt in ("f32", "f32le", "float32", "pcm_f32le"):
+        import numpy as np
+
         return np.frombuffer(raw, dtype="<f4").astype(np.float32), rate
     return p.from_pcm16(raw), rate  # pcm, pcm16, s16le, or not said
 
@@ -340,16 +383,126 @@ def _message(data: dict) -> str:
     return str(err or data.get("detail") or data)
 
 
-def _check(response, url: str) -> None:
-    """A ServerError (UsageError for what the request itself got wrong) for a response that is not 200."""
+def _check(response: "_Response", url: str) -> None:
+    """A ServerError (UsageError for what the request itself got wrong) for a response that is not 200
+    (whose body has been read)."""
     if response.status_code == 200:
         return
+    text = response.body.decode("utf-8", "replace")
     try:
-        message = _message(response.json())
-    except (json.JSONDecodeError, ValueError):
-        message = response.text[:200] or response.reason_phrase
+        message = _message(json.loads(text))
+    except (json.JSONDecodeError, ValueError, AttributeError):
+        message = text[:200] or response.reason_phrase
     if response.status_code == 401:
         raise ServerError(f"the server at {url} wants an API key: {message} (give --api-key or set {API_KEY_ENV})")
     if 400 <= response.status_code < 500:
         raise UsageError(f"the server refused the request ({response.status_code}): {message}")
     raise ServerError(f"the server failed ({response.status_code}): {message}")
+
+
+# -- HTTP -------------------------------------------------------------------------------------------------
+
+_NETWORK_ERRORS = (OSError, http_client.HTTPException)
+
+
+class _Response:
+    """A response's status and body: the body read whole (`read`) or line by line (`iter_lines`)."""
+
+    def __init__(self, status: int, reason: str, pieces: Iterator[bytes], close) -> None:
+        self.status_code, self.reason_phrase = status, reason
+        self.body = b""
+        self._pieces, self._close = pieces, close
+
+    def read(self) -> bytes:
+        self.body = b"".join(self._pieces)
+        return self.body
+
+    def iter_lines(self) -> Iterator[str]:
+        """Lines without their ends (LF or CRLF), as they arrive."""
+        rest = b""
+        for piece in self._pieces:
+            rest += piece
+            *lines, rest = rest.split(b"\n")
+            for line in lines:
+                yield line.rstrip(b"\r").decode("utf-8")
+        if rest:
+            yield rest.rstrip(b"\r").decode("utf-8")
+
+    def close(self) -> None:
+        self._close()
+
+
+class _Connection:
+    """One kept-alive HTTP/1.1 connection to a server (http or https), opened on first use and again after
+    the server or a broken stream closed it. `timeout`: seconds for connecting, and for each read until
+    `read_timeout` is set otherwise (None: reads wait as long as the server takes). `transport`, for tests: a callable (method, path, headers, body
+    bytes) -> (status, headers, iterable of body pieces), used instead of the network; a body iterable
+    with a `close` method is closed when the response is."""
+
+    def __init__(self, url: str, headers: dict, timeout: float | None, transport=None) -> None:
+        from urllib.parse import urlsplit
+
+        where = urlsplit(url)
+        self.https = where.scheme == "https"
+        self.host, self.port = where.hostname or "127.0.0.1", where.port
+        self.prefix = where.path.rstrip("/")
+        self.headers = {"Accept": "application/json, text/event-stream", **headers}
+        self.timeout = self.read_timeout = timeout
+        self.transport = transport
+        self.conn: http_client.HTTPConnection | None = None
+        self._request: tuple | None = None  # the transport's request, between `send` and `receive`
+
+    def request(self, method: str, path: str, body: dict | None = None) -> _Response:
+        self.send(method, path, body)
+        return self.receive()
+
+    def send(self, method: str, path: str, body: dict | None = None) -> None:
+        """Write a request (a JSON body); its response is `receive`'s."""
+        data = None if body is None else json.dumps(body).encode("utf-8")
+        headers = dict(self.headers, **({"Content-Type": "application/json"} if data is not None else {}))
+        if self.transport is not None:
+            self._request = (method, self.prefix + path, headers, data)
+            return
+        if self.conn is None:
+            kind = http_client.HTTPSConnection if self.https else http_client.HTTPConnection
+            self.conn = kind(self.host, self.port, timeout=self.timeout)
+        try:
+            self.conn.request(method, self.prefix + path, body=data, headers=headers)
+        except BaseException:
+            self.close()
+            raise
+
+    def receive(self) -> _Response:
+        """The response to the request `send` wrote, once its status and headers are in."""
+        if self.transport is not None:
+            status, _headers, pieces = self.transport(*self._request)
+            return _Response(status, "", iter(pieces), getattr(pieces, "close", lambda: None))
+        try:
+            if self.conn.sock is not None:
+                self.conn.sock.settimeout(self.read_timeout)
+            raw = self.conn.getresponse()
+        except BaseException:
+            self.close()
+            raise
+        return _Response(raw.status, raw.reason, _pieces(raw), lambda: self._done(raw))
+
+    def _done(self, raw: http_client.HTTPResponse) -> None:
+        """A response is finished with: the connection is kept for the next request if the body was read
+        to its end, else closed (the server sees a reply it still sends stopped)."""
+        if not raw.isclosed():
+            self.close()
+
+    def close(self) -> None:
+        if self.conn is not None:
+            self.conn.close()
+            self.conn = None
+
+
+def _pieces(raw: http_client.HTTPResponse) -> Iterator[bytes]:
+    """A response's body as it arrives (chunked transfer undone), up to 64 KiB at a time."""
+    while True:
+        piece = raw.read1(65536)
+        if not piece:
+            raw.read()  # closes a Content-Length body read to its end (read1 leaves it open), so the connection is free
+            return
+        yield piece

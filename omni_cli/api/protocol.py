@@ -22,10 +22,12 @@ import math
 import time
 import uuid
 from dataclasses import dataclass, field
-
-import numpy as np
+from typing import TYPE_CHECKING
 
 from ..config import ReplyOptions
+
+if TYPE_CHECKING:  # numpy is imported where samples are made or read: a client sends its request first
+    import numpy as np
 
 SAMPLE_RATE = 24_000  # OpenAI's PCM16 is 24 kHz mono, as both model families speak
 DEFAULT_PORT = 8484  # omni-serve's port on 127.0.0.1 (the commands look for it there)
@@ -219,13 +221,17 @@ def new_ids() -> tuple[str, str, int]:
     return f"chatcmpl-{uuid.uuid4().hex}", f"audio_{uuid.uuid4().hex}", int(time.time())
 
 
-def pcm16(block: np.ndarray) -> bytes:
+def pcm16(block: "np.ndarray") -> bytes:
     """float32 samples in [-1, 1] -> little-endian PCM16 (x 32768, rounded, clipped: the inverse of
     `from_pcm16`, so a round trip through a 16-bit WAV is exact)."""
+    import numpy as np
+
     return np.clip(np.rint(np.asarray(block, dtype=np.float32) * 32768.0), -32768, 32767).astype("<i2").tobytes()
 
 
-def from_pcm16(data: bytes) -> np.ndarray:
+def from_pcm16(data: bytes) -> "np.ndarray":
+    import numpy as np
+
     return np.frombuffer(data, dtype="<i2").astype(np.float32) / 32768.0
 
 
@@ -248,10 +254,11 @@ def sse(data: dict | str) -> bytes:
     return f"data: {text}\n\n".encode("utf-8")
 
 
-def audio_file(pcm: np.ndarray, fmt: str) -> bytes:
+def audio_file(pcm: "np.ndarray", fmt: str) -> bytes:
     """A whole reply's speech as a file in `fmt` (WAV PCM16 by default; pcm16: raw samples)."""
     if fmt == "pcm16":
         return pcm16(pcm)
+    import numpy as np
     import soundfile
 
     from ..audio.sinks import FILE_FORMATS

@@ -22,7 +22,6 @@ import json
 import logging
 import queue
 import threading
-import time
 
 import numpy as np
 from starlette.applications import Starlette
@@ -313,18 +312,3 @@ def _as_request_error(exc: BaseException) -> p.RequestError:
 
 def error(exc: p.RequestError, headers: dict | None = None) -> JSONResponse:
     return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
-
-
-def wait_until_listening(url: str, timeout: float = 30.0) -> bool:
-    """True once `url`/health answers (tests and the command's own check)."""
-    import httpx
-
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        try:
-            if httpx.get(f"{url}/health", timeout=1.0).status_code == 200:
-                return True
-        except httpx.HTTPError:
-            time.sleep(0.1)
-    return False
-

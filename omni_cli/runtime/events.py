@@ -7,9 +7,10 @@ talker's ids as the family makes them (one id a step for Qwen2.5-Omni, a 16-id f
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
+if TYPE_CHECKING:  # no numpy import for a client that has not received audio yet
+    import numpy as np
 
 from ..config import SamplingOptions
 
