@@ -5,8 +5,8 @@
 #   fresh     drop the page cache if allowed, then omni-say -m $DIR ... --verbose (nothing compiled yet)
 #   again     the same command a second time
 #   compile   omni-say --compile twice: the compiler's first run, then the persistent cache's
-#   serve     omni-serve -m $DIR in the background, then omni-say twice through it (found on the default
-#             address), then SIGTERM
+#   serve     omni-serve -m $DIR in the background, then omni-say three times through it (found on the
+#             default address twice, then named by --server), then SIGTERM
 #   serve-compiled  the same with omni-serve --compile
 #   audio     a 5 s clip against a text prompt of as many tokens, in one process (scripts/audio_vs_text.py)
 # Each omni-say prints its start-up breakdown (--verbose) and is timed from outside with `date`.
@@ -31,7 +31,7 @@ timed() {  # timed LABEL COMMAND...: run it, print the wall time and its last li
   grep -vE "^\s*$" /tmp/omni-step.log | tail -22
 }
 
-serve() {  # serve [FLAG]: omni-serve -m $dir [FLAG] in the background, omni-say twice through it, SIGTERM
+serve() {  # serve [FLAG]: omni-serve -m $dir [FLAG] in the background, omni-say three times through it, SIGTERM
   python3 -c "from omni_cli.serve import serve_main; serve_main()" -m "$dir" $1 > /tmp/serve.log 2>&1 &
   local pid=$! t0
   t0=$(date +%s.%N)
@@ -43,6 +43,7 @@ serve() {  # serve [FLAG]: omni-serve -m $dir [FLAG] in the background, omni-say
   echo "omni-serve $1 ready after $(python3 -c "print(f'{$(date +%s.%N) - $t0:.1f}')") s"; tail -2 /tmp/serve.log
   timed "serve$1-1" "${say[@]}" -o /tmp/serve1.wav
   timed "serve$1-2" "${say[@]}" -o /tmp/serve2.wav
+  timed "serve$1-3 (--server)" "${say[@]}" --server http://127.0.0.1:8484 -o /tmp/serve3.wav
   kill -TERM $pid; wait $pid; echo "omni-serve exit $?"; cat /tmp/serve.log >> "$out/cold_start.log"
 }
 
