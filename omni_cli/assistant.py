@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 
 import numpy as np
@@ -96,6 +97,7 @@ class Assistant:
         phases = self.engine.warmup()
         self.startup.update(phases or {"warm-up": time.perf_counter() - t})
         self.ready_at = time.perf_counter()  # when a request can start (perf_counter)
+        self._warming: threading.Thread | None = None  # `warm_up(background=True)`'s thread, until joined
 
     @classmethod
     def load(cls, model: str | None = None, device: str = "auto", dtype: str = "auto",
@@ -136,6 +138,30 @@ class Assistant:
         return Chat(self, Conversation(system=self.default_system if system is None else system))
 
     # ------------------------------------------------------------------------------------------
+    def warm_up(self, background: bool = False) -> None:
+        """One short greedy reply that nobody hears. A process's first reply pays one-time costs (the chat
+        template's first use, graphs captured the first time a reply reaches them, the allocator's first
+        blocks), which on an H200 put its first audio 0.2 s behind the next replies'; after this, the first
+        real reply runs like every later one. `background`: on a thread (omni-chat, while the person types);
+        the next reply waits for it, and a failure there is only logged (that reply meets it again)."""
+        if not background:
+            self._warm_up_reply()
+            return
+
+        def run():
+            try:
+                self._warm_up_reply()
+            except Exception as exc:  # noqa: BLE001 - the next real reply reports what is wrong
+                log.debug("warm-up failed: %s", exc)
+
+        self._warming = threading.Thread(target=run, name="omni-warm-up", daemon=True)
+        self._warming.start()
+
+    def _warm_up_reply(self) -> None:
+        _, per_second = self.speech_steps
+        self.say("Hello.", greedy=True, seed=0, max_text_tokens=8, max_codes=max(1, round(1.5 * per_second)),
+                 text_only=not self.has_audio)
+
     def say(self, prompt: str, options: ReplyOptions | None = None, *, sink=None,
             conversation: Conversation | None = None, audio=None, images=None, **fields) -> Reply:
         """One reply, start to end. Audio goes to `sink` as it is produced (if given) and into `reply.audio`.
@@ -162,6 +188,10 @@ class Assistant:
         its history and, once the turn completes, the reply too (an interrupted turn leaves the history
         as it was); the turn's clips and images stay with it, so later turns hear and see them again.
         """
+        warming = self._warming
+        if warming is not None and warming is not threading.current_thread():
+            warming.join()  # one turn at a time: the warm-up's first
+            self._warming = None
         opts = reply_options(options, fields)
         req, conv, media = self._request(prompt, opts, sink, conversation, audio, images)
         events = self.engine.stream(req)

@@ -805,6 +805,8 @@ def chat(
         else:
             options = _checked_voice(options, model)
             assistant = _load(model, device, dtype, err, max_context=max_context, **runtime_flags(graphs, compile))
+            if _isatty(sys.stdin) and _isatty(sys.stdout):
+                assistant.warm_up(background=True)  # while the person types: the first reply is then as quick as the next
 
         def speaker():
             sink = SpeakerSink(audio_device, hint=CHAT_PLAY_HINT)

@@ -84,22 +84,12 @@ def serve(
         from .ui import make_console
 
         assistant = _load(model, device, dtype, make_console("stderr"), **runtime_flags(graphs, compile))
-        warm_up(assistant)
+        assistant.warm_up()  # so that the first request is served like the later ones
         _serve(assistant, model, listener, api_key, defaults)
     except BaseException as exc:  # noqa: BLE001 - every way out is reported, none with a traceback
         if isinstance(exc, (SystemExit, typer.Exit)):
             raise
         _exit_on(exc, debug)
-
-
-def warm_up(assistant) -> None:
-    """One short greedy reply that nobody hears, before the server says it is ready: a process's first reply
-    pays one-time costs (the chat template's first use, graphs captured the first time a reply reaches them,
-    the allocator's first blocks), which on an H200 put the first request's first audio 0.2 s behind the
-    next ones'. With it, the first request is served like every later one."""
-    _, per_second = assistant.speech_steps
-    assistant.say("Hello.", greedy=True, seed=0, max_text_tokens=8, max_codes=max(1, round(1.5 * per_second)),
-                  text_only=not assistant.has_audio)
 
 
 def _listen(host: str, port: int, socket):

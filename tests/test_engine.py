@@ -221,3 +221,30 @@ def test_on_a_cpu_the_engine_waits_for_the_first_chunk_instead_of_competing_with
     made_before = sum(t < first_audio for t in steps) + 1  # + the talker prefill (step 0)
     assert need <= made_before <= need + 1
     assert len(reply.codes) == 120  # and then it goes on to the end
+
+
+
+def test_warm_up_in_the_background_leaves_no_trace_in_the_next_reply(assistant, monkeypatch):
+    """`warm_up(background=True)` (omni-chat's, while the person types): short, greedy, heard by nobody, on
+    its own thread; the next reply waits for it to end and is the reply it would have been without it."""
+    before = assistant.say("Tell me about the sea.", seed=3, max_codes=60)
+    calls = []
+    real_say = Assistant.say
+
+    def spy_say(self, prompt, options=None, **kw):
+        calls.append((prompt, kw, threading.current_thread().name))
+        if threading.current_thread().name == "omni-warm-up":
+            time.sleep(0.3)  # not started yet when the next reply is asked for
+        reply = real_say(self, prompt, options, **kw)
+        calls.append(("done", prompt))
+        return reply
+
+    monkeypatch.setattr(Assistant, "say", spy_say)
+    assistant.warm_up(background=True)
+    after = assistant.say("Tell me about the sea.", seed=3, max_codes=60)
+    prompt, kw, thread = calls[0]
+    assert thread == "omni-warm-up" and kw["greedy"] and kw["max_text_tokens"] <= 8 and kw["max_codes"] == 75
+    assert "sink" not in kw
+    assert calls.index(("done", "Hello.")) < calls.index(("done", "Tell me about the sea."))
+    assert after.text_ids == before.text_ids and after.codes == before.codes
+    assert np.array_equal(after.audio, before.audio)

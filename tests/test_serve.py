@@ -299,27 +299,3 @@ def test_chat_with_server_in_a_terminal(server, tmp_path):
     finally:
         t.kill()
 
-
-def test_warm_up_is_one_short_greedy_reply_nobody_hears():
-    """omni-serve's warm-up before it says it is ready: greedy, a few text tokens, 1.5 s of speech in the
-    family's steps (Qwen3: 19 frames), no sink; text only for a model without a talker."""
-    from omni_cli.serve import warm_up
-
-    class Fake:
-        speech_steps = ("frames", 12.5)
-        has_audio = True
-
-        def __init__(self):
-            self.calls = []
-
-        def say(self, prompt, **fields):
-            self.calls.append((prompt, fields))
-
-    fake = Fake()
-    warm_up(fake)
-    (prompt, fields), = fake.calls
-    assert prompt and "sink" not in fields
-    assert fields == {"greedy": True, "seed": 0, "max_text_tokens": 8, "max_codes": 19, "text_only": False}
-    fake.has_audio, fake.speech_steps, fake.calls = False, ("codes", 50.0), []
-    warm_up(fake)
-    assert fake.calls[0][1]["text_only"] is True and fake.calls[0][1]["max_codes"] == 75
