@@ -299,3 +299,20 @@ def test_chat_with_server_in_a_terminal(server, tmp_path):
     finally:
         t.kill()
 
+
+
+def test_a_kept_connection_the_server_closed_is_opened_again(server):
+    """The client's turns share one connection; uvicorn closes an idle one after 5 s (while a person types
+    the next turn): the next request goes out again on a new connection instead of failing."""
+    from omni_cli.api.client import RemoteAssistant
+
+    remote = RemoteAssistant.connect(server.url, KEY)
+    try:
+        first = remote.say("Hello there", max_codes=10)
+        sock = remote.http.conn.sock
+        time.sleep(5.5)
+        second = remote.say("Hello again", max_codes=10)
+        assert remote.http.conn is not None and remote.http.conn.sock is not sock
+        assert len(first.audio) and len(second.audio)
+    finally:
+        remote.close()

@@ -434,10 +434,16 @@ class _Response:
 
 class _Connection:
     """One kept-alive HTTP/1.1 connection to a server (http or https), opened on first use and again after
-    the server or a broken stream closed it. `timeout`: seconds for connecting, and for each read until
-    `read_timeout` is set otherwise (None: reads wait as long as the server takes). `transport`, for tests: a callable (method, path, headers, body
+    the server or a broken stream closed it. A request on a kept connection that the server had closed
+    meanwhile (it closes idle ones: uvicorn after 5 s, while a person types the next turn) is sent once
+    more on a new one; no response had begun, so the server never saw it.
+
+    `timeout`: seconds for connecting, and for each read until `read_timeout` is set otherwise (None: reads
+    wait as long as the server takes). `transport`, for tests: a callable (method, path, headers, body
     bytes) -> (status, headers, iterable of body pieces), used instead of the network; a body iterable
     with a `close` method is closed when the response is."""
+
+    _STALE = (http_client.RemoteDisconnected, ConnectionResetError, BrokenPipeError, ConnectionAbortedError)
 
     def __init__(self, url: str, headers: dict, timeout: float | None, transport=None) -> None:
         from urllib.parse import urlsplit
@@ -450,7 +456,8 @@ class _Connection:
         self.timeout = self.read_timeout = timeout
         self.transport = transport
         self.conn: http_client.HTTPConnection | None = None
-        self._request: tuple | None = None  # the transport's request, between `send` and `receive`
+        self.reused = False  # the open connection has carried a whole response before
+        self._request: tuple | None = None  # the request between `send` and `receive` (method, path, headers, body)
 
     def request(self, method: str, path: str, body: dict | None = None) -> _Response:
         self.send(method, path, body)
@@ -460,14 +467,23 @@ class _Connection:
         """Write a request (a JSON body); its response is `receive`'s."""
         data = None if body is None else json.dumps(body).encode("utf-8")
         headers = dict(self.headers, **({"Content-Type": "application/json"} if data is not None else {}))
-        if self.transport is not None:
-            self._request = (method, self.prefix + path, headers, data)
-            return
+        self._request = (method, self.prefix + path, headers, data)
+        if self.transport is None:
+            self._write(retry=self.reused)
+
+    def _write(self, retry: bool) -> None:
         if self.conn is None:
             kind = http_client.HTTPSConnection if self.https else http_client.HTTPConnection
             self.conn = kind(self.host, self.port, timeout=self.timeout)
+            self.reused = False
+        method, path, headers, data = self._request
         try:
-            self.conn.request(method, self.prefix + path, body=data, headers=headers)
+            self.conn.request(method, path, body=data, headers=headers)
+        except self._STALE:
+            self.close()
+            if not retry:
+                raise
+            self._write(retry=False)
         except BaseException:
             self.close()
             raise
@@ -477,19 +493,30 @@ class _Connection:
         if self.transport is not None:
             status, _headers, pieces = self.transport(*self._request)
             return _Response(status, "", iter(pieces), getattr(pieces, "close", lambda: None))
-        try:
-            if self.conn.sock is not None:
-                self.conn.sock.settimeout(self.read_timeout)
-            raw = self.conn.getresponse()
-        except BaseException:
-            self.close()
-            raise
+        retry = self.reused
+        while True:
+            try:
+                if self.conn.sock is not None:
+                    self.conn.sock.settimeout(self.read_timeout)
+                raw = self.conn.getresponse()
+                break
+            except self._STALE:
+                self.close()
+                if not retry:
+                    raise
+                retry = False
+                self._write(retry=False)
+            except BaseException:
+                self.close()
+                raise
         return _Response(raw.status, raw.reason, _pieces(raw), lambda: self._done(raw))
 
     def _done(self, raw: http_client.HTTPResponse) -> None:
         """A response is finished with: the connection is kept for the next request if the body was read
         to its end, else closed (the server sees a reply it still sends stopped)."""
-        if not raw.isclosed():
+        if raw.isclosed() and self.conn is not None:
+            self.reused = True
+        else:
             self.close()
 
     def close(self) -> None:
