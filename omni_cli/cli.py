@@ -659,6 +659,8 @@ def _print_startup(err, assistant, stats: dict, t_command: float) -> None:
         after["the request (chat template, tokens)"] = started - ready
     if first is not None:
         after["the reply's first audio" + (" (server and network)" if ready is None else "")] = first
+        if ready is None and stats.get("server_time_to_first_audio") is not None:
+            after["  of which the server's turn"] = stats["server_time_to_first_audio"]  # the rest: HTTP, queue, prompt
     print_startup(err, getattr(assistant, "startup", None) or {}, after, since)
 
 
