@@ -430,13 +430,19 @@ def load_model(model: str | os.PathLike | None = None, device: str = "auto", dty
     torch_dtype = pick_dtype(dtype, torch_device)
     path, is_demo, name = _resolve(model)
     fam = read_family(path)
+    early = None
+    if torch_device.type == "cuda" and getattr(fam, "READS_WEIGHTS_EARLY", False):
+        from .early_weights import EarlyWeights
+
+        early = EarlyWeights.start(path, torch_device)  # during the import below
 
     with _quiet_transformers():
         from transformers import AutoTokenizer, GenerationConfig
 
-        timings["import transformers, find the model"] = time.perf_counter() - t0
+        timings["import transformers, find the model" + (" (reading the weights meanwhile)" if early else "")] = (
+            time.perf_counter() - t0)
         t = time.perf_counter()
-        omni, speakers = fam.load(path, torch_device, torch_dtype, name)
+        omni, speakers = fam.load(path, torch_device, torch_dtype, name, **({"early": early} if early else {}))
         omni.eval()
         timings["read the weights and move them to the device"] = time.perf_counter() - t
         t = time.perf_counter()
@@ -485,19 +491,26 @@ def load_model(model: str | os.PathLike | None = None, device: str = "auto", dty
     )
 
 
-def from_pretrained(cls, path: Path, dtype, name: str, device=None):
+def from_pretrained(cls, path: Path, dtype, name: str, device=None, early=None):
     """`cls.from_pretrained(path)` in `dtype` from local files, with one-line errors, and a warning for
     weights the folder lacks (transformers' own is silenced by `_quiet_transformers`).
 
     On an accelerator the weights are read straight onto `device` (a `device_map`): no full copy in host
     memory first, and the reading overlaps the host-to-device copies. On a CPU, or without `accelerate`
-    (which transformers needs for a device map), they are read into host memory and moved after."""
+    (which transformers needs for a device map), they are read into host memory and moved after.
+    `early`: an `EarlyWeights` reading the folder's weights already (early_weights.py); its tensors go to
+    transformers as the `state_dict`, with the folder's config and generation config, which is what
+    loading from the folder does with the files."""
     where = {}
     if device is not None and getattr(device, "type", "cpu") != "cpu" and _has_accelerate():
         where = {"device_map": {"": device}}
+    tensors = early.take() if early is not None else None
     try:
-        model, info = cls.from_pretrained(str(path), dtype=dtype, local_files_only=True, output_loading_info=True,
-                                          **where)
+        if tensors is not None:
+            model, info = _from_tensors(cls, path, tensors, dtype, where)
+        else:
+            model, info = cls.from_pretrained(str(path), dtype=dtype, local_files_only=True,
+                                              output_loading_info=True, **where)
     except KeyboardInterrupt:
         raise
     except Exception as exc:
@@ -508,6 +521,24 @@ def from_pretrained(cls, path: Path, dtype, name: str, device=None):
     if missing:
         log.warning("%s lacks %d weights (first: %s): they are random", name, len(missing), missing[0])
     return model
+
+
+def _from_tensors(cls, path: Path, tensors: dict, dtype, where: dict):
+    """`cls.from_pretrained` of the folder's config with `tensors` as the state dict (early_weights.py)."""
+    from transformers import GenerationConfig
+
+    config = cls.config_class.from_pretrained(str(path), local_files_only=True)
+    model, info = cls.from_pretrained(None, config=config, state_dict=tensors, dtype=dtype,
+                                      output_loading_info=True, **where)
+    tensors.clear()  # transformers loaded copies of them: free the originals
+    if where:  # on a GPU: give their memory back, for other programs too
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    if (path / "generation_config.json").is_file() and getattr(model, "can_generate", lambda: False)():
+        model.generation_config = GenerationConfig.from_pretrained(str(path), local_files_only=True)
+    return model, info
 
 
 def _has_accelerate() -> bool:

@@ -191,6 +191,31 @@ def test_talker_loop_runs_under_sync_debug_error(big_model, monkeypatch):
     assert len(reply.codes) == 200
 
 
+def test_tiny_on_cuda_through_the_api_equals_transformers(monkeypatch):
+    """The built-in tiny Qwen2.5-Omni on CUDA (float32) through the real API, its weights read while
+    transformers was imported (early_weights.py): greedy text and codes equal to transformers' generate on
+    the model the files load."""
+    from omni_cli import early_weights
+    from omni_cli.assistant import Assistant
+    from omni_cli.loader import TINY_MODEL_DIR
+    from omni_cli.prompt import Conversation, build_ids
+
+    taken = []
+    real_take = early_weights.EarlyWeights.take
+    monkeypatch.setattr(early_weights.EarlyWeights, "take", lambda self: taken.append(1) or real_take(self))
+    assistant = Assistant.load(str(TINY_MODEL_DIR), device="cuda", dtype="float32")
+    assert taken  # the early read was used
+    prompt = "Hello there, how are you today?"
+    reply = assistant.say(prompt, greedy=True, voice="Chelsie", max_text_tokens=16, max_codes=100)
+    from transformers import Qwen2_5OmniForConditionalGeneration
+
+    files = Qwen2_5OmniForConditionalGeneration.from_pretrained(str(TINY_MODEL_DIR), dtype=torch.float32).cuda().eval()
+    ids = build_ids(assistant.loaded.tokenizer, Conversation(system=assistant.default_system).messages(prompt))
+    ref_text, ref_codes = reference_generate(files, ids, n_text=16, n_codes=100, eos=assistant.engine.eos_ids,
+                                             repetition_penalty=assistant.thinker_sampling.repetition_penalty)
+    assert reply.text_ids == ref_text and reply.codes == ref_codes
+
+
 def test_qwen3_tiny_on_cuda_equals_transformers():
     """The built-in tiny Qwen3-Omni on CUDA (float32) through the real API: greedy text and every
     codebook of every frame equal to transformers' generate on the same device."""

@@ -44,11 +44,17 @@ def voices(folder: Path, name: str) -> list[str]:
     return voice_names(folder, name)
 
 
-def load(path: Path, device, dtype, name: str):
+def load(path: Path, device, dtype, name: str, early=None):
     """(model, voices) on `device`: see checkpoint.load."""
     from .checkpoint import load as _load
 
-    return _load(path, device, dtype, name)
+    return _load(path, device, dtype, name, early=early)
+
+
+# The loader may read the folder's weights onto a GPU while transformers is imported (early_weights.py):
+# they load with no key conversion. (Qwen3-Omni's experts are stacked while loading: the stored and the
+# stacked copies would both be on the device at once, so it reads them the usual way.)
+READS_WEIGHTS_EARLY = True
 
 
 # Compile the steps before the first reply unless told (`--compile`): no. Graphs of the plain steps start

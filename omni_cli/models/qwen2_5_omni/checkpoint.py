@@ -23,8 +23,9 @@ log = logging.getLogger("omni_cli.loader")
 SPEAKER_KEYS = ("bos_token", "cond", "ref_mel")
 
 
-def load(path: Path, device, dtype, name: str):
-    """(Qwen2_5OmniForConditionalGeneration in eval mode on `device`, voices)."""
+def load(path: Path, device, dtype, name: str, early=None):
+    """(Qwen2_5OmniForConditionalGeneration in eval mode on `device`, voices). `early`: the folder's
+    weights being read already (loader.from_pretrained)."""
     from transformers import Qwen2_5OmniForConditionalGeneration
 
     from ...loader import from_pretrained, to_device
@@ -33,7 +34,7 @@ def load(path: Path, device, dtype, name: str):
     # it, but asking for the loading report (the subclass's override cannot return it); the voices
     # are loaded below, as the override would.
     base = super(Qwen2_5OmniForConditionalGeneration, Qwen2_5OmniForConditionalGeneration)
-    omni = from_pretrained(base, path, dtype, name, device)
+    omni = from_pretrained(base, path, dtype, name, device, early=early)
 
     def place(model):
         model.to(device)
