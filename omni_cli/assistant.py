@@ -139,11 +139,14 @@ class Assistant:
 
     # ------------------------------------------------------------------------------------------
     def warm_up(self, background: bool = False) -> None:
-        """One short greedy reply that nobody hears. A process's first reply pays one-time costs (the chat
-        template's first use, graphs captured the first time a reply reaches them, the allocator's first
-        blocks), which on an H200 put its first audio 0.2 s behind the next replies'; after this, the first
-        real reply runs like every later one. `background`: on a thread (omni-chat, while the person types);
-        the next reply waits for it, and a failure there is only logged (that reply meets it again)."""
+        """One short reply that nobody hears. A process's first reply pays one-time costs: the chat template's
+        first use, graphs captured the first time a reply reaches them, and on a GPU each kernel's first
+        launch (CUDA loads kernels lazily: on an H200 the first sampled reply's first token took 134 ms
+        where the next took 45). Without it omni-serve's first request had its first audio 0.2 s after the
+        next ones'. It samples, as replies do by default (a greedy warm-up left the sampling kernels to the
+        first real reply). What stays: a prompt of a length not seen before takes ~25 ms more to its first
+        token. `background`: on a thread (omni-chat, while the person types); the next reply waits for it,
+        and a failure there is only logged (that reply meets it again)."""
         if not background:
             self._warm_up_reply()
             return
@@ -159,7 +162,7 @@ class Assistant:
 
     def _warm_up_reply(self) -> None:
         _, per_second = self.speech_steps
-        self.say("Hello.", greedy=True, seed=0, max_text_tokens=8, max_codes=max(1, round(1.5 * per_second)),
+        self.say("Hello.", seed=0, max_text_tokens=8, max_codes=max(1, round(1.5 * per_second)),
                  text_only=not self.has_audio)
 
     def say(self, prompt: str, options: ReplyOptions | None = None, *, sink=None,
