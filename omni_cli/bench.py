@@ -390,6 +390,9 @@ def bench_app(argv: list[str] | None = None) -> None:
     exit code 2; a failure with a known cause is one line and exit code 1; anything else is a bug and
     keeps its traceback."""
     from .errors import OmniError, known_failure
+    from .ui import cache_bytecode
+
+    cache_bytecode()  # before torch is imported
 
     try:
         # Not standalone: the command (cli._OneLineErrors, as omni-say's) prints click's usage errors

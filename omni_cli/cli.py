@@ -862,6 +862,9 @@ def _run(app, name: str) -> None:
     ("terminate called without an active exception"), so then the process ends at once instead."""
     import threading
 
+    from .ui import cache_bytecode
+
+    cache_bytecode()  # before torch is imported
     try:
         app(prog_name=name)
     except SystemExit as exc:

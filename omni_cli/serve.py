@@ -127,6 +127,9 @@ def _serve(assistant, model, listener, api_key, defaults: ReplyOptions) -> None:
 
 def serve_main() -> None:
     """The `omni-serve` program."""
+    from .ui import cache_bytecode
+
+    cache_bytecode()  # before torch is imported
     try:
         serve_app(prog_name="omni-serve")
     except SystemExit as exc:

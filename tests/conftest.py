@@ -37,6 +37,9 @@ os.environ.pop("OMNI_MODEL", None)
 # The commands use an omni-serve that answers on 127.0.0.1:8484: one running on this machine must not
 # answer the tests' commands. The server tests say --server (and clear this) themselves.
 os.environ["OMNI_LOCAL"] = "1"
+# Commands run by tests leave Python's bytecode setting alone (ui.cache_bytecode): nothing is written to the
+# user's ~/.cache; tests/test_bytecode.py turns it on where it checks it.
+os.environ["OMNI_NO_PYCACHE"] = "1"
 for name in ("OMNI_SERVER", "OMNI_API_KEY"):
     os.environ.pop(name, None)
 

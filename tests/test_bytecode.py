@@ -1,0 +1,60 @@
+"""ui.cache_bytecode: when Python is told to write no bytecode (PYTHONDONTWRITEBYTECODE), the programs keep
+the bytecode of what they import under ~/.cache/omni_cli/pycache instead of compiling torch's and
+transformers' sources again at every start; never beside the sources; not with OMNI_NO_PYCACHE=1; and
+nothing changes when Python writes bytecode anyway. Each case runs in a fresh interpreter."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO_ROOT, cli_env
+
+PROBE = ("import sys; from omni_cli.ui import cache_bytecode; where = cache_bytecode(); "
+         "sys.path.insert(0, {src!r}); import probe_mod; print(where)")
+
+
+def _env(tmp_path, **extra):
+    env = cli_env(XDG_CACHE_HOME=str(tmp_path / "cache"), **extra)
+    for name in ("OMNI_NO_PYCACHE", "PYTHONPYCACHEPREFIX", "PYTHONDONTWRITEBYTECODE"):
+        if name not in extra:
+            env.pop(name, None)
+    return env
+
+
+def _probe(tmp_path, env) -> tuple[str, list[str], list[str]]:
+    """(what cache_bytecode returned, .pyc files under the cache, .pyc files beside the source)."""
+    src = tmp_path / "src"
+    src.mkdir(exist_ok=True)
+    (src / "probe_mod.py").write_text("X = 1\n")
+    done = subprocess.run([sys.executable, "-c", PROBE.format(src=str(src))], env=env, cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    cached = sorted(p.name for p in (tmp_path / "cache").rglob("probe_mod*.pyc"))
+    beside = sorted(p.name for p in src.rglob("*.pyc"))
+    return done.stdout.strip(), cached, beside
+
+
+def test_bytecode_is_kept_in_the_cache_when_python_would_write_none(tmp_path):
+    where, cached, beside = _probe(tmp_path, _env(tmp_path, PYTHONDONTWRITEBYTECODE="1"))
+    assert where == str(tmp_path / "cache" / "omni_cli" / "pycache")
+    assert len(cached) == 1 and beside == []
+
+
+@pytest.mark.parametrize("case", ["OMNI_NO_PYCACHE=1", "bytecode written anyway"])
+def test_nothing_changes_otherwise(tmp_path, case):
+    extra = {"PYTHONDONTWRITEBYTECODE": "1", "OMNI_NO_PYCACHE": "1"} if case.startswith("OMNI") else {}
+    where, cached, beside = _probe(tmp_path, _env(tmp_path, **extra))
+    assert where == "None" and cached == []
+    assert beside == ([] if extra else ["probe_mod.cpython-%d%d.pyc" % sys.version_info[:2]])
+
+
+def test_the_programs_do_it_before_their_imports(tmp_path):
+    """omni-say's entry point: the loader (imported inside the command) lands in the cache."""
+    env = _env(tmp_path, PYTHONDONTWRITEBYTECODE="1")
+    done = subprocess.run([sys.executable, "-c", "from omni_cli.cli import say_main; say_main()", "--list-voices"],
+                          env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert list((tmp_path / "cache" / "omni_cli" / "pycache").rglob("loader*.pyc"))
