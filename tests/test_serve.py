@@ -158,6 +158,23 @@ def test_say_with_server_writes_the_wav_the_server_streamed(server, tmp_path):
     assert r.stdout.strip()  # the text on stdout, as for a local model
 
 
+def test_say_with_server_and_a_bad_output_withdraws_its_request(server, tmp_path):
+    """omni-say sends its request before it opens its outputs: an output it cannot write is still the one-line
+    error a local model gives, the request is withdrawn (the engine is free again at once), and the next one is served."""
+    bad = str(tmp_path / "no" / "such" / "folder" / "x.wav")
+    local = run_omni_say("Tell me a long story", "-o", bad)  # the error without a server
+    r = run_omni_say("Tell me a long story", "--server", server.url, "--api-key", KEY, "--max-codes", "150",
+                     "-o", bad, env=cli_env(OMNI_LOCAL="0"))
+    t = time.monotonic()  # a reply of 150 codes would keep the engine busy for a second or more
+    assert r.returncode == local.returncode == 1 and r.stderr == local.stderr, (r.stderr, local.stderr)
+    assert r.stderr.startswith("error: ") and len(r.stderr.strip().splitlines()) == 1
+    while server.health()["queued"]:
+        assert time.monotonic() - t < 0.5, "the withdrawn request still holds the engine"
+        time.sleep(0.01)
+    text, pcm, _, _ = stream_raw(server, spoken(max_tokens=4))
+    assert text and pcm
+
+
 def test_say_with_server_takes_audio_and_image_input(server, tmp_path):
     import soundfile
 
