@@ -434,7 +434,7 @@ def load_model(model: str | os.PathLike | None = None, device: str = "auto", dty
     if torch_device.type == "cuda" and getattr(fam, "READS_WEIGHTS_EARLY", False):
         from .early_weights import EarlyWeights
 
-        early = EarlyWeights.start(path, torch_device)  # during the import below
+        early = EarlyWeights.start(path, torch_device, torch_dtype)  # during the import below
 
     with _quiet_transformers():
         from transformers import AutoTokenizer, GenerationConfig

@@ -65,3 +65,31 @@ def test_a_failed_read_hands_over_nothing(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(b"not a safetensors file")
     early = EarlyWeights.start(tmp_path, torch.device("cpu"))
     assert early is not None and early.take() is None  # the caller then reads the files, and says what is wrong
+
+
+class _Cuda:
+    type = "cuda"
+
+
+@pytest.mark.parametrize("free_gb, dtype, read", [(100, torch.bfloat16, True), (40, torch.bfloat16, False),
+                                                   (100, torch.float32, True), (60, torch.float32, False)])
+def test_read_early_only_when_the_files_and_the_model_fit_beside_each_other(tmp_path, monkeypatch, free_gb,
+                                                                             dtype, read):
+    """22 GB of 16-bit files: a bfloat16 model needs 44 GB with them, a float32 one 66 GB; 90% of the free
+    memory may go to that."""
+    monkeypatch.setattr(EarlyWeights, "__init__", lambda self, files, device: None)  # no thread, no reading
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (free_gb * 10**9, 141 * 10**9))
+    f = tmp_path / "model.safetensors"
+    with open(f, "wb") as out:
+        out.truncate(22 * 10**9)  # sparse: no disk used
+    assert (EarlyWeights.start(tmp_path, _Cuda(), dtype) is not None) is read
+
+
+def test_a_failure_to_ask_about_memory_reads_nothing(tmp_path, monkeypatch):
+    (tmp_path / "model.safetensors").write_bytes(b"")
+
+    def fail(device):
+        raise RuntimeError("no driver")
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", fail)
+    assert EarlyWeights.start(tmp_path, _Cuda(), torch.bfloat16) is None
