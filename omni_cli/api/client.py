@@ -106,6 +106,7 @@ class RemoteAssistant:
         try:
             response = http.request("GET", "/v1/models")
             body = response.read()
+            response.close()  # read to its end: the connection is kept for the reply
         except _NETWORK_ERRORS as exc:
             http.close()
             raise ServerError(f"no server answers at {url} ({type(exc).__name__}): start one with omni-serve, "
