@@ -72,7 +72,7 @@ class Assistant:
     keeps_media = True  # a conversation's turns keep their clips and images (the remote client's: text)
 
     def __init__(self, loaded, *, max_context: int = 4096, max_codes: int | None = None, graphs: bool = True,
-                 compile: bool | None = None) -> None:
+                 compile: bool = False) -> None:
         self.loaded = loaded
         self.family = loaded.family
         self.is_demo = loaded.is_demo

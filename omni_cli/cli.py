@@ -121,7 +121,7 @@ VoiceOpt = Annotated[Optional[str], typer.Option("--voice", "-v", metavar="NAME"
 DeviceOpt = Annotated[str, typer.Option("--device", metavar="DEVICE", help="auto, cpu, cuda, cuda:N, npu, npu:N, mps.")]
 DtypeOpt = Annotated[str, typer.Option("--dtype", metavar="DTYPE", help="auto (bfloat16 on accelerators, float32 on CPU), float32, bfloat16, float16.")]
 GraphsOpt = Annotated[bool, typer.Option("--graphs/--no-graphs", help="CUDA graphs of the decode steps and the vocoder on a GPU (a no-op on CPU); --no-graphs runs them eagerly, as does OMNI_NO_GRAPHS=1.")]
-CompileOpt = Annotated[Optional[bool], typer.Option("--compile/--no-compile", show_default=False, help="torch.compile the decode steps and the vocoder before the first reply (GPU, with graphs): faster steady speech after a compile of a minute or more the first time (cached for the next start, in TORCHINDUCTOR_CACHE_DIR or ~/.cache/omni_cli). Default: off (nothing is compiled before the first reply).")]
+CompileOpt = Annotated[bool, typer.Option("--compile/--no-compile", show_default=False, help="torch.compile the decode steps and the vocoder before the first reply (GPU, with graphs): faster steady speech after a compile of a minute or more the first time (cached for the next start, in TORCHINDUCTOR_CACHE_DIR or ~/.cache/omni_cli). Default: off (nothing is compiled before the first reply).")]
 SeedOpt = Annotated[Optional[int], typer.Option("--seed", metavar="N", show_default=False, help="Seed for sampling and the vocoder noise (reproducible replies).")]
 GreedyOpt = Annotated[bool, typer.Option("--greedy", help="Greedy decoding instead of sampling.")]
 MaxTextOpt = Annotated[Optional[int], typer.Option("--max-text-tokens", min=1, metavar="N", show_default=False, help="Cap on the reply's text tokens (default: the model's).")]
@@ -152,9 +152,9 @@ LocalOpt = Annotated[bool, typer.Option(
     "--local", envvar="OMNI_LOCAL", help="Load the model in this process even when an omni-serve answers (so does OMNI_LOCAL=1).")]
 
 
-def runtime_flags(graphs: bool, compile: bool | None) -> dict:
+def runtime_flags(graphs: bool, compile: bool) -> dict:
     """RuntimeOptions fields for --graphs/--compile, leaving out what is at its default."""
-    return ({} if graphs else {"graphs": False}) | ({} if compile is None else {"compile": compile})
+    return ({} if graphs else {"graphs": False}) | ({"compile": True} if compile else {})
 
 
 def _err(message: str) -> None:
@@ -518,7 +518,7 @@ def say(
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "auto",
     graphs: GraphsOpt = True,
-    compile: CompileOpt = None,
+    compile: CompileOpt = False,
     seed: SeedOpt = None,
     greedy: GreedyOpt = False,
     temperature: TemperatureOpt = None,
@@ -754,7 +754,7 @@ def chat(
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "auto",
     graphs: GraphsOpt = True,
-    compile: CompileOpt = None,
+    compile: CompileOpt = False,
     seed: SeedOpt = None,
     greedy: GreedyOpt = False,
     temperature: TemperatureOpt = None,

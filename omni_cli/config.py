@@ -52,11 +52,11 @@ class RuntimeOptions:
     # CUDA graphs of the decode steps and the vocoder (a no-op on CPU); OMNI_NO_GRAPHS=1 also turns them off.
     graphs: bool = True
     # torch.compile of the decode layers and the vocoder's DiT, before the first reply (with graphs, on a
-    # GPU). Off: the graphs replay the plain steps, captured in seconds. On: faster steady decoding, after
-    # a compile that takes a minute or more the first time and is kept in a persistent cache
-    # (runtime/graphs.py) for the next start. None: the family's default (`COMPILE_DEFAULT`: off for
-    # both, so a first reply never waits on a compiler; omni-bench compiles).
-    compile: bool | None = None
+    # GPU). Off, the default, so that a first reply never waits on a compiler: the graphs replay the plain
+    # steps, captured in seconds (H200: Qwen2.5-Omni-7B RTF 0.28, Qwen3-Omni-30B-A3B 0.25). On: faster
+    # steady decoding (0.19, 0.095) after a compile of a minute or more the first time, kept in a persistent
+    # cache (runtime/graphs.py) for the next start. omni-bench compiles unless told not to.
+    compile: bool = False
     # Longest prompt + reply text the thinker's static KV cache is sized for (tokens).
     max_context: int = 4096
     # Longest reply audio the talker's cache and the vocoder are sized for, in talker steps (Qwen2.5-Omni:

@@ -58,7 +58,7 @@ def serve(
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "auto",
     graphs: GraphsOpt = True,
-    compile: CompileOpt = None,
+    compile: CompileOpt = False,
     seed: SeedOpt = None,
     greedy: GreedyOpt = False,
     temperature: TemperatureOpt = None,

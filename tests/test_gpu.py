@@ -368,7 +368,7 @@ def test_qwen3_loop_runs_under_sync_debug_error(monkeypatch):
     from omni_cli.models.qwen3_omni import presets
 
     eng = Engine(build_steps(model, voices, max_context=512, max_codes=256, graphs=True), _Tok(),
-                 eos_ids=[model.config.im_end_token_id])  # as the commands build them (the family's compile default)
+                 eos_ids=[model.config.im_end_token_id])  # as the commands build them (not compiled)
     eng.warmup()
     reply = qwen3_run(eng, presets.prompt(model, 60), 16, 200, force_lengths=True, sync_debug=True)
     assert len(reply.codes) == 200

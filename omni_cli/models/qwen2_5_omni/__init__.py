@@ -57,15 +57,9 @@ def load(path: Path, device, dtype, name: str, early=None):
 READS_WEIGHTS_EARLY = True
 
 
-# Compile the steps before the first reply unless told (`--compile`): no. Graphs of the plain steps start
-# in ~2 s and play at a real-time factor of 0.28 on an H200 (compiled: ~90 s first, RTF 0.19).
-COMPILE_DEFAULT = False
-
-
-def build_steps(model, voices: dict, *, max_context: int, max_codes: int, graphs: bool, compile: bool | None = None):
+def build_steps(model, voices: dict, *, max_context: int, max_codes: int, graphs: bool, compile: bool = False):
     from .steps import Qwen25Steps
 
-    compile = COMPILE_DEFAULT if compile is None else compile
     return Qwen25Steps(model, voices, max_context=max_context, max_codes=max_codes, graphs=graphs, compile=compile)
 
 

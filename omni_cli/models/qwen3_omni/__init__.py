@@ -65,15 +65,9 @@ def load(path: Path, device, dtype, name: str):
     return _load(path, device, dtype, name)
 
 
-# Nothing is compiled before the first reply unless asked for (`--compile`; omni-bench compiles): the plain
-# fused steps' CUDA graphs are captured in seconds where compiling the 30B's takes about a minute.
-COMPILE_DEFAULT = False
-
-
-def build_steps(model, voices: dict, *, max_context: int, max_codes: int, graphs: bool, compile: bool | None = None):
+def build_steps(model, voices: dict, *, max_context: int, max_codes: int, graphs: bool, compile: bool = False):
     from .steps import Qwen3Steps
 
-    compile = COMPILE_DEFAULT if compile is None else compile
     return Qwen3Steps(model, voices, max_context=max_context, max_codes=max_codes, graphs=graphs, compile=compile)
 
 
