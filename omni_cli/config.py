@@ -2,14 +2,23 @@
 
 The CLI maps flags onto these; the engine reads them. Nothing here imports torch, so `--help`
 stays instant. Defaults that depend on the checkpoint (the thinker's sampling settings come from its
-`generation_config.json`) are resolved by the loader, not here.
+`generation_config.json`) are resolved by the loader, not here. Also where the programs keep their
+caches (`cache_folder`).
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, replace
 
 SAMPLE_RATE = 24_000  # both families' vocoders speak at 24 kHz mono
+
+
+def cache_folder(name: str) -> str:
+    """Where omni_cli keeps the cache called `name` (compiled kernels, bytecode):
+    `$XDG_CACHE_HOME/omni_cli/NAME`, else `~/.cache/omni_cli/NAME`."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "omni_cli", name)
 
 
 @dataclass(frozen=True)

@@ -172,8 +172,9 @@ def cache_bytecode() -> str | None:
     if not sys.dont_write_bytecode or os.environ.get(BYTECODE_ENV, "").strip() not in ("", "0"):
         return None
     if sys.pycache_prefix is None:
-        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-        sys.pycache_prefix = os.path.join(base, "omni_cli", "pycache")
+        from .config import cache_folder
+
+        sys.pycache_prefix = cache_folder("pycache")
     sys.dont_write_bytecode = False
     return sys.pycache_prefix
 

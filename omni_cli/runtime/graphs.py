@@ -64,8 +64,9 @@ def persistent_cache() -> str:
     settings, so one folder serves every model and machine, and a stale entry is never used. Set before
     the first compile of the process (inductor reads the variable then)."""
     if not os.environ.get(CACHE_ENV):
-        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-        os.environ[CACHE_ENV] = os.path.join(base, "omni_cli", "torch-compile")
+        from ..config import cache_folder
+
+        os.environ[CACHE_ENV] = cache_folder("torch-compile")
     return os.environ[CACHE_ENV]
 
 
