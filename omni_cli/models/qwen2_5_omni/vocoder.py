@@ -514,18 +514,8 @@ class _WindowGraphs:
         return graphs
 
     def run(self, key, fn: Callable, *inputs: torch.Tensor, lazy: bool = False) -> torch.Tensor:
-        if not self.enabled:
-            return fn(*inputs)
-        entry = self.graphs.get(key)
-        if entry is None:
-            if not (self.capturing or lazy):
-                return fn(*inputs)
-            entry = self.graphs[key] = self._capture(fn, inputs)
-        graph, static_in, static_out = entry
-        for buf, value in zip(static_in, inputs):
-            buf.copy_(value)
-        graph.replay()
-        return static_out
+        """`fn(*inputs)`, replayed as the CUDA graph of `key` (see `stepper`, with no window tensors)."""
+        return self.stepper(key, fn, inputs, (), lazy=lazy)(*inputs)
 
     def stepper(self, key, fn: Callable, inputs: tuple, window: tuple, lazy: bool = False) -> Callable:
         """`fn(*inputs, *window)` as a function of `inputs` alone, replayed as the CUDA graph of `key` (the
