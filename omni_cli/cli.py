@@ -624,9 +624,9 @@ def say(
         if to_stdout:
             with _stdout_for_wav() as wav_file:
                 reply = _say_once(assistant, text, options, outputs, wav_file, _TextOut(None if quiet else sys.stderr),
-                                  interrupt, clips, pictures)
+                                  interrupt, media)
         else:
-            reply = _say_once(assistant, text, options, outputs, None, _TextOut(sys.stdout), interrupt, clips, pictures)
+            reply = _say_once(assistant, text, options, outputs, None, _TextOut(sys.stdout), interrupt, media)
         if not quiet:
             seconds = len(reply.audio) / reply.sample_rate if reply.audio is not None else 0.0
             if outputs.file is not None:
@@ -704,8 +704,9 @@ def _read_clips(names: list[str]) -> list:
 
 
 def _say_once(assistant, text: str, options, outputs: _Outputs, wav_file, text_out: _TextOut, interrupt,
-              clips=(), pictures=()):
-    """One reply: text to `text_out`, speech to `outputs` (and, for -o -, a WAV stream on `wav_file`)."""
+              media: dict | None = None):
+    """One reply: text to `text_out`, speech to `outputs` (and, for -o -, a WAV stream on `wav_file`);
+    `media`: the prompt's clips and images ({"audio": [...], "images": [...]}, each only when given)."""
     from .audio.sinks import TeeSink, WavStreamSink
     from .runtime.events import AudioBlock, Done, TextDelta
     from .ui import AudioClock, stop_on_interrupt
@@ -721,8 +722,7 @@ def _say_once(assistant, text: str, options, outputs: _Outputs, wav_file, text_o
     clock = AudioClock()
     try:
         with stop_on_interrupt(speaker, times=interrupt):
-            media = {**({"audio": list(clips)} if clips else {}), **({"images": list(pictures)} if pictures else {})}
-            events = assistant.stream(text, options, sink=sink, **media)
+            events = assistant.stream(text, options, sink=sink, **(media or {}))
             try:
                 for event in events:
                     if isinstance(event, TextDelta):

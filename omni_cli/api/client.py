@@ -207,7 +207,7 @@ class RemoteAssistant:
         except _NETWORK_ERRORS as exc:
             reader.abort()
             self.http.close()
-            raise ServerError(f"the connection to {self.url} broke ({type(exc).__name__}: {exc})") from None
+            raise self._broken(exc) from None
         except BaseException:
             reader.abort()
             raise
@@ -232,7 +232,10 @@ class RemoteAssistant:
             self.http.send("POST", "/v1/chat/completions", body)
             return t0
         except _NETWORK_ERRORS as exc:
-            raise ServerError(f"the connection to {self.url} broke ({type(exc).__name__}: {exc})") from None
+            raise self._broken(exc) from None
+
+    def _broken(self, exc: BaseException) -> ServerError:
+        return ServerError(f"the connection to {self.url} broke ({type(exc).__name__}: {exc})")
 
     def _body(self, prompt: str, opts: ReplyOptions, conversation: Conversation | None) -> dict:
         messages = conversation.messages(prompt) if conversation is not None else [{"role": "user", "content": prompt}]
