@@ -35,6 +35,7 @@ runtime strips them; an id outside the codebook is a ValueError).
 
 from __future__ import annotations
 
+import copy
 import time
 from typing import Sequence
 
@@ -91,8 +92,9 @@ class StreamingCode2Wav:
         self.max_frames, self.chunk, self.left_context = max_frames, chunk, left_context
         self.first_chunk = self.codes_for_first_audio = first_chunk  # no look-ahead: the first chunk alone
         self.log_units_per_code = 1  # chunk_log counts frames, one per talker step
-        # The chunks run eagerly (hundreds of kernels issued from Python): beside the talker's graphs on
-        # a GPU the first one took 90 ms instead of 13 (H200, true size), so the engine waits for it.
+        # The first sound waits for the first chunk alone: the engine holds its steps until it is out.
+        # Eager (hundreds of kernels issued from Python) beside the talker's graphs it took 90 ms instead
+        # of 13 (H200, true size); on a GPU it is a graph now (`FirstChunkGraph`), later chunks are eager.
         self.quiet_first_chunk = True
         self.samples_per_frame = int(np.prod(config.upsampling_ratios + config.upsample_rates))  # 1920
         self.reset()
@@ -148,18 +150,13 @@ class StreamingCode2Wav:
     def _decode(self, end: int) -> np.ndarray:
         """Frames [done, end): the pre-transformer on them alone (the cache holds the past), the
         convolutions on them and the hidden context; return the samples not emitted yet."""
-        t, start, m = time.perf_counter(), self.done, self.model
-        codes = torch.from_numpy(np.ascontiguousarray(self.codes[start:end].T[None])).to(self.device, non_blocking=True)
-        hidden = m.code_embedding(codes + m.code_offset).mean(1)
-        # Positions continue from the cache's length, so RoPE sees the whole decode's positions. Every
-        # chunk attends over a new (chunk, cache) shape: without cuDNN's attention, which builds a plan
-        # per shape (measured on an H200, true size: 134 ms for the second chunk, 0.8-1.2 s for 25-frame
-        # chunks, against ~20 ms for the first).
-        with no_cudnn_attention(self.device.type == "cuda"):
-            hidden = m.pre_transformer(inputs_embeds=hidden, **compat.cache_kwargs(self.cache, m.pre_transformer),
-                                       use_cache=True).last_hidden_state
-        window = torch.cat([self.context, hidden], dim=1)
-        wav = self._convs(window)
+        t, start = time.perf_counter(), self.done
+        codes = torch.from_numpy(np.ascontiguousarray(self.codes[start:end].T[None]))
+        graph = FirstChunkGraph.of(self.model)
+        if start == 0 and graph is not None and graph.frames == end:
+            window, wav, self.cache = graph(codes)
+        else:
+            window, wav = self._run(codes.to(self.device, non_blocking=True), self.context, self.cache)
         # The window's sample 0 is the first sample of its first frame; skip what was emitted before.
         skip = self.emitted - (end - window.shape[1]) * self.samples_per_frame
         block = wav[skip:].float().cpu().numpy().copy()  # the one host sync: the PCM itself
@@ -167,6 +164,21 @@ class StreamingCode2Wav:
         self.done, self.emitted = end, self.emitted + len(block)
         self.chunk_log.append((end - start, time.perf_counter() - t))
         return block
+
+    def _run(self, codes: torch.Tensor, context: torch.Tensor, cache) -> tuple[torch.Tensor, torch.Tensor]:
+        """A chunk's device work: codes [1, 16, n] (on the device) -> (the convolutions' window [context |
+        the frames' hidden states], its samples); the pre-transformer reads and extends `cache`."""
+        m = self.model
+        hidden = m.code_embedding(codes + m.code_offset).mean(1)
+        # Positions continue from the cache's length, so RoPE sees the whole decode's positions. Every
+        # chunk attends over a new (chunk, cache) shape: without cuDNN's attention, which builds a plan
+        # per shape (measured on an H200, true size: 134 ms for the second chunk, 0.8-1.2 s for 25-frame
+        # chunks, against ~20 ms for the first).
+        with no_cudnn_attention(self.device.type == "cuda"):
+            hidden = m.pre_transformer(inputs_embeds=hidden, **compat.cache_kwargs(cache, m.pre_transformer),
+                                       use_cache=True).last_hidden_state
+        window = torch.cat([context, hidden], dim=1)
+        return window, self._convs(window)
 
     def _convs(self, hidden: torch.Tensor) -> torch.Tensor:
         """`Qwen3OmniMoeCode2Wav.forward` after its pre-transformer: hidden [1, T, H] -> samples [T * 1920 - 555]."""
@@ -186,3 +198,68 @@ class StreamingCode2Wav:
             return np.zeros(0, dtype=np.float32)
         codes = torch.from_numpy(new.T[None].copy()).to(self.device)
         return self.model(codes).reshape(-1).float().cpu().numpy()
+
+
+class FirstChunkGraph:
+    """The first chunk of every utterance as one CUDA graph: it always has one shape (`first_chunk`
+    frames, an empty cache, no context), and it is all that stands between the fourth frame and the
+    first sound. Eager, its ~300 small kernels issued from Python took 55 ms inside a turn on an H200
+    (13 ms alone); a replay issues them at once. Later chunks change shape (context and cache grow to
+    their steady sizes, the last one is any length) and stay eager.
+
+    Captured by the engine's warm-up (`capture`), kept on the code2wav module, replayed by every
+    `StreamingCode2Wav` over that module. A replay returns copies of the window and of the
+    pre-transformer's cache, which the stream goes on with; the samples are read at once.
+    """
+
+    def __init__(self, code2wav, frames: int) -> None:
+        from ...runtime.graphs import capture_anywhere, capture_stream
+
+        voc = StreamingCode2Wav(code2wav, max_frames=frames, first_chunk=frames)
+        self.frames, self.device = frames, voc.device
+        self.codes = torch.zeros(1, voc.config.num_quantizers, frames, dtype=torch.long, device=self.device)
+        side = capture_stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            voc._run(self.codes, voc.context, voc.cache)  # warm-up: kernels chosen outside the capture
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        voc.reset()
+        self.cache = voc.cache
+        _on_device(self.cache, self.device)  # a cache's lazy set-up would copy from the host inside the capture
+        self.graph = torch.cuda.CUDAGraph()
+        with capture_anywhere(self.graph, torch.cuda.graph_pool_handle(), side):
+            self.window, self.wav = voc._run(self.codes, voc.context, self.cache)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+
+    @classmethod
+    def capture(cls, code2wav, frames: int = 4) -> "FirstChunkGraph | None":
+        """Capture the graph for `code2wav`'s first chunks of `frames` frames; on failure warn and keep
+        the eager path (the audio is only later without it, so a capture problem must not stop a reply)."""
+        try:
+            with torch.inference_mode():
+                graph = cls(code2wav, frames)
+        except Exception as exc:  # noqa: BLE001 - any capture failure
+            import warnings
+
+            warnings.warn(f"code2wav's first chunk could not be captured as a CUDA graph, it runs eagerly: {exc!r:.300}")
+            graph = None
+        code2wav._omni_first_chunk = graph
+        return graph
+
+    @staticmethod
+    def of(code2wav) -> "FirstChunkGraph | None":
+        return getattr(code2wav, "_omni_first_chunk", None)
+
+    def __call__(self, codes: torch.Tensor):
+        """codes [1, 16, frames] on the host -> (window, samples, cache) of the first chunk."""
+        self.codes.copy_(codes, non_blocking=True)
+        self.graph.replay()
+        return self.window.clone(), self.wav, copy.deepcopy(self.cache)
+
+
+def _on_device(cache, device: torch.device) -> None:
+    """Move the host tensors a new cache's layers hold (a sliding layer's window size) to `device` now."""
+    for layer in getattr(cache, "layers", ()):
+        for name, value in list(vars(layer).items()):
+            if isinstance(value, torch.Tensor) and value.device != device:
+                setattr(layer, name, value.to(device))

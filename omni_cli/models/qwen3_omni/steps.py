@@ -109,14 +109,17 @@ class Qwen3Steps:
     def warmup_vocoder(self, frames: int = 100) -> None:
         """One utterance through code2wav (chunks 4, 8, 16, 25, ...): the first call of each kernel and
         shape is slow (measured on an H200, true size: the first chunk of a process ~1 s), so a first
-        reply must not pay it."""
-        from .code2wav import StreamingCode2Wav
+        reply must not pay it. Then, with graphs on, the first chunk's graph (`FirstChunkGraph`)."""
+        from ...runtime.graphs import graphs_wanted
+        from .code2wav import FirstChunkGraph, StreamingCode2Wav
 
         voc = StreamingCode2Wav(self.model.code2wav, max_frames=frames)
         codes = torch.randint(0, voc.config.codebook_size, (frames, voc.config.num_quantizers),
                               generator=torch.Generator().manual_seed(0))
         voc.push(codes.tolist())
         voc.finish()
+        if graphs_wanted(self.graphs, self.device):
+            FirstChunkGraph.capture(self.model.code2wav, voc.first_chunk)
 
 
 class _TalkerTurn:
