@@ -144,12 +144,17 @@ ServerOpt = Annotated[Optional[str], typer.Option(
     "--server", metavar="URL", show_default=False, envvar="OMNI_SERVER",
     help="Send the request to an omni-serve (or another OpenAI-compatible Qwen-Omni server, e.g. vLLM-Omni) "
     "at URL instead of loading the model (default: $OMNI_SERVER; without it, an omni-serve on "
-    "127.0.0.1:8484 serving the same model is used when it answers).")]
+    "127.0.0.1:8484 ($OMNI_PORT) serving the same model is used when it answers).")]
 ApiKeyOpt = Annotated[Optional[str], typer.Option(
     "--api-key", metavar="KEY", show_default=False, envvar="OMNI_API_KEY",
     help="The server's API key (default: $OMNI_API_KEY).")]
 LocalOpt = Annotated[bool, typer.Option(
     "--local", envvar="OMNI_LOCAL", help="Load the model in this process even when an omni-serve answers (so does OMNI_LOCAL=1).")]
+KeepAliveOpt = Annotated[str, typer.Option(
+    "--keep-alive", metavar="DURATION", envvar="OMNI_KEEP_ALIVE",
+    help="Load the model in a background omni-serve that keeps it for DURATION after the last request, so "
+    "the next command answers at once (e.g. 30s, 5m, 1h; 0: load it in this process, gone with the command; "
+    "default: $OMNI_KEEP_ALIVE, else 5m).")]
 
 
 def runtime_flags(graphs: bool, compile: bool) -> dict:
@@ -365,6 +370,38 @@ def _remote(server: str | None, api_key: str | None, local: bool, model: str | N
     remote = find_local_server(model, api_key)
     if remote is not None and not quiet:
         _err(f"note: using omni-serve at {remote.url} ({remote.name}); --local loads the model here instead")
+        _demo_note(remote)
+    return remote
+
+
+def _demo_note(remote) -> None:
+    """The loader's notice about the built-in tiny model, which a server's client does not load."""
+    if remote.is_demo:
+        from .loader import DEMO_NOTICE
+
+        _err(f"note: {DEMO_NOTICE}")
+
+
+def _background_server(model, device, dtype, graphs, compile, keep_seconds, api_key, quiet, t_command):
+    """omni-say's keep-alive (api/keep_alive.py): the model loaded by a background omni-serve, or None where
+    the default port is another server's (then this process loads it, and says why)."""
+    import time
+
+    from .api import client
+    from .api.keep_alive import start_server
+
+    t_start = time.perf_counter()
+    flags = ["--device", device, "--dtype", dtype, *([] if graphs else ["--no-graphs"]), *(["--compile"] if compile else [])]
+    remote = start_server(model, flags, keep_seconds, api_key, note=(lambda text: None) if quiet else
+                          (lambda text: _err(f"note: {text}")))
+    if remote is None:
+        if not quiet:
+            _err(f"note: another server answers at {client.DEFAULT_URL}, so the model loads in this process")
+        return None
+    if not quiet:
+        _demo_note(remote)
+    remote.startup = {"before the server (prompt, outputs, voice)": t_start - t_command,
+                      "start omni-serve in the background, until it serves": time.perf_counter() - t_start}
     return remote
 
 
@@ -531,6 +568,7 @@ def say(
     server: ServerOpt = None,
     api_key: ApiKeyOpt = None,
     local: LocalOpt = False,
+    keep_alive: KeepAliveOpt = "5m",
     audio: Annotated[Optional[list[str]], typer.Option(
         "--audio", "-a", metavar="FILE", show_default=False,
         help="Say this audio to the model with the prompt (any format libsndfile reads, any rate; '-': stdin); "
@@ -578,6 +616,9 @@ def say(
         options = ReplyOptions(voice=voice, greedy=greedy, seed=seed, max_text_tokens=max_text_tokens,
                                max_codes=max_codes, text_only=text_only, temperature=temperature, top_p=top_p,
                                top_k=top_k).check()
+        from .api.keep_alive import parse_duration
+
+        keep_seconds = 0.0 if local or server else parse_duration(keep_alive)
         play = not text_only and (play or output is None)
         clips = _read_clips(audio or [])
         pictures = _read_images(image or [])  # checked before the model loads
@@ -613,6 +654,10 @@ def say(
         if assistant is None:
             if not text_only:
                 options = _checked_voice(options, model)
+            if keep_seconds > 0:
+                assistant = _background_server(model, device, dtype, graphs, compile, keep_seconds, api_key, quiet,
+                                               t_command)
+        if assistant is None:
             t_load = time.perf_counter()
             assistant = _load(model, device, dtype, err, quiet=quiet, **runtime_flags(graphs, compile))
             loading = time.perf_counter() - t_load

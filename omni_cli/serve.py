@@ -6,6 +6,8 @@ Flags: the model and device flags of the other commands, the reply defaults (sam
 request's own fields win), `--host`, `--port`, `--api-key` (or $OMNI_API_KEY). Without a key the server
 listens on a loopback address only: another host is a usage error (exit 2), since anyone who can reach
 it could use the GPU. Ctrl-C or SIGTERM stop it: a reply in progress is cut, the port freed.
+`--keep-alive DURATION` stops it after that long without a request (omni-say starts it so in the
+background: api/keep_alive.py).
 
 It is a face: flags in, the app served by uvicorn; no model logic.
 """
@@ -66,6 +68,8 @@ def serve(
     top_k: TopKOpt = None,
     max_text_tokens: MaxTextOpt = None,
     max_codes: MaxCodesOpt = None,
+    keep_alive: Annotated[Optional[str], typer.Option("--keep-alive", metavar="DURATION", show_default=False, help="Stop after DURATION without a request (e.g. 300, 5m, 1h; default: run until stopped).")] = None,
+    warm_up: Annotated[bool, typer.Option("--warm-up/--no-warm-up", help="Answer one short unheard request before serving, so that the first request is served as fast as the later ones.")] = True,
     debug: DebugOpt = False,
     version: VersionOpt = False,
 ) -> None:
@@ -78,14 +82,18 @@ def serve(
                              "reach it could use this machine; give a key, or keep the default 127.0.0.1")
         defaults = ReplyOptions(seed=seed, greedy=greedy, temperature=temperature, top_p=top_p, top_k=top_k,
                                 max_text_tokens=max_text_tokens, max_codes=max_codes).check()
+        from .api.keep_alive import parse_duration
+
+        idle = parse_duration(keep_alive) if keep_alive else None
         import socket
 
         listener = _listen(host, port, socket)  # a port in use is an error before a minute of loading
         from .ui import make_console
 
         assistant = _load(model, device, dtype, make_console("stderr"), **runtime_flags(graphs, compile))
-        assistant.warm_up()  # so that the first request is served like the later ones
-        _serve(assistant, model, listener, api_key, defaults)
+        if warm_up:
+            assistant.warm_up()  # so that the first request is served like the later ones
+        _serve(assistant, model, listener, api_key, defaults, idle)
     except BaseException as exc:  # noqa: BLE001 - every way out is reported, none with a traceback
         if isinstance(exc, (SystemExit, typer.Exit)):
             raise
@@ -106,7 +114,9 @@ def _listen(host: str, port: int, socket):
     return sock
 
 
-def _serve(assistant, model, listener, api_key, defaults: ReplyOptions) -> None:
+def _serve(assistant, model, listener, api_key, defaults: ReplyOptions, idle: float | None = None) -> None:
+    import threading
+
     import uvicorn
 
     from .api.client import model_key
@@ -120,9 +130,31 @@ def _serve(assistant, model, listener, api_key, defaults: ReplyOptions) -> None:
     config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=1, lifespan="on",
                             access_log=bool(os.environ.get("OMNI_ACCESS_LOG")))
     server = uvicorn.Server(config)
-    server.run(sockets=[listener])
+    if idle:
+        threading.Thread(target=_stop_when_idle, args=(server, app.state.worker, idle), name="omni-serve-idle",
+                         daemon=True).start()
+    try:
+        server.run(sockets=[listener])
+    finally:
+        from .api.keep_alive import forget
+
+        forget(os.getpid())  # a background server's record goes with it
     logging.getLogger(__name__).debug("stopped")
     _err("omni-serve: stopped")
+
+
+def _stop_when_idle(server, worker, idle: float) -> None:
+    """`--keep-alive`: ask uvicorn to stop once no request has been queued or running for `idle` seconds."""
+    import time
+
+    last, served = time.monotonic(), worker.served
+    while not server.should_exit:
+        time.sleep(min(0.5, idle))
+        if worker.waiting or worker.served != served:
+            last, served = time.monotonic(), worker.served
+        elif time.monotonic() - last >= idle:
+            _err(f"omni-serve: no request for {idle:g} s, stopping")
+            server.should_exit = True
 
 
 def serve_main() -> None:

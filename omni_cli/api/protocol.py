@@ -19,6 +19,7 @@ import base64
 import io
 import json
 import math
+import os
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -30,7 +31,17 @@ if TYPE_CHECKING:  # numpy is imported where samples are made or read: a client 
     import numpy as np
 
 SAMPLE_RATE = 24_000  # OpenAI's PCM16 is 24 kHz mono, as both model families speak
-DEFAULT_PORT = 8484  # omni-serve's port on 127.0.0.1 (the commands look for it there)
+PORT_ENV = "OMNI_PORT"
+
+
+def default_port() -> int:
+    """omni-serve's port on 127.0.0.1, where the commands look for it: $OMNI_PORT, else 8484 (a value that
+    is not a port is ignored: the commands' probe must not fail on it)."""
+    value = os.environ.get(PORT_ENV, "").strip()
+    return int(value) if value.isdigit() and 0 < int(value) < 65536 else 8484
+
+
+DEFAULT_PORT = default_port()
 QUEUE_HEADER = "X-Omni-Queue-Position"  # requests ahead of this one when it was queued (0: none)
 WHOLE_FORMATS = ("wav", "flac", "mp3", "opus", "pcm16")  # `audio.format` of a reply that is not streamed
 

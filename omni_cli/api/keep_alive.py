@@ -1,0 +1,171 @@
+"""omni-say's keep-alive: the model stays loaded after a reply, in an omni-serve started in the
+background, so that the next command on the same model is answered in a fraction of a second (as
+`ollama run` does; measured on an H200 with a 7B folder: ~0.5 s from the command to the first audio,
+against 18-25 s for a command that loads the model itself).
+
+`start_server(model, flags, keep_alive)` starts `python -m omni_cli.serve` on the default address
+(127.0.0.1:8484) in a session of its own (the terminal's Ctrl-C and hang-up do not reach it; its output
+goes to a log file in the cache folder), waits until it serves, and returns a `RemoteAssistant` for it.
+The server stops itself after `keep_alive` seconds without a request (omni-serve `--keep-alive`).
+
+A record in the cache folder (`omni-serve.json`: pid, model, port) says which server was started this
+way. The next command on the same model waits for it while it is still loading; a command on another
+model stops it if it is idle (one model in memory at a time, as ollama swaps them) and starts its own;
+a server this module did not start is never stopped, and if it holds the port the command loads the
+model itself.
+
+It knows no terminal (the caller says what it does) and imports no torch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from ..errors import UsageError
+from . import client
+from .client import RemoteAssistant, ServerError, model_key
+
+KEEP_ALIVE_ENV = "OMNI_KEEP_ALIVE"
+DEFAULT_KEEP_ALIVE = "5m"
+START_TIMEOUT = 900.0  # seconds a command waits for the server to load (a fresh 30B read from disk)
+STOP_TIMEOUT = 15.0  # seconds to wait for an idle server of another model to exit
+
+
+def parse_duration(text: str) -> float:
+    """'300', '30s', '5m', '1h', '1.5m' -> seconds; '0' -> 0. A UsageError for anything else."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smh]?)\s*", str(text).lower())
+    if match is None:
+        raise UsageError(f"not a duration: {text!r} (e.g. 300, 30s, 5m, 1h; 0 for none)")
+    return float(match.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600}[match.group(2)]
+
+
+def server_folder() -> Path:
+    from ..config import cache_folder
+
+    folder = Path(cache_folder("serve"))
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+def _record_file() -> Path:
+    return server_folder() / "omni-serve.json"
+
+
+def read_record() -> dict | None:
+    """The background server's record if its process still runs, else None."""
+    try:
+        record = json.loads(_record_file().read_text())
+        os.kill(int(record["pid"]), 0)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return record
+
+
+def forget(pid: int) -> None:
+    """The server `pid` is stopping: remove its record (not a newer server's)."""
+    try:
+        if json.loads(_record_file().read_text()).get("pid") == pid:
+            _record_file().unlink()
+    except (OSError, ValueError, AttributeError):
+        pass
+
+
+def start_server(model: str | None, flags: list[str], keep_alive: float, api_key: str | None = None,
+                 note=lambda text: None) -> RemoteAssistant | None:
+    """A `RemoteAssistant` for a background omni-serve of `model` (started now, or one still loading),
+    or None when the default port is held by a server this module did not start (the caller loads the
+    model itself). `flags`: omni-serve's load flags (device, dtype, graphs); `note` hears what is done."""
+    url = client.DEFAULT_URL
+    where = urlsplit(url)
+    key = model_key(model)
+    record = read_record()
+    if record is not None and record.get("port") == where.port:
+        if record.get("key") == key:
+            note(f"waiting for omni-serve (pid {record['pid']}), still loading {model or 'the model'}")
+            return _wait(url, api_key, pid=int(record["pid"]), log=Path(record.get("log", "")))
+        if not _stop_idle(url, int(record["pid"])):
+            return None
+    if _listening(where.hostname, where.port):
+        return None  # someone else's server: leave it alone
+    log = server_folder() / f"omni-serve-{where.port}.log"
+    command = [sys.executable, "-m", "omni_cli.serve", "--host", where.hostname, "--port", str(where.port),
+               "--keep-alive", f"{keep_alive:g}", "--no-warm-up", *(["-m", str(model)] if model else []), *flags]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True,
+                                env={**os.environ, "OMNI_LOCAL": "1"})
+    _record_file().write_text(json.dumps({"pid": proc.pid, "key": key, "port": where.port, "log": str(log)}))
+    minutes = f"{keep_alive / 60:g} min" if keep_alive >= 60 else f"{keep_alive:g} s"
+    note(f"loading the model in a background omni-serve (pid {proc.pid}), kept for {minutes} after the last "
+         "request so the next command answers at once; --keep-alive 0 loads it in this process only")
+    return _wait(url, api_key, proc=proc, log=log)
+
+
+def _listening(host: str, port: int) -> bool:
+    try:
+        socket.create_connection((host, port), timeout=client.PROBE_TIMEOUT).close()
+    except OSError:
+        return False
+    return True
+
+
+def _alive(proc: subprocess.Popen | None, pid: int | None) -> bool:
+    if proc is not None:
+        return proc.poll() is None
+    try:
+        os.kill(pid, 0)
+    except OSError:
+        return False
+    return True
+
+
+def _wait(url: str, api_key: str | None, proc: subprocess.Popen | None = None, pid: int | None = None,
+          log: Path | None = None) -> RemoteAssistant:
+    """Poll until the server answers `GET /v1/models`. It listens before it loads, so a connection waits
+    in its backlog until it serves; one that fails (not listening yet, or a read timeout) is tried again
+    while the process runs. A ServerError with the server's own last error line if it exits first."""
+    deadline = time.monotonic() + START_TIMEOUT
+    while time.monotonic() < deadline:
+        if not _alive(proc, pid):
+            raise ServerError(f"the background omni-serve stopped before it served: {_last_error(log)}")
+        try:
+            return RemoteAssistant.connect(url, api_key, timeout=5.0)
+        except ServerError:
+            time.sleep(0.05)
+    raise ServerError(f"the background omni-serve did not serve within {START_TIMEOUT:.0f} s (its log: {log})")
+
+
+def _last_error(log: Path | None) -> str:
+    try:
+        lines = [line.strip() for line in log.read_text(errors="replace").splitlines() if line.strip()]
+    except (OSError, AttributeError):
+        lines = []
+    errors = [line.removeprefix("error:").strip() for line in lines if line.startswith("error:")]
+    return (errors or lines or [f"no output (log: {log})"])[-1]
+
+
+def _stop_idle(url: str, pid: int) -> bool:
+    """Stop the background server `pid` (another model's) if it serves no request now; True once it is gone."""
+    try:
+        import urllib.request
+
+        with urllib.request.urlopen(f"{url}/health", timeout=client.PROBE_TIMEOUT) as response:
+            if json.loads(response.read()).get("queued", 0):
+                return False  # busy with another command's reply
+    except (OSError, ValueError):
+        pass  # still loading, or not answering: stopping it loses nothing
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + STOP_TIMEOUT
+    while time.monotonic() < deadline:
+        if not _alive(None, pid):
+            return True
+        time.sleep(0.05)
+    return False

@@ -1,0 +1,149 @@
+"""omni-say's keep-alive (api/keep_alive.py): the first command starts an omni-serve in the background
+and is answered by it, the next command on the same model uses it, another model's idle one is stopped
+for a new one, a server that is not ours is left alone, a load that fails is one line, and the server
+stops itself once idle. Each test has its own port ($OMNI_PORT) and cache folder, and stops what it
+started."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import time
+from pathlib import Path
+
+import pytest
+import soundfile as sf
+
+from conftest import REPO_ROOT, cli_env, run_omni_say
+
+from omni_cli.api.keep_alive import parse_duration
+from omni_cli.errors import UsageError
+
+QWEN3 = REPO_ROOT / "assets" / "tiny-qwen3-omni"
+
+
+def test_durations():
+    assert [parse_duration(t) for t in ("300", "30s", "5m", "1.5m", "1h", "0", " 2 m ")] == \
+        [300, 30, 300, 90, 3600, 0, 120]
+    for bad in ("soon", "-5", "5d", ""):
+        with pytest.raises(UsageError):
+            parse_duration(bad)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except OSError:
+        return False
+    # a child of a command that has exited is reparented and reaped; a zombie would still answer here
+    status = Path(f"/proc/{pid}/stat")
+    return not (status.exists() and status.read_text().split(")")[-1].split()[0] == "Z")
+
+
+class Place:
+    """A port and a cache folder of the test's own, and the environment that points omni-say at them."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.port = _free_port()
+        self.cache = tmp_path / "cache"
+        self.env = cli_env(XDG_CACHE_HOME=str(self.cache), OMNI_PORT=str(self.port), OMNI_KEEP_ALIVE="60")
+        self.env.pop("OMNI_LOCAL", None)
+        self.started: list[int] = []
+
+    @property
+    def record(self) -> dict | None:
+        path = self.cache / "omni_cli" / "serve" / "omni-serve.json"
+        return json.loads(path.read_text()) if path.exists() else None
+
+    def say(self, *args, **env):
+        result = run_omni_say(*args, "--seed", "1", "--max-codes", "60", env={**self.env, **env}, timeout=300)
+        if self.record:
+            self.started.append(self.record["pid"])
+        return result
+
+    def wait_gone(self, pid: int, seconds: float = 30.0) -> bool:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            if not _alive(pid):
+                return True
+            time.sleep(0.1)
+        return False
+
+    def stop_all(self) -> None:
+        for pid in set(self.started):
+            if _alive(pid):
+                os.kill(pid, signal.SIGTERM)
+                if not self.wait_gone(pid, 10):
+                    os.kill(pid, signal.SIGKILL)
+
+
+@pytest.fixture
+def place(tmp_path):
+    where = Place(tmp_path)
+    yield where
+    where.stop_all()
+
+
+def test_the_next_command_uses_the_server_the_first_started(place, tmp_path):
+    first = place.say("Hello there", "-o", tmp_path / "a.wav")
+    assert first.returncode == 0, first.stderr
+    assert "background omni-serve" in first.stderr and "tiny demo model" in first.stderr
+    pid = place.record["pid"]
+    assert _alive(pid)  # outlives the command that started it
+    second = place.say("Hello there", "-o", tmp_path / "b.wav")
+    assert second.returncode == 0, second.stderr
+    assert "using omni-serve" in second.stderr and "background" not in second.stderr
+    a, rate = sf.read(tmp_path / "a.wav")
+    b, _ = sf.read(tmp_path / "b.wav")
+    assert rate == 24000 and len(a) > 0 and (a == b).all()  # same prompt and seed, both through the server
+    assert place.record["pid"] == pid  # no second server
+
+
+def test_an_idle_server_stops_itself_and_forgets_its_record(place, tmp_path):
+    result = place.say("Hi", "-o", tmp_path / "a.wav", OMNI_KEEP_ALIVE="1s")
+    assert result.returncode == 0, result.stderr
+    pid = place.record["pid"]
+    assert place.wait_gone(pid), "the background server did not stop after its keep-alive"
+    assert place.record is None
+    log = (place.cache / "omni_cli" / "serve" / f"omni-serve-{place.port}.log").read_text()
+    assert "no request for 1 s, stopping" in log
+
+
+def test_another_model_replaces_an_idle_background_server(place, tmp_path):
+    assert place.say("Hi", "-o", tmp_path / "a.wav").returncode == 0
+    old = place.record["pid"]
+    result = place.say("Hi", "-m", QWEN3, "-o", tmp_path / "b.wav")
+    assert result.returncode == 0, result.stderr
+    assert place.wait_gone(old, 5)
+    assert place.record["pid"] != old and place.record["key"] == str(QWEN3.resolve())
+    assert len(sf.read(tmp_path / "b.wav")[0]) > 0
+
+
+def test_a_server_that_is_not_ours_is_left_alone(place, tmp_path):
+    """Something else listens on the port (and never answers): the command loads the model itself."""
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", place.port))
+        other.listen(8)
+        result = place.say("Hi", "-o", tmp_path / "a.wav")
+    assert result.returncode == 0, result.stderr
+    assert "loads in this process" in result.stderr and place.record is None
+    assert len(sf.read(tmp_path / "a.wav")[0]) > 0
+
+
+def test_a_load_that_fails_is_one_line(place, tmp_path, fake_model):
+    folder = fake_model("broken", files=("model.safetensors", "tokenizer.json"))  # empty weights
+    out = tmp_path / "x.wav"
+    result = place.say("Hi", "-m", folder, "-o", out)
+    assert result.returncode == 1, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert lines[-1].startswith("error: the background omni-serve stopped before it served: "), lines
+    assert "has no spk_dict.pt" in lines[-1]  # the server's own reason
+    assert "Traceback" not in result.stderr and not out.exists()
