@@ -2,8 +2,12 @@
 # Start-up on a lent GPU machine, measured the way a user meets it (the device tool runs this from the
 # repository root; what lands in $OUT comes back). Steps, in the order given:
 #   folder    write a true-size random Qwen2.5-Omni-7B folder ($DIR; scripts/make_random_checkpoint.py)
-#   fresh     drop the page cache if allowed, then omni-say -m $DIR ... --verbose (nothing compiled yet)
-#   again     the same command a second time
+#   fresh     drop the page cache if allowed, then omni-say -m $DIR ... --verbose (nothing compiled yet);
+#             it loads the model in a background omni-serve (omni-say's default --keep-alive)
+#   again     the same command a second time (answered by that background server)
+#   local     omni-say --keep-alive 0 twice: the model loaded in the command itself (first with the
+#             background server still holding its copy, then after it is stopped)
+#   stop      stop the background server (SIGTERM to the pid in its record)
 #   compile   omni-say --compile twice: the compiler's first run, then the persistent cache's
 #   serve     omni-serve -m $DIR in the background, then omni-say three times through it (found on the
 #             default address twice, then named by --server), then SIGTERM
@@ -47,6 +51,14 @@ serve() {  # serve [FLAG]: omni-serve -m $dir [FLAG] in the background, omni-say
   kill -TERM $pid; wait $pid; echo "omni-serve exit $?"; cat /tmp/serve.log >> "$out/cold_start.log"
 }
 
+stop_background() {  # the server omni-say started (api/keep_alive.py's record), if any
+  local rec=${XDG_CACHE_HOME:-$HOME/.cache}/omni_cli/serve/omni-serve.json pid
+  [ -f "$rec" ] || return 0
+  pid=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['pid'])" "$rec")
+  kill -TERM "$pid" 2>/dev/null; while kill -0 "$pid" 2>/dev/null; do sleep 0.2; done
+  echo "background omni-serve $pid stopped"; cat ${XDG_CACHE_HOME:-$HOME/.cache}/omni_cli/serve/omni-serve-8484.log >> "$out/cold_start.log"
+}
+
 for step in "$@"; do
   case $step in
     folder) timed folder python3 scripts/make_random_checkpoint.py "$dir" --preset qwen2.5-omni-7b --device cuda --force
@@ -55,6 +67,10 @@ for step in "$@"; do
              echo "page cache NOT dropped (not allowed here)"; fi
            timed fresh "${say[@]}" -o /tmp/fresh.wav ;;
     again) timed again "${say[@]}" -o /tmp/again.wav ;;
+    local) timed local1 "${say[@]}" --keep-alive 0 -o /tmp/local1.wav
+           stop_background
+           timed local2 "${say[@]}" --keep-alive 0 -o /tmp/local2.wav ;;
+    stop) stop_background ;;
     compile) timed compile1 "${say[@]}" --compile -o /tmp/compile1.wav
              timed compile2 "${say[@]}" --compile -o /tmp/compile2.wav ;;
     serve) serve "" ;;

@@ -76,9 +76,9 @@ def main() -> None:
         report["frame_eager_ms"] = device_ms(lambda: tk._fused_frame(n), 10)
         report["race_draw_ms"] = device_ms(tk._draw, 50)
         if args.kernels:
-            report["kernels_thinker_step"] = kernels(lambda: th.fused._step(span))
+            report["kernels_thinker_step"] = kernels(lambda: th.fused._step(span), top=30)
             report["kernels_talker_step"] = kernels(lambda: tk._fused_step(span))
-            report["kernels_frame"] = kernels(lambda: tk._fused_frame(n))
+            report["kernels_frame"] = kernels(lambda: tk._fused_frame(n), top=40)
     frames = torch.randint(0, 2048, (100, 16)).tolist()
     chunks = {}
     for size in (4, 8, 16, 25):
