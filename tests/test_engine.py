@@ -55,6 +55,26 @@ def test_reply_shape_and_stats(assistant):
     np.testing.assert_array_equal(again.audio, reply.audio)  # the seed covers the vocoder's noise too
 
 
+def test_the_same_seed_gives_the_same_speech_however_late_the_host_learns_the_texts_end(assistant, monkeypatch):
+    """The thinker runs on past its EOS until the host has read it (a timing-dependent number of steps).
+    Those steps draw from the thinker's randomness only: with the host slowed down (more of them) the
+    sampled speech is the same as with a fast host. When the talker shared the thinker's generator, the
+    codes after the text's end differed from run to run under the same seed."""
+    fast = assistant.say("Hello there", seed=7, max_text_tokens=40, max_codes=60)
+    assert len(fast.text_ids) < 40  # the text ends with an EOS (seed 7: 35 ids), not at the limit
+    handle = turn_mod.Turn._handle
+
+    def slow_host(self, kind, index, value):
+        if kind == "text":
+            time.sleep(0.03)  # the engine steps on meanwhile, up to the boundary's lag
+        return handle(self, kind, index, value)
+
+    monkeypatch.setattr(turn_mod.Turn, "_handle", slow_host)
+    slow = assistant.say("Hello there", seed=7, max_text_tokens=40, max_codes=60)
+    assert slow.stats["thinker_steps"] > fast.stats["thinker_steps"]  # it did step on past the EOS
+    assert slow.text_ids == fast.text_ids and slow.codes == fast.codes
+
+
 def test_codec_eos_stops_the_turn_and_overshoot_is_discarded(assistant, monkeypatch):
     eos_at = 30
     original = Talker.decode_one

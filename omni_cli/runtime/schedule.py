@@ -30,6 +30,7 @@ from .events import TurnRequest
 from .sampling import mark_seen, select
 from .stats import StepClock, TurnState
 
+TALKER_SEED_OFFSET = 1  # the talker's generator is seeded with the turn's seed + this
 FIRST_AUDIO_HOLD = 1.0  # longest the engine thread waits for the first audio on a CPU (seconds)
 
 
@@ -38,7 +39,7 @@ class _Decode:
     """Device tensors of one turn's decode loop (the engine thread's alone)."""
 
     ids: torch.Tensor  # [1, L] prompt ids
-    gen: torch.Generator  # sampling randomness (seeded)
+    gen: torch.Generator  # the thinker's sampling randomness (seeded)
     eos: torch.Tensor  # text EOS ids
     seen_text: torch.Tensor  # repetition-penalty mask
     no_eos: torch.Tensor | None = None  # forced lengths: text EOS banned
@@ -103,7 +104,12 @@ class Schedule:
             d.no_eos[0, [i for i in self.all_eos_ids if i < s.text_vocab]] = True
         d.ended_before = [torch.zeros(1, dtype=torch.bool, device=dev)]
         if self.audio:
-            d.talker = s.talker_turn(list(req.input_ids), req.voice, req.talker, d.gen, req.force_lengths)
+            # The talker draws from a generator of its own: the thinker may take a few steps past its EOS
+            # before the host knows of it (a number that depends on timing), and their draws, taken from
+            # a shared generator, would change every later pick of the speech (same seed, other audio).
+            talker_gen = torch.Generator(device=dev)
+            talker_gen.manual_seed((req.seed + TALKER_SEED_OFFSET) % 2**63)
+            d.talker = s.talker_turn(list(req.input_ids), req.voice, req.talker, talker_gen, req.force_lengths)
             d.early = s.vector_from_token
         return d
 
