@@ -144,10 +144,16 @@ def pick(logits: torch.Tensor, params: SamplingParams, seen: torch.Tensor | None
         logits = logits.masked_fill(suppress, float("-inf"))
     greedy = logits.argmax(dim=-1)
     scaled = logits / params.temperature
-    ranked = torch.sort(scaled, dim=-1, descending=True)[0]
-    kth = ranked.gather(-1, (params.top_k - 1).view(1, 1).expand(scaled.shape[0], 1))
+    # One ascending sort serves both filters (a vocabulary's sort is one of the largest kernels of a
+    # frame on a GPU: ~21 µs for 2048 ids, where two were sorted per pick). The k-th largest value is
+    # at vocab - k; top-p's ascending sort of the top-k-filtered logits is this sort with the values
+    # below it set to -inf (equal arrays, so the same softmax and cumulative sums, and with a stable
+    # sort ties keep the same order).
+    sorted_logits, sorted_idx = torch.sort(scaled, dim=-1, stable=True)
+    rows, vocab = scaled.shape[0], scaled.shape[-1]
+    kth = sorted_logits.gather(-1, (vocab - params.top_k).view(1, 1).expand(rows, 1))
     scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-    sorted_logits, sorted_idx = torch.sort(scaled, descending=False)
+    sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
     remove_sorted = sorted_logits.softmax(dim=-1).cumsum(dim=-1) <= (1 - params.top_p)
     remove_sorted[..., -1:] = False
     scaled = scaled.masked_fill(remove_sorted.scatter(-1, sorted_idx, remove_sorted), float("-inf"))
