@@ -136,10 +136,14 @@ def picked_matvec(weights: torch.Tensor, idx: torch.Tensor, x: torch.Tensor) -> 
 
 
 def moe_mlp(x: torch.Tensor, tensors: tuple, top_k: int, renormalise: bool, as_sum: bool = False) -> torch.Tensor:
-    """A sparse MoE block on x [1, n, H]: the library's routing (float32 softmax, top-k, optional
-    renormalisation, weights cast back), the picked experts, summed in top-k order as the library's
-    grouped path sums them; plus the sigmoid-gated shared expert when there is one."""
-    router_w, gate_up, down = tensors[:3]
+    """A sparse MoE block on x [1, n, H]: the library's routing (`route`), then the picked experts and
+    the shared one (`experts`)."""
+    return experts(x, *route(x, tensors[0], top_k, renormalise, as_sum), tensors, as_sum)
+
+
+def route(x: torch.Tensor, router_w: torch.Tensor, top_k: int, renormalise: bool, as_sum: bool = False):
+    """The library's routing of x [1, n, H]: float32 softmax, top-k, optional renormalisation, weights
+    cast back. Returns (weights [n, k], expert ids [n, k])."""
     rows = x.view(-1, x.shape[-1])  # [n, H]
     probs = linear(rows, router_w, as_sum=as_sum).softmax(dim=-1, dtype=torch.float32)
     # The top k by one sort (one kernel for 128 experts, where topk launches two); a stable sort orders
@@ -147,7 +151,14 @@ def moe_mlp(x: torch.Tensor, tensors: tuple, top_k: int, renormalise: bool, as_s
     weight, idx = (t[..., :top_k] for t in torch.sort(probs, dim=-1, descending=True, stable=True))  # [n, k]
     if renormalise:
         weight = weight / weight.sum(dim=-1, keepdim=True)
-    weight = weight.to(x.dtype)
+    return weight.to(x.dtype), idx
+
+
+def experts(x: torch.Tensor, weight: torch.Tensor, idx: torch.Tensor, tensors: tuple, as_sum: bool = False):
+    """The picked experts on x [1, n, H], summed in top-k order as the library's grouped path sums them,
+    plus the sigmoid-gated shared expert when there is one."""
+    gate_up, down = tensors[1:3]
+    rows = x.view(-1, x.shape[-1])  # [n, H]
     h = gated(picked_matvec(gate_up, idx, rows.unsqueeze(1)))  # [n, k, I]
     out = (picked_matvec(down, idx, h) * weight.unsqueeze(-1)).sum(dim=1)  # [n, H]
     if len(tensors) > 3:
@@ -162,6 +173,35 @@ def layer_step(hidden, in_w, post_w, qkv_w, qkv_b, q_norm_w, k_norm_w, o_w, mlp,
                routing: tuple[int, bool] | None, as_sum: bool = False):
     """One decoder layer for n tokens. Pure function of tensors: what `torch.compile` fuses. `as_sum`:
     the projections as reductions (`linear`)."""
+    hidden = attention(hidden, in_w, qkv_w, qkv_b, q_norm_w, k_norm_w, o_w, keys, values, pos, cos, sin, valid,
+                       eps, split, head_dim, scaling, as_sum)
+    x = rms_norm(hidden, post_w, eps)
+    if routing is None:
+        gate_up_w, down_w = mlp
+        return hidden + linear(gated(linear(x, gate_up_w, as_sum=as_sum)), down_w, as_sum=as_sum)
+    return hidden + moe_mlp(x, mlp, *routing, as_sum=as_sum)
+
+
+def routed_attention(hidden, in_w, post_w, qkv_w, qkv_b, q_norm_w, k_norm_w, o_w, mlp, keys, values, pos, cos,
+                     sin, valid, eps: float, split: tuple[int, int, int], head_dim: int, scaling: float,
+                     routing: tuple[int, bool], as_sum: bool = False):
+    """A mixture-of-experts layer's first part (`layer_step`'s arguments): attention, the MLP's norm and
+    the routing; returns (hidden, normed x, weights, expert ids) for `routed_experts`."""
+    hidden = attention(hidden, in_w, qkv_w, qkv_b, q_norm_w, k_norm_w, o_w, keys, values, pos, cos, sin, valid,
+                       eps, split, head_dim, scaling, as_sum)
+    x = rms_norm(hidden, post_w, eps)
+    return (hidden, x, *route(x, mlp[0], *routing, as_sum=as_sum))
+
+
+def routed_experts(hidden, x, weight, idx, mlp, as_sum: bool = False):
+    """A mixture-of-experts layer's second part: the experts `routed_attention` chose, and the residual."""
+    return hidden + experts(x, weight, idx, mlp, as_sum)
+
+
+def attention(hidden, in_w, qkv_w, qkv_b, q_norm_w, k_norm_w, o_w, keys, values, pos, cos, sin, valid, eps: float,
+              split: tuple[int, int, int], head_dim: int, scaling: float, as_sum: bool = False):
+    """A layer's attention block with its residual: norm, q/k/v, RoPE, the cache write at `pos`, attention
+    over the first `valid.shape[-1]` rows, o."""
     n = hidden.shape[1]
     x = rms_norm(hidden, in_w, eps)
     q, k, v = linear(x, qkv_w, qkv_b, as_sum).split(split, dim=-1)
@@ -176,12 +216,7 @@ def layer_step(hidden, in_w, post_w, qkv_w, qkv_b, q_norm_w, k_norm_w, o_w, mlp,
     span = valid.shape[-1]
     att = F.scaled_dot_product_attention(q, keys[:, :, :span], values[:, :, :span], attn_mask=valid,
                                          scale=scaling, enable_gqa=True)
-    hidden = hidden + linear(att.transpose(1, 2).reshape(1, n, -1), o_w, as_sum=as_sum)
-    x = rms_norm(hidden, post_w, eps)
-    if routing is None:
-        gate_up_w, down_w = mlp
-        return hidden + linear(gated(linear(x, gate_up_w, as_sum=as_sum)), down_w, as_sum=as_sum)
-    return hidden + moe_mlp(x, mlp, *routing, as_sum=as_sum)
+    return hidden + linear(att.transpose(1, 2).reshape(1, n, -1), o_w, as_sum=as_sum)
 
 
 class FusedDecoder:
@@ -214,6 +249,13 @@ class FusedDecoder:
         # for what follows (0 for text and audio); a device tensor, so one captured graph serves every turn.
         self.rope_shift = torch.zeros(1, dtype=torch.long, device=param.device)
         self.layer_fn = compile_fn(layer_step, fullgraph=True) if compile and not whole else layer_step
+        # A mixture-of-experts layer compiled as one function had the routing (its norm, softmax and sort)
+        # fused into both expert reductions, which redid it in every thread block: H200, thinker, 19 and
+        # 15 µs a layer for reductions that read 50 and 25 MB. Compiled in two parts, the routing runs
+        # once and the experts read its ids from memory.
+        self.moe_parts = None
+        if compile and not whole and any(L.routing is not None for L in self.layers):
+            self.moe_parts = (compile_fn(routed_attention, fullgraph=True), compile_fn(routed_experts, fullgraph=True))
         if compile and whole:
             self.step = compile_fn(self.step, fullgraph=True)
 
@@ -226,11 +268,15 @@ class FusedDecoder:
         valid = (self.span_index[:span].view(1, span) <= pos.view(n, 1)).view(1, 1, n, span)
         hidden = embeds
         for i, L in enumerate(self.layers):
-            hidden = self.layer_fn(
-                hidden, L.in_norm[0], L.post_norm[0], L.qkv_w, L.qkv_b, L.q_norm[0], L.k_norm[0], L.o_w, L.mlp,
-                self.cache.keys[i], self.cache.values[i], pos, cos, sin, valid,
-                L.in_norm[1], L.split, L.head_dim, L.scaling, L.routing, self.as_sum,
-            )
+            args = (hidden, L.in_norm[0], L.post_norm[0], L.qkv_w, L.qkv_b, L.q_norm[0], L.k_norm[0], L.o_w, L.mlp,
+                    self.cache.keys[i], self.cache.values[i], pos, cos, sin, valid,
+                    L.in_norm[1], L.split, L.head_dim, L.scaling, L.routing, self.as_sum)
+            if L.routing is not None and self.moe_parts is not None:
+                attend_and_route, mix_experts = self.moe_parts
+                hidden, x, weight, idx = attend_and_route(*args)
+                hidden = mix_experts(hidden, x, weight, idx, L.mlp, self.as_sum)
+            else:
+                hidden = self.layer_fn(*args)
         return rms_norm(hidden, *self.norm)
 
 
