@@ -100,8 +100,7 @@ def start_server(model: str | None, flags: list[str], keep_alive: float, api_key
     command = [sys.executable, "-m", "omni_cli.serve", "--host", where.hostname, "--port", str(where.port),
                "--keep-alive", f"{keep_alive:g}", "--no-warm-up", *(["-m", str(model)] if model else []), *flags]
     with open(log, "wb") as out:
-        proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True,
-                                env={**os.environ, "OMNI_LOCAL": "1"})
+        proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True)
     _record_file().write_text(json.dumps({"pid": proc.pid, "key": key, "port": where.port, "log": str(log)}))
     minutes = f"{keep_alive / 60:g} min" if keep_alive >= 60 else f"{keep_alive:g} s"
     note(f"loading the model in a background omni-serve (pid {proc.pid}), kept for {minutes} after the last "
