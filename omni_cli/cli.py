@@ -152,9 +152,9 @@ LocalOpt = Annotated[bool, typer.Option(
     "--local", envvar="OMNI_LOCAL", help="Load the model in this process even when an omni-serve answers (so does OMNI_LOCAL=1).")]
 KeepAliveOpt = Annotated[str, typer.Option(
     "--keep-alive", metavar="DURATION", envvar="OMNI_KEEP_ALIVE",
-    help="Load the model in a background omni-serve that keeps it for DURATION after the last request, so "
-    "the next command answers at once (e.g. 30s, 5m, 1h; 0: load it in this process, gone with the command; "
-    "default: $OMNI_KEEP_ALIVE, else 5m).")]
+    help="When no omni-serve answers, load the model in one started in the background, which keeps it for "
+    "DURATION after the last request, so the next command answers at once (e.g. 30s, 5m, 1h; 0: load it in "
+    "this process, gone with the command; default: $OMNI_KEEP_ALIVE, else 5m).")]
 
 
 def runtime_flags(graphs: bool, compile: bool) -> dict:

@@ -104,7 +104,7 @@ def start_server(model: str | None, flags: list[str], keep_alive: float, api_key
     _record_file().write_text(json.dumps({"pid": proc.pid, "key": key, "port": where.port, "log": str(log)}))
     minutes = f"{keep_alive / 60:g} min" if keep_alive >= 60 else f"{keep_alive:g} s"
     note(f"loading the model in a background omni-serve (pid {proc.pid}), kept for {minutes} after the last "
-         "request so the next command answers at once; --keep-alive 0 loads it in this process only")
+         "request so the next command answers at once; --keep-alive 0 loads it in this process instead")
     return _wait(url, api_key, proc=proc, log=log)
 
 
