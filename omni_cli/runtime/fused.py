@@ -157,27 +157,14 @@ def route(x: torch.Tensor, router_w: torch.Tensor, top_k: int, renormalise: bool
 def experts(x: torch.Tensor, weight: torch.Tensor, idx: torch.Tensor, tensors: tuple, as_sum: bool = False):
     """The picked experts on x [1, n, H], summed in top-k order as the library's grouped path sums them,
     plus the sigmoid-gated shared expert when there is one."""
-    return expert_outputs(x, *expert_inputs(x, idx, tensors, as_sum), weight, idx, tensors, as_sum)
-
-
-def expert_inputs(x: torch.Tensor, idx: torch.Tensor, tensors: tuple, as_sum: bool = False):
-    """The gated inputs of the picked experts' down projections ([n, k, I]) and of the shared expert's
-    ([n, I_shared], or None without one)."""
+    gate_up, down = tensors[1:3]
     rows = x.view(-1, x.shape[-1])  # [n, H]
-    h = gated(picked_matvec(tensors[1], idx, rows.unsqueeze(1)))  # [n, k, I]
-    shared = gated(linear(rows, tensors[3], as_sum=as_sum)) if len(tensors) > 3 else None
-    return h, shared
-
-
-def expert_outputs(x: torch.Tensor, h: torch.Tensor, shared_h: torch.Tensor | None, weight: torch.Tensor,
-                   idx: torch.Tensor, tensors: tuple, as_sum: bool = False):
-    """The down projections of `expert_inputs`' results, weighted and summed (and the shared expert's,
-    gated): [1, n, H] like x."""
-    out = (picked_matvec(tensors[2], idx, h) * weight.unsqueeze(-1)).sum(dim=1)  # [n, H]
-    if shared_h is not None:
-        shared_down, shared_gate = tensors[4:]
-        rows = x.view(-1, x.shape[-1])
-        out = out + torch.sigmoid(linear(rows, shared_gate, as_sum=as_sum)) * linear(shared_h, shared_down, as_sum=as_sum)
+    h = gated(picked_matvec(gate_up, idx, rows.unsqueeze(1)))  # [n, k, I]
+    out = (picked_matvec(down, idx, h) * weight.unsqueeze(-1)).sum(dim=1)  # [n, H]
+    if len(tensors) > 3:
+        shared_gate_up, shared_down, shared_gate = tensors[3:]
+        shared = linear(gated(linear(rows, shared_gate_up, as_sum=as_sum)), shared_down, as_sum=as_sum)
+        out = out + torch.sigmoid(linear(rows, shared_gate, as_sum=as_sum)) * shared
     return out.view_as(x)
 
 
@@ -199,16 +186,16 @@ def routed_attention(hidden, in_w, post_w, qkv_w, qkv_b, q_norm_w, k_norm_w, o_w
                      sin, valid, eps: float, split: tuple[int, int, int], head_dim: int, scaling: float,
                      routing: tuple[int, bool], as_sum: bool = False):
     """A mixture-of-experts layer's first part (`layer_step`'s arguments): attention, the MLP's norm and
-    the routing; returns (hidden, normed x, weights, expert ids) for `expert_inputs` and `routed_outputs`."""
+    the routing; returns (hidden, normed x, weights, expert ids) for `routed_experts`."""
     hidden = attention(hidden, in_w, qkv_w, qkv_b, q_norm_w, k_norm_w, o_w, keys, values, pos, cos, sin, valid,
                        eps, split, head_dim, scaling, as_sum)
     x = rms_norm(hidden, post_w, eps)
     return (hidden, x, *route(x, mlp[0], *routing, as_sum=as_sum))
 
 
-def routed_outputs(hidden, x, h, shared_h, weight, idx, mlp, as_sum: bool = False):
-    """A mixture-of-experts layer's last part, after `expert_inputs`: the down projections and the residual."""
-    return hidden + expert_outputs(x, h, shared_h, weight, idx, mlp, as_sum)
+def routed_experts(hidden, x, weight, idx, mlp, as_sum: bool = False):
+    """A mixture-of-experts layer's second part: the experts `routed_attention` chose, and the residual."""
+    return hidden + experts(x, weight, idx, mlp, as_sum)
 
 
 def attention(hidden, in_w, qkv_w, qkv_b, q_norm_w, k_norm_w, o_w, keys, values, pos, cos, sin, valid, eps: float,
@@ -262,14 +249,13 @@ class FusedDecoder:
         # for what follows (0 for text and audio); a device tensor, so one captured graph serves every turn.
         self.rope_shift = torch.zeros(1, dtype=torch.long, device=param.device)
         self.layer_fn = compile_fn(layer_step, fullgraph=True) if compile and not whole else layer_step
-        # A mixture-of-experts layer compiled as one function had work fused into its expert reductions
-        # that every thread block redid: the routing (its norm, softmax and sort) in both, and the gating
-        # (silu(gate) * up) in the down projection (H200, thinker: 19 and 15 µs a layer for reductions
-        # that read 50 and 25 MB). Compiled in three parts (attention and routing; the experts' gated
-        # inputs; their down projections), each reads the one before from memory.
+        # A mixture-of-experts layer compiled as one function had the routing (its norm, softmax and sort)
+        # fused into both expert reductions, which redid it in every thread block: H200, thinker, 19 and
+        # 15 µs a layer for reductions that read 50 and 25 MB. Compiled in two parts, the routing runs
+        # once and the experts read its ids from memory.
         self.moe_parts = None
         if compile and not whole and any(L.routing is not None for L in self.layers):
-            self.moe_parts = tuple(compile_fn(fn, fullgraph=True) for fn in (routed_attention, expert_inputs, routed_outputs))
+            self.moe_parts = (compile_fn(routed_attention, fullgraph=True), compile_fn(routed_experts, fullgraph=True))
         if compile and whole:
             self.step = compile_fn(self.step, fullgraph=True)
 
@@ -286,10 +272,9 @@ class FusedDecoder:
                     self.cache.keys[i], self.cache.values[i], pos, cos, sin, valid,
                     L.in_norm[1], L.split, L.head_dim, L.scaling, L.routing, self.as_sum)
             if L.routing is not None and self.moe_parts is not None:
-                attend_and_route, inputs, outputs = self.moe_parts
+                attend_and_route, mix_experts = self.moe_parts
                 hidden, x, weight, idx = attend_and_route(*args)
-                h, shared_h = inputs(x, idx, L.mlp, self.as_sum)
-                hidden = outputs(hidden, x, h, shared_h, weight, idx, L.mlp, self.as_sum)
+                hidden = mix_experts(hidden, x, weight, idx, L.mlp, self.as_sum)
             else:
                 hidden = self.layer_fn(*args)
         return rms_norm(hidden, *self.norm)
