@@ -671,8 +671,9 @@ def hang_guard():
 
 
 def test_real_ctrl_c_during_a_reply_with_the_tiny_model(tiny, hang_guard):
-    # A 30 s reply played at real time; Ctrl-C after 1 s: generation and sound stop within 200 ms.
-    s = Session(assistant=tiny, sd=FakeSoundDevice(speed=1.0), options=ReplyOptions(seed=0, max_text_tokens=200, max_codes=1500))
+    # A 30 s reply played at real time (seed 2: the tiny model says 1500 codes; a reply that ended before
+    # the Ctrl-C would let it reach pytest); Ctrl-C after 1 s: generation and sound stop within 200 ms.
+    s = Session(assistant=tiny, sd=FakeSoundDevice(speed=1.0), options=ReplyOptions(seed=2, max_text_tokens=200, max_codes=1500))
     records = []
     for attempt in range(3):
         timer = _interrupt_after(1.0 + 0.13 * attempt)
