@@ -93,6 +93,7 @@ def place(tmp_path):
 
 
 def test_the_next_command_uses_the_server_the_first_started(place, tmp_path):
+    place.env["OMNI_API_KEY"] = "k-123"  # the background server asks for the key the commands send
     first = place.say("Hello there", "-o", tmp_path / "a.wav")
     assert first.returncode == 0, first.stderr
     assert "background omni-serve" in first.stderr and "tiny demo model" in first.stderr
@@ -105,6 +106,12 @@ def test_the_next_command_uses_the_server_the_first_started(place, tmp_path):
     b, _ = sf.read(tmp_path / "b.wav")
     assert rate == 24000 and len(a) > 0 and (a == b).all()  # same prompt and seed, both through the server
     assert place.record["pid"] == pid  # no second server
+    import urllib.error
+    import urllib.request
+
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(f"http://127.0.0.1:{place.port}/v1/models", timeout=10)
+    assert refused.value.code == 401
 
 
 def test_an_idle_server_stops_itself_and_forgets_its_record(place, tmp_path):

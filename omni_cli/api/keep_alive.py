@@ -48,11 +48,13 @@ def parse_duration(text: str) -> float:
     return float(match.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600}[match.group(2)]
 
 
-def server_folder() -> Path:
+def server_folder(make: bool = False) -> Path:
+    """Where the background server's record and log are kept (`make`: create it)."""
     from ..config import cache_folder
 
     folder = Path(cache_folder("serve"))
-    folder.mkdir(parents=True, exist_ok=True)
+    if make:
+        folder.mkdir(parents=True, exist_ok=True)
     return folder
 
 
@@ -96,11 +98,17 @@ def start_server(model: str | None, flags: list[str], keep_alive: float, api_key
             return None
     if _listening(where.hostname, where.port):
         return None  # someone else's server: leave it alone
-    log = server_folder() / f"omni-serve-{where.port}.log"
+    log = server_folder(make=True) / f"omni-serve-{where.port}.log"
     command = [sys.executable, "-m", "omni_cli.serve", "--host", where.hostname, "--port", str(where.port),
                "--keep-alive", f"{keep_alive:g}", "--no-warm-up", *(["-m", str(model)] if model else []), *flags]
+    # The server asks for the key this command sends (none: none), through the environment, not the
+    # command line that `ps` shows.
+    env = {k: v for k, v in os.environ.items() if k != client.API_KEY_ENV}
+    if api_key:
+        env[client.API_KEY_ENV] = api_key
     with open(log, "wb") as out:
-        proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True)
+        proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True,
+                                env=env)
     _record_file().write_text(json.dumps({"pid": proc.pid, "key": key, "port": where.port, "log": str(log)}))
     minutes = f"{keep_alive / 60:g} min" if keep_alive >= 60 else f"{keep_alive:g} s"
     note(f"loading the model in a background omni-serve (pid {proc.pid}), kept for {minutes} after the last "
