@@ -250,9 +250,9 @@ class FusedDecoder:
         self.rope_shift = torch.zeros(1, dtype=torch.long, device=param.device)
         self.layer_fn = compile_fn(layer_step, fullgraph=True) if compile and not whole else layer_step
         # A mixture-of-experts layer compiled as one function had the routing (its norm, softmax and sort)
-        # fused into both expert reductions, which redid it in every thread block: H200, thinker, 19 and
-        # 15 µs a layer for reductions that read 50 and 25 MB. Compiled in two parts, the routing runs
-        # once and the experts read its ids from memory.
+        # fused into both expert reductions, which redid it in every thread block. Compiled in two parts,
+        # the routing runs once and the experts read its ids from memory (H200, thinker: the gate/up
+        # reduction, 50 MB, 19.2 -> 13.7 µs a layer; the step's graph 3.82 -> 3.68 ms).
         self.moe_parts = None
         if compile and not whole and any(L.routing is not None for L in self.layers):
             self.moe_parts = (compile_fn(routed_attention, fullgraph=True), compile_fn(routed_experts, fullgraph=True))
