@@ -154,3 +154,27 @@ def test_a_load_that_fails_is_one_line(place, tmp_path, fake_model):
     assert lines[-1].startswith("error: the background omni-serve stopped before it served: "), lines
     assert "has no spk_dict.pt" in lines[-1]  # the server's own reason
     assert "Traceback" not in result.stderr and not out.exists()
+
+
+def test_two_commands_at_once_share_one_server(place, tmp_path):
+    """Both find no server and start one; the one that loses the port uses the other's."""
+    import subprocess
+    import sys
+
+    env = {**place.env, "OMNI_LOCAL": ""}
+    procs = [subprocess.Popen([sys.executable, "-m", "omni_cli.cli", "Hi", "--seed", "1", "--max-codes", "30",
+                               "-o", str(tmp_path / f"{i}.wav")], env=env, cwd=REPO_ROOT,
+                              stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+             for i in range(2)]
+    results = [(p.wait(timeout=300), p.stderr.read().decode()) for p in procs]
+    for p in procs:
+        p.stdout.close()
+        p.stderr.close()
+    for code, err in results:
+        assert code == 0, err
+    assert place.record is not None
+    place.started.append(place.record["pid"])
+    servers = subprocess.run(["pgrep", "-f", f"omni_cli.serve .*--port {place.port}"], capture_output=True, text=True)
+    place.started += [int(pid) for pid in servers.stdout.split()]
+    assert len(servers.stdout.split()) == 1, servers.stdout  # the loser's server has gone
+    assert all(len(sf.read(tmp_path / f"{i}.wav")[0]) > 0 for i in range(2))

@@ -113,7 +113,17 @@ def start_server(model: str | None, flags: list[str], keep_alive: float, api_key
     minutes = f"{keep_alive / 60:g} min" if keep_alive >= 60 else f"{keep_alive:g} s"
     note(f"loading the model in a background omni-serve (pid {proc.pid}), kept for {minutes} after the last "
          "request so the next command answers at once; --keep-alive 0 loads it in this process instead")
-    return _wait(url, api_key, proc=proc, log=log)
+    try:
+        return _wait(url, api_key, proc=proc, log=log)
+    except ServerError:
+        if not _listening(where.hostname, where.port):
+            raise
+    # Another command started its server at the same moment and took the port first: use that one.
+    remote = RemoteAssistant.connect(url, api_key, timeout=START_TIMEOUT)  # waits while it loads
+    if remote.info.get("key") != key:
+        remote.close()
+        return None
+    return remote
 
 
 def _listening(host: str, port: int) -> bool:
