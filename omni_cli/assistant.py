@@ -297,6 +297,10 @@ class Assistant:
 
         user = user_parts(prompt, len(pictures), len(clips)) if clips or pictures else prompt
         past_clips, past_pictures = history.media()
+        # A turn this assistant kept holds its clips at the encoder's rate already; a conversation given
+        # whole (a server's request, the API) may hold them at the file's rate, for which the placeholders
+        # would be counted wrong.
+        past_clips = [clip.at() for clip in past_clips]
         clips, pictures = past_clips + clips, past_pictures + pictures
         if not clips and not pictures:
             return prompt, None, None

@@ -333,3 +333,30 @@ def test_a_kept_connection_the_server_closed_is_opened_again(server):
         assert len(first.audio) and len(second.audio)
     finally:
         remote.close()
+
+
+def test_a_conversation_through_the_server_hears_an_earlier_turns_clip_again(server):
+    """Through a server as in the process: the client sends each earlier turn's clip again and the server
+    reads it into the conversation, so the second reply (greedy) equals the local model's, which differs
+    from that of a conversation whose first turn had no clip (the clip was heard)."""
+    from omni_cli.api.client import RemoteAssistant
+    from omni_cli.assistant import Assistant
+    from omni_cli.media import AudioClip
+
+    t = np.arange(26_460) / 22_050
+    clip = AudioClip((0.3 * np.sin(2 * np.pi * 300 * t)).astype(np.float32), 22_050)
+    kw = dict(greedy=True, seed=0, max_text_tokens=8, text_only=True)
+
+    def second_reply(assistant, clips) -> str:
+        chat = assistant.conversation()
+        chat.say("What is this sound?", audio=clips, **kw)
+        return chat.say("And what came before?", **kw).text
+
+    local = Assistant.load(None, device="cpu")
+    remote = RemoteAssistant.connect(server.url, KEY)
+    try:
+        heard = second_reply(local, [clip])
+        assert second_reply(remote, [clip]) == heard
+        assert second_reply(local, []) != heard
+    finally:
+        remote.close()

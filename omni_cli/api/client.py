@@ -212,7 +212,7 @@ class RemoteAssistant:
             reader.abort()
             raise
         if conversation is not None:
-            conversation.add(prompt, reply.text)
+            conversation.add(prompt, reply.text, {"audio": audio, "images": images})
         yield Done(reply)
 
     def _post(self, prompt, options, conversation, audio, images, fields) -> float:
@@ -220,13 +220,7 @@ class RemoteAssistant:
         from dataclasses import replace
 
         opts = replace(options or ReplyOptions(), **fields).check()
-        body = self._body(prompt, opts, conversation)
-        if audio or images:
-            parts = [{"type": "image_url", "image_url": {"url": "data:image/png;base64," + p.b64(_png(image))}}
-                     for image in images or []]
-            parts += [{"type": "input_audio", "input_audio": {"data": p.b64(_wav(clip)), "format": "wav"}}
-                      for clip in audio or []]
-            body["messages"][-1]["content"] = parts + ([{"type": "text", "text": prompt}] if prompt else [])
+        body = self._body(prompt, opts, conversation, audio, images)
         t0 = time.perf_counter()
         try:
             self.http.send("POST", "/v1/chat/completions", body)
@@ -237,8 +231,13 @@ class RemoteAssistant:
     def _broken(self, exc: BaseException) -> ServerError:
         return ServerError(f"the connection to {self.url} broke ({type(exc).__name__}: {exc})")
 
-    def _body(self, prompt: str, opts: ReplyOptions, conversation: Conversation | None) -> dict:
-        messages = conversation.messages(prompt) if conversation is not None else [{"role": "user", "content": prompt}]
+    def _body(self, prompt: str, opts: ReplyOptions, conversation: Conversation | None, audio=None,
+              images=None) -> dict:
+        messages = [{"role": "user", "content": _content(prompt, audio, images)}]
+        if conversation is not None:  # each earlier turn with its clips and images, as the model heard them
+            turns = [{"role": t["role"], "content": _content(t["content"], *_media(t))} for t in conversation.turns]
+            messages = ([{"role": "system", "content": conversation.system}] if conversation.system else []) \
+                + turns + messages
         spoken = not opts.text_only and self.has_audio
         body: dict = {"model": self.name, "messages": messages, "stream": True,
                       "modalities": ["text", "audio"] if spoken else ["text"]}
@@ -316,6 +315,23 @@ class _Reader:
                 self.sink.abort()
             except Exception:  # noqa: BLE001 - the error being raised is what counts
                 pass
+
+
+def _media(turn: dict) -> tuple[list, list]:
+    media = turn.get("media") or {}
+    return media.get("audio") or [], media.get("images") or []
+
+
+def _content(text: str, audio, images) -> str | list[dict]:
+    """A user message's content: the text, or with clips or images, parts (the images as PNG data: URLs,
+    the clips as WAV `input_audio`, then the text), the order the model takes them in."""
+    if not (audio or images):
+        return text
+    parts = [{"type": "image_url", "image_url": {"url": "data:image/png;base64," + p.b64(_png(image))}}
+             for image in images or []]
+    parts += [{"type": "input_audio", "input_audio": {"data": p.b64(_wav(clip)), "format": "wav"}}
+              for clip in audio or []]
+    return parts + ([{"type": "text", "text": text}] if text else [])
 
 
 def _png(image) -> bytes:

@@ -64,7 +64,9 @@ class ChatRequest:
     """A checked chat completions request, in the assistant's terms."""
 
     prompt: str  # the last user message's text
-    turns: list[dict] = field(default_factory=list)  # the user/assistant messages before it
+    # the user/assistant messages before it; a user message with audio or images has "media": {"audio":
+    # [file bytes], "images": [file bytes]}, read by the server into the conversation's clips and images
+    turns: list[dict] = field(default_factory=list)
     audio: list[bytes] = field(default_factory=list)  # audio files said with the last user message
     images: list[bytes] = field(default_factory=list)  # image files shown with it (data: URLs' bytes)
     system: str | None = None  # None: the model's default system prompt
@@ -83,9 +85,6 @@ def parse_chat_request(body: object) -> ChatRequest:
     system, turns = None, []
     messages = _messages(body)
     for i, message in enumerate(messages):
-        if (message["audio"] or message["images"]) and i != len(messages) - 1:
-            raise RequestError(f"messages[{i}] holds audio or images: they go with the last user message only "
-                               "(earlier turns are kept as text)", param=f"messages[{i}].content")
         role, content = message["role"], message["content"]
         if role == "system":
             if turns:
@@ -98,6 +97,9 @@ def parse_chat_request(body: object) -> ChatRequest:
                                "conversation alternates user and assistant, starting and ending with user",
                                param=f"messages[{i}]")
         turns.append({"role": role, "content": content})
+        if (message["audio"] or message["images"]) and i != len(messages) - 1:
+            # An earlier turn's clips and images (the files' bytes: the server reads them) stay with it.
+            turns[-1]["media"] = {"audio": message["audio"], "images": message["images"]}
     if not turns or turns[-1]["role"] != "user":
         raise RequestError("the last message must be the user's", param="messages")
     # A field given as null means its default, as in OpenAI's API.

@@ -184,6 +184,12 @@ def create_app(assistant, name: str, api_key: str | None = None, key: str | None
             req.options = with_defaults(req.options, defaults).check()
             clips = [read_audio(data, f"input_audio {n + 1}") for n, data in enumerate(req.audio)]
             pictures = [read_image(data, f"image_url {n + 1}") for n, data in enumerate(req.images)]
+            for i, turn in enumerate(req.turns):  # earlier turns' files, read as the last message's
+                if "media" in turn:
+                    files = turn["media"]
+                    turn["media"] = {
+                        "audio": [read_audio(d, f"turn {i + 1}'s input_audio {n + 1}") for n, d in enumerate(files["audio"])],
+                        "images": [read_image(d, f"turn {i + 1}'s image_url {n + 1}") for n, d in enumerate(files["images"])]}
         except p.RequestError as exc:
             return error(exc)
         except UsageError as exc:
