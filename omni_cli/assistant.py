@@ -69,7 +69,7 @@ def eos_ids(generation_config, tokenizer) -> list[int]:
 
 
 class Assistant:
-    keeps_media = True  # a conversation's turns keep their clips and images (the remote client's: text)
+    keeps_media = True  # a conversation's turns keep their clips and images (the remote client's too)
 
     def __init__(self, loaded, *, max_context: int = 4096, max_codes: int | None = None, graphs: bool = True,
                  compile: bool = False) -> None:

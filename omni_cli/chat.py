@@ -619,8 +619,8 @@ class ChatRepl:
 
     def _restore_media(self, start: int) -> None:
         """Give the loaded turns back the clips and images the transcript names, so that the model goes
-        on hearing and seeing them as the saved session did (a model in this process: a server's
-        history is text). A file that is gone or unreadable is a note; its turn goes on without it."""
+        on hearing and seeing them as the saved session did (a server too: each request carries them).
+        A file that is gone or unreadable is a note; its turn goes on without it."""
         if not getattr(self.assistant, "keeps_media", False):
             return
         from .media import read_audio, read_image

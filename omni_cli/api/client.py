@@ -86,6 +86,8 @@ def find_local_server(model: str | None, api_key: str | None = None) -> "RemoteA
 class RemoteAssistant:
     """A served model, used like a local `Assistant` (the attributes the faces read, and `stream`)."""
 
+    keeps_media = True  # a conversation's turns keep their clips and images: each request sends them again
+
     def __init__(self, url: str, api_key: str | None, model: dict, http: "_Connection") -> None:
         """`model`: the server's entry in `GET /v1/models`; `http`: the connection that asked for it."""
         self.url = base_url(url)
