@@ -151,6 +151,22 @@ def test_pick_with_device_settings_is_select(name):
     assert torch.equal(ours, theirs)
 
 
+@pytest.mark.parametrize("name", [n for n in CASES if CASES[n].logits.shape[-1] <= 2048])
+def test_the_compiled_picks_filters_keep_what_the_sorted_ones_keep(name):
+    """`pick` compiled keeps tokens by counting each one's place against every other (no sort); run
+    eagerly here (the vocab x vocab comparisons fit for these vocabularies), it keeps exactly the tokens
+    the sort-based filters keep, ties at the k-th value and the top-p boundary included."""
+    from omni_cli.runtime.sampling import _kept_by_rank, _kept_by_sort
+
+    case = CASES[name]
+    params = SamplingParams(case.logits.shape[-1], "cpu")
+    params.set(case.opts)
+    scaled = case.logits / params.temperature
+    by_sort = _kept_by_sort(scaled, params)
+    assert torch.equal(_kept_by_rank(scaled, params), by_sort)
+    assert 0 < int(by_sort.sum()) < scaled.shape[-1] or case.kept == scaled.shape[-1]
+
+
 def test_seen_mask_changes_the_distribution():
     """The penalty really acted in the cases above (the comparison would hold trivially otherwise)."""
     case = CASES["seen-mask"]

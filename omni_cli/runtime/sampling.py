@@ -144,18 +144,38 @@ def pick(logits: torch.Tensor, params: SamplingParams, seen: torch.Tensor | None
         logits = logits.masked_fill(suppress, float("-inf"))
     greedy = logits.argmax(dim=-1)
     scaled = logits / params.temperature
-    # One ascending sort serves both filters (a vocabulary's sort is one of the largest kernels of a
-    # frame on a GPU: ~21 µs for 2048 ids, where two were sorted per pick). The k-th largest value is
-    # at vocab - k; top-p's ascending sort of the top-k-filtered logits is this sort with the values
-    # below it set to -inf (equal arrays, so the same softmax and cumulative sums, and with a stable
-    # sort ties keep the same order).
+    kept = _kept_by_rank(scaled, params) if torch.compiler.is_compiling() else _kept_by_sort(scaled, params)
+    sampled = race_winner(scaled.masked_fill(~kept, float("-inf")).softmax(dim=-1), race)
+    return torch.where(params.do_sample, sampled, greedy)
+
+
+def _kept_by_sort(scaled: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The tokens top-k and top-p keep ([rows, vocab] bool), as transformers' filters find them.
+
+    One ascending sort serves both filters: the k-th largest value is at vocab - k, and top-p's sort of
+    the top-k-filtered logits is this sort with the values below it set to -inf (equal arrays, so the
+    same softmax and cumulative sums; with a stable sort ties keep the same order)."""
     sorted_logits, sorted_idx = torch.sort(scaled, dim=-1, stable=True)
     rows, vocab = scaled.shape[0], scaled.shape[-1]
     kth = sorted_logits.gather(-1, (vocab - params.top_k).view(1, 1).expand(rows, 1))
-    scaled = scaled.masked_fill(scaled < kth, float("-inf"))
     sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
     remove_sorted = sorted_logits.softmax(dim=-1).cumsum(dim=-1) <= (1 - params.top_p)
-    remove_sorted[..., -1:] = False
-    scaled = scaled.masked_fill(remove_sorted.scatter(-1, sorted_idx, remove_sorted), float("-inf"))
-    sampled = race_winner(scaled.softmax(dim=-1), race)
-    return torch.where(params.do_sample, sampled, greedy)
+    remove_sorted[..., -1:] = False  # always keep the most likely token
+    return (scaled >= kth) & ~remove_sorted.scatter(-1, sorted_idx, remove_sorted)
+
+
+def _kept_by_rank(scaled: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """`_kept_by_sort` without a sort, for compiled picks: each token's place in the stable ascending order
+    is counted against every other token (vocab x vocab comparisons, which inductor makes reductions
+    that never hold the square in memory; eagerly it would). A GPU's sort of a 2048-id vocabulary was
+    the largest kernel of a Qwen3 frame (~26 µs, 15 a frame). The cumulative sums are the same terms
+    added in another order: a token whose sum lies within rounding of 1 - top_p may fall the other way."""
+    x_i, x_j = scaled.unsqueeze(-1), scaled.unsqueeze(-2)  # [rows, i, 1], [rows, 1, j]
+    idx = torch.arange(scaled.shape[-1], device=scaled.device)
+    i, j = idx.view(1, -1, 1), idx.view(1, 1, -1)
+    above = (x_j > x_i) | ((x_j == x_i) & (j > i))  # j after i in the stable ascending order
+    in_top_k = (x_j > x_i).sum(-1) < params.top_k  # fewer than k strictly larger: x_i >= the k-th value
+    probs = scaled.masked_fill(~in_top_k, float("-inf")).softmax(dim=-1)
+    cumulative = (probs.unsqueeze(-2) * ~above).sum(-1)  # over the tokens at or before i
+    last = above.sum(-1) == 0  # the end of the order: always kept
+    return in_top_k & ((cumulative > (1 - params.top_p)) | last)
