@@ -224,8 +224,9 @@ class Talker:
         self.step_graphs = StepGraphs(self._fused_step, dev, self.cache.max_len, graphs, lazy=not compile)
         self.prefill_graphs = PrefillGraphs(self.model, self.cache, self._hidden.shape[-1], self._hidden.dtype, dev,
                                             graphs and self._hidden.dtype == torch.bfloat16)  # as the thinker's
-        # The 16 picks of a frame, compiled: a sampled pick is ~20 small kernels eagerly (two sorts and two
-        # softmaxes of the vocabulary among them), a third of the frame's device time.
+        # The 16 picks of a frame, compiled: a sampled pick is ~20 small kernels eagerly (a sort and
+        # softmaxes of the vocabulary among them); compiled, the kept tokens are counted without a sort
+        # (runtime/sampling.py: the frame 4.79 -> 4.38 ms on an H200).
         self._pick = compile_fn(pick, fullgraph=True) if compile else pick
         # The frame does not depend on the talker's span: one "bucket", the predictor cache's length.
         self.frame_graphs = StepGraphs(self._fused_frame, dev, self.predictor_cache.max_len, graphs)
