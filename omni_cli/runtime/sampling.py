@@ -136,7 +136,8 @@ def pick(logits: torch.Tensor, params: SamplingParams, seen: torch.Tensor | None
     Exp(1), drawn by the caller outside any graph): the same picks and the same distribution as `select`
     (a filter at its "off" value removes nothing: temperature 1 divides exactly, top-k of the whole
     vocabulary keeps all, top-p 1 removes only tokens of probability 0). Both picks are computed and one
-    is kept on the device. Returns [1] long."""
+    is kept on the device. Compiled, the kept tokens are found without a sort (`_kept_by_rank`): the same
+    ones but where a cumulative sum lies within rounding of the top-p boundary. Returns [1] long."""
     if seen is not None:
         p = params.penalty
         logits = torch.where(seen, torch.where(logits < 0, logits * p, logits / p), logits)
