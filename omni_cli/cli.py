@@ -387,7 +387,6 @@ def _background_server(model, device, dtype, graphs, compile, keep_seconds, api_
     the default port is another server's (then this process loads it, and says why)."""
     import time
 
-    from .api import client
     from .api.keep_alive import start_server
 
     t_start = time.perf_counter()
@@ -395,9 +394,7 @@ def _background_server(model, device, dtype, graphs, compile, keep_seconds, api_
     remote = start_server(model, flags, keep_seconds, api_key, note=(lambda text: None) if quiet else
                           (lambda text: _err(f"note: {text}")))
     if remote is None:
-        if not quiet:
-            _err(f"note: another server answers at {client.DEFAULT_URL}, so the model loads in this process")
-        return None
+        return None  # the note said why
     if not quiet:
         _demo_note(remote)
     remote.startup = {"before the server (prompt, outputs, voice)": t_start - t_command,

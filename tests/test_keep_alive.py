@@ -178,3 +178,32 @@ def test_two_commands_at_once_share_one_server(place, tmp_path):
     place.started += [int(pid) for pid in servers.stdout.split()]
     assert len(servers.stdout.split()) == 1, servers.stdout  # the loser's server has gone
     assert all(len(sf.read(tmp_path / f"{i}.wav")[0]) > 0 for i in range(2))
+
+
+def test_a_record_of_a_process_that_is_not_a_server_is_ignored_and_left_alone(place, tmp_path):
+    """After a reboot the record's pid may be any process's: it is not waited for, nor sent SIGTERM."""
+    import subprocess
+
+    other = subprocess.Popen(["sleep", "120"])
+    try:
+        folder = place.cache / "omni_cli" / "serve"
+        folder.mkdir(parents=True)
+        for key in (str((REPO_ROOT / "assets" / "tiny-qwen2.5-omni").resolve()), "another model"):
+            (folder / "omni-serve.json").write_text(json.dumps({"pid": other.pid, "key": key, "port": place.port}))
+            result = place.say("Hi", "-o", tmp_path / "a.wav")
+            assert result.returncode == 0, result.stderr
+            assert "background omni-serve (pid" in result.stderr and "waiting" not in result.stderr
+            assert other.poll() is None  # not stopped
+            place.stop_all()
+    finally:
+        other.kill()
+        other.wait()
+
+
+def test_without_a_cache_folder_the_command_loads_the_model_itself(place, tmp_path):
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("")
+    result = place.say("Hi", "-o", tmp_path / "a.wav", XDG_CACHE_HOME=str(blocker))
+    assert result.returncode == 0, result.stderr
+    assert "so the model loads in this process" in result.stderr and "background omni-serve (pid" not in result.stderr
+    assert len(sf.read(tmp_path / "a.wav")[0]) > 0

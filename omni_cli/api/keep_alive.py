@@ -66,10 +66,24 @@ def read_record() -> dict | None:
     """The background server's record if its process still runs, else None."""
     try:
         record = json.loads(_record_file().read_text())
-        os.kill(int(record["pid"]), 0)
+        pid = int(record["pid"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    return record
+    return record if _is_server(pid) else None
+
+
+def _is_server(pid: int) -> bool:
+    """Whether `pid` runs and is an omni-serve. A record outlives a reboot, after which its pid may be any
+    process's: one that is not a server must never be waited for, nor sent SIGTERM. (Where the command
+    line cannot be read, a running process is taken for the server.)"""
+    try:
+        os.kill(pid, 0)
+    except OSError:
+        return False
+    try:
+        return b"omni_cli.serve" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return not Path("/proc/self").exists()  # no /proc (macOS): trust the pid
 
 
 def forget(pid: int) -> None:
@@ -84,8 +98,9 @@ def forget(pid: int) -> None:
 def start_server(model: str | None, flags: list[str], keep_alive: float, api_key: str | None = None,
                  note=lambda text: None) -> RemoteAssistant | None:
     """A `RemoteAssistant` for a background omni-serve of `model` (started now, or one still loading),
-    or None when the default port is held by a server this module did not start (the caller loads the
-    model itself). `flags`: omni-serve's load flags (device, dtype, graphs); `note` hears what is done."""
+    or None when there can be none (the port held by a server this module did not start, or by a busy
+    one of another model; no cache folder): the caller loads the model itself. `flags`: omni-serve's
+    load flags (device, dtype, graphs); `note` hears what is done, and why when None."""
     url = client.DEFAULT_URL
     where = urlsplit(url)
     key = model_key(model)
@@ -95,10 +110,19 @@ def start_server(model: str | None, flags: list[str], keep_alive: float, api_key
             note(f"waiting for omni-serve (pid {record['pid']}), still loading {model or 'the model'}")
             return _wait(url, api_key, pid=int(record["pid"]), log=Path(record.get("log", "")))
         if not _stop_idle(url, int(record["pid"])):
+            note(f"the background omni-serve at {url} is busy with another model, so the model loads in this "
+                 "process")
             return None
-    if _listening(where.hostname, where.port):
-        return None  # someone else's server: leave it alone
-    log = server_folder(make=True) / f"omni-serve-{where.port}.log"
+    if _listening(where.hostname, where.port):  # someone else's server: leave it alone
+        note(f"another server answers at {url}, so the model loads in this process")
+        return None
+    try:
+        log = server_folder(make=True) / f"omni-serve-{where.port}.log"
+        log.touch()
+    except OSError as exc:
+        note(f"cannot keep a background server's log in {server_folder()} ({exc.strerror or exc}), so the model "
+             "loads in this process")
+        return None
     command = [sys.executable, "-m", "omni_cli.serve", "--host", where.hostname, "--port", str(where.port),
                "--keep-alive", f"{keep_alive:g}", "--no-warm-up", *(["-m", str(model)] if model else []), *flags]
     # The server asks for the key this command sends (none: none), through the environment, not the
@@ -109,7 +133,10 @@ def start_server(model: str | None, flags: list[str], keep_alive: float, api_key
     with open(log, "wb") as out:
         proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True,
                                 env=env)
-    _record_file().write_text(json.dumps({"pid": proc.pid, "key": key, "port": where.port, "log": str(log)}))
+    try:
+        _record_file().write_text(json.dumps({"pid": proc.pid, "key": key, "port": where.port, "log": str(log)}))
+    except OSError:
+        pass  # the server works without it; only the next command cannot tell that it is ours
     minutes = f"{keep_alive / 60:g} min" if keep_alive >= 60 else f"{keep_alive:g} s"
     note(f"loading the model in a background omni-serve (pid {proc.pid}), kept for {minutes} after the last "
          "request so the next command answers at once; --keep-alive 0 loads it in this process instead")
@@ -122,6 +149,7 @@ def start_server(model: str | None, flags: list[str], keep_alive: float, api_key
     remote = RemoteAssistant.connect(url, api_key, timeout=START_TIMEOUT)  # waits while it loads
     if remote.info.get("key") != key:
         remote.close()
+        note(f"another server answers at {url}, so the model loads in this process")
         return None
     return remote
 
@@ -135,13 +163,7 @@ def _listening(host: str, port: int) -> bool:
 
 
 def _alive(proc: subprocess.Popen | None, pid: int | None) -> bool:
-    if proc is not None:
-        return proc.poll() is None
-    try:
-        os.kill(pid, 0)
-    except OSError:
-        return False
-    return True
+    return proc.poll() is None if proc is not None else _is_server(pid)
 
 
 def _wait(url: str, api_key: str | None, proc: subprocess.Popen | None = None, pid: int | None = None,
