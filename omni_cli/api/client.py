@@ -65,16 +65,23 @@ def base_url(url: str) -> str:
     return url[: -len("/v1")] if url.endswith("/v1") else url
 
 
-def find_local_server(model: str | None, api_key: str | None = None) -> "RemoteAssistant | None":
-    """An omni-serve on the default address serving the same model, or None (nothing there, another
-    model, or no answer within PROBE_TIMEOUT)."""
+def listening(url: str) -> bool:
+    """Whether something accepts connections at `url`'s host and port (within PROBE_TIMEOUT)."""
     import socket
     from urllib.parse import urlsplit
 
-    where = urlsplit(DEFAULT_URL)
-    try:  # nothing listening is the common case: a refused connection costs no HTTP client import
+    where = urlsplit(url)
+    try:
         socket.create_connection((where.hostname, where.port), timeout=PROBE_TIMEOUT).close()
     except OSError:
+        return False
+    return True
+
+
+def find_local_server(model: str | None, api_key: str | None = None) -> "RemoteAssistant | None":
+    """An omni-serve on the default address serving the same model, or None (nothing there, another
+    model, or no answer within PROBE_TIMEOUT)."""
+    if not listening(DEFAULT_URL):  # the common case: a refused connection costs no HTTP client import
         return None
     try:
         remote = RemoteAssistant.connect(DEFAULT_URL, api_key, timeout=PROBE_TIMEOUT)

@@ -23,7 +23,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -34,8 +33,6 @@ from ..errors import UsageError
 from . import client
 from .client import RemoteAssistant, ServerError, model_key
 
-KEEP_ALIVE_ENV = "OMNI_KEEP_ALIVE"
-DEFAULT_KEEP_ALIVE = "5m"
 START_TIMEOUT = 900.0  # seconds a command waits for the server to load (a fresh 30B read from disk)
 STOP_TIMEOUT = 15.0  # seconds to wait for an idle server of another model to exit
 
@@ -113,7 +110,7 @@ def start_server(model: str | None, flags: list[str], keep_alive: float, api_key
             note(f"the background omni-serve at {url} is busy with another model, so the model loads in this "
                  "process")
             return None
-    if _listening(where.hostname, where.port):  # someone else's server: leave it alone
+    if client.listening(url):  # someone else's server: leave it alone
         note(f"another server answers at {url}, so the model loads in this process")
         return None
     try:
@@ -143,7 +140,7 @@ def start_server(model: str | None, flags: list[str], keep_alive: float, api_key
     try:
         return _wait(url, api_key, proc=proc, log=log)
     except ServerError:
-        if not _listening(where.hostname, where.port):
+        if not client.listening(url):
             raise
     # Another command started its server at the same moment and took the port first: use that one.
     remote = RemoteAssistant.connect(url, api_key, timeout=START_TIMEOUT)  # waits while it loads
@@ -152,14 +149,6 @@ def start_server(model: str | None, flags: list[str], keep_alive: float, api_key
         note(f"another server answers at {url}, so the model loads in this process")
         return None
     return remote
-
-
-def _listening(host: str, port: int) -> bool:
-    try:
-        socket.create_connection((host, port), timeout=client.PROBE_TIMEOUT).close()
-    except OSError:
-        return False
-    return True
 
 
 def _alive(proc: subprocess.Popen | None, pid: int | None) -> bool:
