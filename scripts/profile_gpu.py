@@ -284,7 +284,7 @@ def main() -> None:
     report: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
     t = time.perf_counter()
     model = build_model("qwen2.5-omni-7b", DEV, torch.bfloat16)
-    engine = Engine(Qwen25Steps(model, model.speaker_map, max_context=1024, max_codes=768), _BenchTokenizer(),
+    engine = Engine(Qwen25Steps(model, model.speaker_map, max_context=1024, max_codes=768, compile=True), _BenchTokenizer(),
                     eos_ids=[151645])
     if wanted != {"prefill"}:
         engine.warmup()

@@ -185,7 +185,8 @@ def test_talker_loop_runs_under_sync_debug_error(big_model, monkeypatch):
         self._worker_done()
 
     monkeypatch.setattr(turn_mod.Turn, "_vocoder_main", no_vocoder)
-    eng = Engine(Qwen25Steps(big_model, big_model.speaker_map, max_context=1024, max_codes=256), _Tok(), eos_ids=[151645])
+    eng = Engine(Qwen25Steps(big_model, big_model.speaker_map, max_context=1024, max_codes=256, compile=True), _Tok(),
+                 eos_ids=[151645])
     eng.warmup()
     ids = list(range(1000, 1060))
     reply = run(eng, ids, 16, 200, force_lengths=True, sync_debug=True)

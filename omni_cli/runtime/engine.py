@@ -81,18 +81,17 @@ def configure_cuda(float32_llm: bool = False) -> None:
         torch.backends.cuda.matmul.allow_tf32 = True
 
 
-def enable_fast_steps(steps, dtype, graphs: bool, compile: bool | None, fast_decode: bool | None) -> None:
+def enable_fast_steps(steps, dtype, graphs: bool, compile: bool, fast_decode: bool | None) -> None:
     """What every family's steps do once their stacks exist: the CUDA settings (`configure_cuda`), then,
     unless `fast_decode` is False, the fused decode steps of the thinker and the talker, compiled where
-    `compile` says (None: where graphs are on) and the device allows. Sets `steps.fast_decode` and
-    `steps.compile`."""
+    `compile` says and the device allows. Sets `steps.fast_decode` and `steps.compile`."""
     if steps.device.type == "cuda":
         configure_cuda(float32_llm=dtype == torch.float32)
     steps.fast_decode = True if fast_decode is None else fast_decode
     if steps.fast_decode:
         from .graphs import compile_wanted
 
-        steps.compile = compile_wanted(graphs if compile is None else compile, steps.device)
+        steps.compile = compile_wanted(compile, steps.device)
         steps.thinker.enable_fast_decode(graphs, steps.compile)
         if steps.has_talker:
             steps.talker.enable_fast_decode(graphs, steps.compile)

@@ -32,9 +32,9 @@ class Qwen25Steps:
     compile = False  # the decode layers and the vocoder's DiT compiled (set in __init__)
 
     def __init__(self, model, speakers: dict, *, max_context: int = 4096, max_codes: int = 4096,
-                 graphs: bool = True, fast_decode: bool | None = None, compile: bool | None = None,
+                 graphs: bool = True, fast_decode: bool | None = None, compile: bool = False,
                  vocoder_chunk_codes: int = 192) -> None:
-        """`compile`: torch.compile the decode layers and the vocoder's DiT (None: where graphs are on)."""
+        """`compile`: torch.compile the decode layers and the vocoder's DiT (off by default, as the commands')."""
         self.model = model
         self.speakers = speakers
         self.max_context = max_context

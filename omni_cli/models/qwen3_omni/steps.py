@@ -35,7 +35,7 @@ class Qwen3Steps:
     compile = False  # the decode layers and the picks compiled (set in __init__)
 
     def __init__(self, model, voices: dict[str, int], *, max_context: int = 4096, max_codes: int = 1024,
-                 graphs: bool = True, fast_decode: bool | None = None, compile: bool | None = None) -> None:
+                 graphs: bool = True, fast_decode: bool | None = None, compile: bool = False) -> None:
         # `voices` (the loader's name -> codec id map) is not kept: the talker reads the same speaker map
         # from the model's config, and the name is checked before a turn starts.
         self.model = model
