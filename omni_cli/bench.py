@@ -117,58 +117,83 @@ def _schedules(subject: _Subject, prompt_ids, text_tokens, codes, device, runs: 
     return table
 
 
+def _streams(subject: _Subject, prompt_ids, text_tokens, codes, device, runs: int, compile: bool) -> dict:
+    """One engine, its talker's steps on the thinker's stream and on their own (the default), side by side:
+    each run takes one reply of each, in turn, after a warm-up reply of each."""
+    from .runtime.engine import Engine
+
+    steps = subject.family.steps(subject.model, subject.voices, max_context=max(1024, len(prompt_ids) + text_tokens + 8),
+                                 max_codes=codes, graphs=True, compile=compile)
+    engine = Engine(steps, _BenchTokenizer(), eos_ids=subject.eos_ids)
+    engine.warmup()
+    modes = {"one stream": False, "two streams": True}
+    results: dict[str, list] = {name: [] for name in modes}
+    for i in range(runs + 1):  # the first run warms up
+        for name, overlap in modes.items():
+            engine.overlap = overlap
+            results[name].append(_reply(engine, subject, prompt_ids, text_tokens, codes, device, i, f"{name}, "))
+    return {name: _summary(r) for name, r in results.items()}
+
+
 def _measure(engine, subject: _Subject, prompt_ids, text_tokens, codes, device, runs: int) -> dict:
     """`runs` timed replies (after one warm-up reply) on a ready engine; medians of the stats."""
+    # the first run warms up (graph capture, kernel selection)
+    return _summary([_reply(engine, subject, prompt_ids, text_tokens, codes, device, i) for i in range(runs + 1)])
+
+
+def _summary(results: list[dict]) -> dict:
+    """The medians of the runs after the first (the warm-up)."""
+    best = results[1:] or results
+    out = {k: _median([r[k] for r in best]) for k in best[0]}
+    out["warmup_total_s"] = results[0]["total_s"]
+    return out
+
+
+def _reply(engine, subject: _Subject, prompt_ids, text_tokens, codes, device, i: int, label: str = "") -> dict:
+    """Run `i` (0: the warm-up) of a benchmark: one timed reply at forced lengths, seeded with `i`."""
     import torch
 
     from .config import SamplingOptions
     from .runtime.events import TurnRequest
 
     thinker = SamplingOptions(do_sample=True, temperature=0.7, top_k=20, top_p=0.8, repetition_penalty=1.05)
-    results = []
-    for i in range(runs + 1):  # the first run warms up (graph capture, kernel selection)
-        sink = _TimedSink()
-        req = TurnRequest(prompt_ids, subject.voice, thinker, subject.talker_sampling, text_tokens, codes, seed=i,
-                          sink=sink, force_lengths=True, step_events=True)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-        t = time.perf_counter()
-        for event in engine.stream(req):
-            pass
-        wall = time.perf_counter() - t
-        reply = event.reply
-        s = reply.stats
-        progress(f"{'warm-up run' if i == 0 else f'run {i}'}: {wall:.2f} s, first audio "
-                 f"{1000 * (s['time_to_first_audio'] or 0):.0f} ms, {s['audio_seconds']:.1f} s of audio")
-        results.append({
-            "time_to_first_text_ms": 1000 * s["time_to_first_text"],
-            "time_to_first_audio_ms": 1000 * s["time_to_first_audio"],
-            "thinker_ms_per_token": s.get("thinker_step_ms"),
-            "talker_ms_per_step": s.get("talker_step_ms"),
-            "talker_gap_us": s.get("talker_gap_us_median"),
-            "talker_gap_us_mean": s.get("talker_gap_us_mean"),
-            "time_to_prefill_issued_ms": 1000 * s["time_to_prefill_issued"],
-            "time_to_first_token_ms": 1000 * s["time_to_first_token"],
-            "thinker_prefill_ms": s.get("thinker_prefill_step_ms"),
-            "talker_prefill_ms": s.get("talker_prefill_step_ms"),
-            "vocoder_ms_per_chunk": s.get("vocoder_steady_chunk_ms"),
-            "vocoder_chunk_codes": s.get("vocoder_steady_chunk_codes"),
-            "vocoder_first_chunk_ms": s.get("vocoder_first_chunk_ms"),
-            "vocoder_s_per_audio_s": s.get("vocoder_s_per_audio_s"),
-            "sink_block_interval_ms": sink.ms_per_chunk(),
-            "real_time_factor": wall / s["audio_seconds"],
-            "total_s": wall,
-            "audio_s": s["audio_seconds"],
-            "text_tokens": len(reply.text_ids),
-            "codes": len(reply.codes),
-            "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
-        })
-        del sink
-    best = results[1:] or results
-    out = {k: _median([r[k] for r in best]) for k in best[0]}
-    out["warmup_total_s"] = results[0]["total_s"]
-    return out
+    sink = _TimedSink()
+    req = TurnRequest(prompt_ids, subject.voice, thinker, subject.talker_sampling, text_tokens, codes, seed=i,
+                      sink=sink, force_lengths=True, step_events=True)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    t = time.perf_counter()
+    for event in engine.stream(req):
+        pass
+    wall = time.perf_counter() - t
+    reply = event.reply
+    s = reply.stats
+    progress(f"{label}{'warm-up run' if i == 0 else f'run {i}'}: {wall:.2f} s, first audio "
+             f"{1000 * (s['time_to_first_audio'] or 0):.0f} ms, {s['audio_seconds']:.1f} s of audio")
+    return {
+        "time_to_first_text_ms": 1000 * s["time_to_first_text"],
+        "time_to_first_audio_ms": 1000 * s["time_to_first_audio"],
+        "thinker_ms_per_token": s.get("thinker_step_ms"),
+        "talker_ms_per_step": s.get("talker_step_ms"),
+        "talker_gap_us": s.get("talker_gap_us_median"),
+        "talker_gap_us_mean": s.get("talker_gap_us_mean"),
+        "time_to_prefill_issued_ms": 1000 * s["time_to_prefill_issued"],
+        "time_to_first_token_ms": 1000 * s["time_to_first_token"],
+        "thinker_prefill_ms": s.get("thinker_prefill_step_ms"),
+        "talker_prefill_ms": s.get("talker_prefill_step_ms"),
+        "vocoder_ms_per_chunk": s.get("vocoder_steady_chunk_ms"),
+        "vocoder_chunk_codes": s.get("vocoder_steady_chunk_codes"),
+        "vocoder_first_chunk_ms": s.get("vocoder_first_chunk_ms"),
+        "vocoder_s_per_audio_s": s.get("vocoder_s_per_audio_s"),
+        "sink_block_interval_ms": sink.ms_per_chunk(),
+        "real_time_factor": wall / s["audio_seconds"],
+        "total_s": wall,
+        "audio_s": s["audio_seconds"],
+        "text_tokens": len(reply.text_ids),
+        "codes": len(reply.codes),
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
+    }
 
 
 class _TimedSink:
@@ -310,6 +335,8 @@ def main(
                                                             "graphs+compile; Qwen2.5)"),
     schedules: bool = typer.Option(False, "--schedules", help="time the vocoder's steady chunk sizes side by side "
                                                               "(Qwen2.5)"),
+    streams: bool = typer.Option(False, "--streams", help="time the talker's steps on the thinker's stream and on "
+                                                          "their own (the default), side by side"),
     as_json: bool = typer.Option(False, "--json", help="print JSON instead of a table"),
     version: VersionOpt = False,
 ) -> None:
@@ -346,8 +373,9 @@ def main(
                  for name in family.VARIANTS}
         typer.echo(json.dumps(table, indent=2) if as_json else _variants_table(table))
         return
-    if schedules:
-        table = _schedules(subject, prompt, text_tokens, codes, dev, runs)
+    if schedules or streams:
+        table = (_schedules(subject, prompt, text_tokens, codes, dev, runs) if schedules
+                 else _streams(subject, prompt, text_tokens, codes, dev, runs, compile))
         typer.echo(json.dumps(table, indent=2) if as_json else _variants_table(table))
         return
     ours = _ours(subject, prompt, text_tokens, codes, dev, graphs, runs, compile=compile)

@@ -171,6 +171,28 @@ def test_schedules_run_side_by_side_and_take_effect(capsys):
     assert all(row["codes"] == 250 and row["audio_s"] == 5.0 for row in table.values())
 
 
+def test_streams_alternate_the_two_modes_on_one_engine(capsys, monkeypatch):
+    """--streams: one reply of each mode in turn, each with the engine's talker stream switched as named
+    (on a CPU both modes run the same code: the switch is recorded, not timed)."""
+    from omni_cli.runtime import turn as turn_mod
+
+    modes = []
+    original_turn = turn_mod.Turn.__init__
+
+    def note_mode(self, engine, req):
+        modes.append(engine.overlap)
+        original_turn(self, engine, req)
+
+    monkeypatch.setattr(turn_mod.Turn, "__init__", note_mode)
+    code, out, err = bench(capsys, "--preset", "tiny", "--text-tokens", "4", "--codes", "50", "--runs", "2",
+                           "--device", "cpu", "--streams", "--json")
+    assert code == 0, err
+    table = json.loads(out)
+    assert list(table) == ["one stream", "two streams"]
+    assert modes == [False, True] * 3  # a warm-up reply of each, then two runs, alternating
+    assert all(row["codes"] == 50 and row["audio_s"] == 1.0 for row in table.values())
+
+
 def test_tiny_qwen3_bench_beside_transformers_at_the_forced_lengths(capsys):
     """Qwen3-Omni's units are 16-id frames (12.5 a second; code2wav gives 1920 * F - 555 samples): both sides
     make exactly the asked text tokens and frames, and the reference's stage times are filled in."""

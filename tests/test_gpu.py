@@ -52,7 +52,11 @@ def engines(model, eos, max_codes):
 
 @pytest.fixture(autouse=True)
 def cuda_settings():
-    configure_cuda(float32_llm=True)  # no TF32 anywhere, for the reference too
+    # No TF32 anywhere, for the reference too. An engine in bfloat16 (a test before this one) turns TF32
+    # matmuls on for the whole process, so they are turned off here first: code2wav's transformer in a
+    # float32 comparison of 1e-5 differed by 4e-5 after the bfloat16 sync_debug test had run.
+    torch.backends.cuda.matmul.allow_tf32 = False
+    configure_cuda(float32_llm=True)
 
 
 def test_tiny_graphed_equals_eager_equals_transformers():
@@ -415,3 +419,48 @@ def test_qwen3_first_chunk_graph_equals_eager_stream(size, request):
     finally:
         code2wav._omni_first_chunk = None
         torch.backends.cudnn.allow_tf32 = True
+
+
+# -- the talker on its own stream ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("family", ["qwen2.5", "qwen3"])
+def test_talker_on_its_own_stream_gives_the_reply_of_one_stream(family):
+    """The talker's steps on their own stream (the default: talker step k runs beside thinker step k+1)
+    and on the thinker's: sampled, seeded replies with the same text, codes and audio. A missing wait
+    between the two streams (the talker reading a text entry the thinker has not written yet, or memory
+    reused under it) would change the codes."""
+    sampled = SamplingOptions(do_sample=True, temperature=0.9, top_k=40, top_p=0.9, repetition_penalty=1.05)
+    if family == "qwen2.5":
+        from omni_dev import tiny_qwen2_5 as tiny
+
+        model = tiny.build_tiny_model(tiny.tiny_config(), seed=0).cuda().eval()
+        engine = Engine(Qwen25Steps(model, model.speaker_map, max_context=1024, max_codes=512, graphs=True), _Tok(),
+                        eos_ids=tiny.make_generation_config().eos_token_id)
+        voice, talker, ids = "Chelsie", TALKER_DEFAULTS, list(range(20, 80))
+    else:
+        import qwen3_reference as ref
+        from omni_cli.models.qwen3_omni.steps import Qwen3Steps
+        from omni_cli.models.qwen3_omni.talker import Talker
+
+        model = ref.model("tiny").cuda()
+        voices = {str(n).capitalize(): int(i) for n, i in model.config.talker_config.speaker_id.items()}
+        engine = Engine(Qwen3Steps(model, voices, max_context=512, max_codes=256, graphs=True), ref.tokenizer(),
+                        eos_ids=[ref.im_end()])
+        voice, talker = "Ethan", Talker.default_sampling()[0]
+        ids = ref.prompt_ids([{"role": "user", "content": "Hello there! What is the weather like today?"}])
+    engine.warmup()
+    assert engine.talker_stream is not None and engine.overlap
+    replies = {}
+    for overlap in (True, False, True):
+        engine.overlap = overlap
+        for seed in (0, 1):
+            req = TurnRequest(ids, voice, sampled, talker, 48, 200 if family == "qwen2.5" else 120, seed=seed,
+                              force_lengths=True)
+            reply = next(e.reply for e in engine.stream(req) if isinstance(e, Done))
+            replies.setdefault(seed, []).append(reply)
+    for seed, (a, b, c) in replies.items():
+        assert len(a.codes) > 50
+        for other in (b, c):
+            assert other.text_ids == a.text_ids and other.codes == a.codes
+            assert other.audio.shape == a.audio.shape and float(abs(other.audio - a.audio).max()) <= 1e-4
+    assert replies[0][0].codes != replies[1][0].codes  # sampled: the seeds differ

@@ -1,8 +1,8 @@
 """The engine: one loaded model's steps, run one turn at a time.
 
 `Engine(steps, tokenizer, eos_ids)` owns what outlives a turn: the family's steps (with their static
-caches and graphs), the high-priority stream the decode steps run on, and the lock that keeps turns
-apart. `stream(request)` runs a `Turn` (turn.py: threads and channels; schedule.py: the decode order;
+caches and graphs), the high-priority streams the thinker's and the talker's steps run on, and the lock
+that keeps turns apart. `stream(request)` runs a `Turn` (turn.py: threads and channels; schedule.py: the decode order;
 detokenize.py; stats.py) and yields its events.
 
 It knows no model family (the steps come from `omni_cli/models/<family>/`), no prompt and no terminal.
@@ -31,6 +31,11 @@ class Engine:
         # decode steps are both waiting for the GPU, the steps' blocks are scheduled first. (Measured on
         # an H200: the vocoder's stream first instead changed no benchmark figure beyond its noise.)
         self.step_stream = torch.cuda.Stream(self.device, priority=-1) if self.device.type == "cuda" else None
+        # The talker's steps go on a stream of their own (as high), so that talker step k runs on the GPU
+        # beside thinker step k+1 instead of after it: each waits only for the thinker work issued before
+        # it (schedule.py). `overlap = False` puts them back on the thinker's stream (omni-bench --streams).
+        self.talker_stream = torch.cuda.Stream(self.device, priority=-1) if self.device.type == "cuda" else None
+        self.overlap = True
         self._lock = threading.Lock()  # one turn at a time: the caches are shared
         self.lingering: list[threading.Thread] = []
         self._turn: Turn | None = None  # the running turn, for `interrupt`

@@ -7,6 +7,10 @@ Qwen3-Omni; the fewest thinker tokens the reference's data dependency allows): c
 exist long before the text is finished. Once the text has ended, the talker
 is fed the text-EOS entry once, then text-pad, until it samples a stop code.
 
+On a GPU the talker's steps are issued on a stream of their own (`_talker_side`): talker step k waits
+on the device for the thinker work issued before it, and thinker step j+1, issued after it, runs beside
+it instead of after it (the two share the GPU's bandwidth; at batch 1 neither fills it).
+
 Every sampled id goes to the async output boundary (`boundary.py`) at once; the schedule never reads a
 device value. What it knows of the host side (the text's end, the speech's end) it reads from the
 `TurnState` the producer thread keeps, with a lag of at most `max_lag` steps: until the host knows,
@@ -56,7 +60,7 @@ class Schedule:
 
     def __init__(self, steps, req: TurnRequest, *, eos_ids: list[int], all_eos_ids: list[int], n_max: int,
                  audio: bool, boundary: AsyncOutput, state: TurnState, stop: threading.Event,
-                 clock: StepClock) -> None:
+                 clock: StepClock, talker_stream: torch.cuda.Stream | None = None) -> None:
         self.steps = steps
         self.req = req
         self.eos_ids = eos_ids  # ids that end the text ([] with forced lengths)
@@ -67,6 +71,7 @@ class Schedule:
         self.state = state
         self.stop = stop
         self.clock = clock
+        self.talker_stream = talker_stream  # None: the talker's steps go on the thinker's stream
         # On a CPU the engine and vocoder threads share the same cores, so steps the talker makes
         # beyond what the first chunk needs only slow that chunk down (one core, built-in model:
         # first audio ~225 -> ~165 ms). The engine thread therefore waits, once, at `hold_at` talker
@@ -89,7 +94,13 @@ class Schedule:
         d.first, d.toks = first, [tok]
         self._early_vector(d, tok)
         with _sync_debug(self.req.sync_debug and self.steps.device.type == "cuda"):
-            self._steps(d)
+            try:
+                self._steps(d)
+            finally:
+                # What this stream does next (the next turn, or freeing this turn's tensors, whose memory it
+                # may then reuse) comes after the talker's last steps, overshoot included.
+                if self.talker_stream is not None:
+                    torch.cuda.current_stream(self.steps.device).wait_stream(self.talker_stream)
 
     def _setup(self) -> _Decode:
         """Per-turn device state, made before the first step (the only host→device copies of the turn)."""
@@ -123,14 +134,15 @@ class Schedule:
             if self.hold_at is not None and k >= self.hold_at:
                 self.first_audio.wait(FIRST_AUDIO_HOLD)  # bounded: a chunk that never comes costs little
                 self.hold_at = None
-            vec = None if self._talker_finished(k) else self._reply_vector(k, d)  # None: the thinker goes first
-            if vec is not None:
+            if not self._talker_finished(k) and self._vector_ready(k, d):  # else the thinker goes first
                 out.wait_for("code", k, self.stop)
                 t = time.perf_counter()
-                mark = self.clock.start()
-                ids = d.talker.prefill(d.first, vec) if k == 0 else d.talker.step(ids, vec)
-                out.push("code", k, ids)
-                self.clock.end("talker" if k else "talker_prefill", mark)
+                with self._talker_side():
+                    mark = self.clock.start()
+                    vec = self._reply_vector(k, d)
+                    ids = d.talker.prefill(d.first, vec) if k == 0 else d.talker.step(ids, vec)
+                    out.push("code", k, ids)
+                    self.clock.end("talker" if k else "talker_prefill", mark)
                 k += 1
                 t_talker += time.perf_counter() - t
                 st.times["talker_last_step"] = time.perf_counter()
@@ -164,15 +176,27 @@ class Schedule:
         if self.audio and d.early:
             d.replies.append(self.steps.token_vector(tok))
 
+    def _talker_side(self):
+        """Where the talker's step is issued: its own stream, after all the thinker has issued so far (the
+        step's text entry comes from the last thinker step). The thinker's next step, issued after it,
+        then runs beside it on the GPU. A device-side wait: the host does not block."""
+        if self.talker_stream is None:
+            return contextlib.nullcontext()
+        self.talker_stream.wait_stream(torch.cuda.current_stream(self.steps.device))
+        return torch.cuda.stream(self.talker_stream)
+
+    def _vector_ready(self, k: int, d: _Decode) -> bool:
+        """Whether talker text entry k can be made now (host facts only)."""
+        end = self.state.text_end
+        return (end is not None and k >= end - 1) or k >= self.n_max - 1 or k < len(d.replies)
+
     def _reply_vector(self, k: int, d: _Decode):
-        """Talker text entry k: R[k], text-EOS for the text's last token, text-pad after it."""
+        """Talker text entry k (`_vector_ready`): R[k], text-EOS for the text's last token, text-pad after it."""
         s, end = self.steps, self.state.text_end
         if (end is not None and k >= end) or k >= self.n_max:
             return s.text_pad_vec
         if (end is not None and k == end - 1) or k == self.n_max - 1:
             return s.text_eos_vec
-        if k >= len(d.replies):
-            return None
         # Host does not know yet whether the text ended: decide on the device.
         is_last = torch.isin(d.toks[k], d.eos).view(1, 1, 1)
         ended = d.ended_before[k].view(1, 1, 1)

@@ -53,7 +53,7 @@ class Turn:
         self.clock = StepClock(self.steps.device, req.step_events)
         self.schedule = Schedule(self.steps, req, eos_ids=self.eos_ids, all_eos_ids=engine.eos_ids, n_max=self.n_max,
                                  audio=self.audio, boundary=self.boundary, state=self.state, stop=self.stop,
-                                 clock=self.clock)
+                                 clock=self.clock, talker_stream=engine.talker_stream if engine.overlap else None)
         self.sink: SinkThread | None = None  # the request's sink, owned by its own thread (run())
 
     # -- orchestration (caller's thread) ------------------------------------------------------
