@@ -353,6 +353,20 @@ def _load(model, device, dtype, err, quiet: bool = False, **runtime):
         return omni_cli.load(model, device=device, dtype=dtype, **kwargs)
 
 
+def _timed_load(model, device, dtype, err, t_command: float, before: str, quiet: bool = False, **runtime):
+    """`_load`, with the assistant's `startup` (`--verbose`) counted from `t_command`: `before` names the
+    time until loading began, then importing torch and the engine, then the loader's own phases."""
+    import time
+
+    t_load = time.perf_counter()
+    assistant = _load(model, device, dtype, err, quiet=quiet, **runtime)
+    loading = time.perf_counter() - t_load
+    phases = getattr(assistant, "startup", None) or {}
+    assistant.startup = {before: t_load - t_command, "import torch and the engine": loading - sum(phases.values()),
+                         **phases}
+    return assistant
+
+
 def _remote(server: str | None, api_key: str | None, local: bool, model: str | None, quiet: bool):
     """The server to use instead of loading the model, or None: `--server URL` (a ServerError if it
     does not answer), else an omni-serve on the default address serving the same model (said on
@@ -399,6 +413,9 @@ def _background_server(model, device, dtype, graphs, compile, keep_seconds, api_
         _demo_note(remote)
     remote.startup = {"before the server (prompt, outputs, voice)": t_start - t_command,
                       "start omni-serve in the background, until it serves": time.perf_counter() - t_start}
+    # The server's own start, as it counted it (omni-serve serves it in its model info): "of which" rows.
+    for phase, seconds in (remote.info.get("startup") or {}).items():
+        remote.startup[f"  {phase}"] = seconds
     return remote
 
 
@@ -655,12 +672,8 @@ def say(
                 assistant = _background_server(model, device, dtype, graphs, compile, keep_seconds, api_key, quiet,
                                                t_command)
         if assistant is None:
-            t_load = time.perf_counter()
-            assistant = _load(model, device, dtype, err, quiet=quiet, **runtime_flags(graphs, compile))
-            loading = time.perf_counter() - t_load
-            phases = getattr(assistant, "startup", None) or {}
-            assistant.startup = {"before loading (prompt, outputs, voice)": t_load - t_command,
-                                 "import torch and the engine": loading - sum(phases.values()), **phases}
+            assistant = _timed_load(model, device, dtype, err, t_command, "before loading (prompt, outputs, voice)",
+                                    quiet=quiet, **runtime_flags(graphs, compile))
         if t_process is not None:
             assistant.startup = {"start Python, import the command": t_command - t_process, **assistant.startup}
         if to_stdout:

@@ -25,7 +25,7 @@ import typer
 from .api.protocol import DEFAULT_PORT
 from .cli import (
     CompileOpt, DebugOpt, DeviceOpt, DtypeOpt, GraphsOpt, GreedyOpt, MaxCodesOpt, MaxTextOpt, ModelOpt, SeedOpt,
-    TemperatureOpt, TopKOpt, TopPOpt, VersionOpt, _err, _exit_on, _load, _OneLineErrors, _report_library_logs,
+    TemperatureOpt, TopKOpt, TopPOpt, VersionOpt, _err, _exit_on, _OneLineErrors, _report_library_logs, _timed_load,
     runtime_flags,
 )
 from .config import ReplyOptions
@@ -74,6 +74,12 @@ def serve(
     version: VersionOpt = False,
 ) -> None:
     """Serve a model on http://HOST:PORT/v1 (OpenAI-compatible: /v1/chat/completions, /v1/models, /health)."""
+    import time
+
+    from .ui import process_started_at
+
+    t_command = time.perf_counter()
+    t_process = process_started_at()
     _report_library_logs()
     try:
         api_key = api_key or None
@@ -90,9 +96,14 @@ def serve(
         listener = _listen(host, port, socket)  # a port in use is an error before a minute of loading
         from .ui import make_console
 
-        assistant = _load(model, device, dtype, make_console("stderr"), **runtime_flags(graphs, compile))
+        assistant = _timed_load(model, device, dtype, make_console("stderr"), t_command, "before loading",
+                                **runtime_flags(graphs, compile))
+        if t_process is not None:
+            assistant.startup = {"start Python, import omni-serve": t_command - t_process, **assistant.startup}
         if warm_up:
+            t = time.perf_counter()
             assistant.warm_up()  # so that the first request is served like the later ones
+            assistant.startup["the warm-up reply"] = time.perf_counter() - t
         _serve(assistant, model, listener, api_key, defaults, idle)
     except BaseException as exc:  # noqa: BLE001 - every way out is reported, none with a traceback
         if isinstance(exc, (SystemExit, typer.Exit)):

@@ -194,11 +194,12 @@ def process_started_at() -> float | None:
 
 
 def print_startup(err, startup: dict, after: dict, since_command: float | None = None) -> None:
-    """`--verbose`: where start-up went (the assistant's `startup` phases, in order), what came after it
-    (`after`: name -> seconds), and how long after the command the first audio existed."""
+    """`--verbose`: where start-up went (the assistant's `startup` phases, in order; a name indented by
+    spaces is a part of the phase above it, not counted twice), what came after it (`after`: name ->
+    seconds), and how long after the command the first audio existed."""
     rows = [(name, f"{seconds:.2f} s") for name, seconds in startup.items()]
     if startup:
-        rows.append(("start-up in all", f"{sum(startup.values()):.2f} s"))
+        rows.append(("start-up in all", f"{sum(v for k, v in startup.items() if not k.startswith(' ')):.2f} s"))
     rows += [(name, f"{seconds:.2f} s") for name, seconds in after.items()]
     if since_command is not None:
         rows.append(("first audio after the command", f"{since_command:.2f} s"))

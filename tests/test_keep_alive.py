@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import time
@@ -94,9 +95,19 @@ def place(tmp_path):
 
 def test_the_next_command_uses_the_server_the_first_started(place, tmp_path):
     place.env["OMNI_API_KEY"] = "k-123"  # the background server asks for the key the commands send
-    first = place.say("Hello there", "-o", tmp_path / "a.wav")
+    first = place.say("Hello there", "-o", tmp_path / "a.wav", "--verbose")
     assert first.returncode == 0, first.stderr
     assert "background omni-serve" in first.stderr and "tiny demo model" in first.stderr
+    # --verbose: the background server's own start (served in its model info) as parts of its row
+    rows = re.findall(r"^( {0,2}\S.*?) +(\d+\.\d\d) s$", first.stderr, re.M)
+    names = [name for name, _ in rows]
+    at, end = names.index("start omni-serve in the background, until it serves"), names.index("start-up in all")
+    parts = dict(rows[at + 1 : end])
+    assert {"  before loading", "  import torch and the engine", "  start Python, import omni-serve"} <= set(parts)
+    assert all(name.startswith("  ") for name in parts) and "  the warm-up reply" not in parts  # --no-warm-up
+    assert sum(map(float, parts.values())) <= float(rows[at][1])
+    top = [float(v) for name, v in rows[:end] if not name.startswith(" ")]
+    assert abs(sum(top) - float(rows[end][1])) <= 0.01 * len(top)  # the parts are not counted twice
     pid = place.record["pid"]
     assert _alive(pid)  # outlives the command that started it
     second = place.say("Hello there", "-o", tmp_path / "b.wav")

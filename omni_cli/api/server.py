@@ -149,7 +149,9 @@ def create_app(assistant, name: str, api_key: str | None = None, key: str | None
             "default_system": assistant.default_system, "sample_rate": assistant.sample_rate,
             "has_audio": assistant.has_audio, "speech_steps": [steps_name, per_second],
             "speaks_only_under_default_system": assistant.speaks_only_under_default_system,
-            "is_demo": bool(getattr(assistant, "is_demo", False)), "limits": dict(assistant.limits), "key": key}
+            "is_demo": bool(getattr(assistant, "is_demo", False)), "limits": dict(assistant.limits), "key": key,
+            # where the server's start went (phase -> seconds, in order; omni-say --verbose shows it)
+            "startup": dict(getattr(assistant, "startup", None) or {})}
 
     def refused(request: Request) -> Response | None:
         if api_key is None:
