@@ -396,15 +396,17 @@ def _demo_note(remote) -> None:
         _err(f"note: {DEMO_NOTICE}")
 
 
-def _background_server(model, device, dtype, graphs, compile, keep_seconds, api_key, quiet, t_command):
-    """omni-say's keep-alive (api/keep_alive.py): the model loaded by a background omni-serve, or None where
-    the default port is another server's (then this process loads it, and says why)."""
+def _background_server(model, device, dtype, graphs, compile, keep_seconds, api_key, quiet, t_command,
+                       max_context: int | None = None):
+    """The keep-alive (api/keep_alive.py): the model loaded by a background omni-serve, or None where the
+    default port is another server's (then this process loads it, and says why)."""
     import time
 
     from .api.keep_alive import start_server
 
     t_start = time.perf_counter()
-    flags = ["--device", device, "--dtype", dtype, *([] if graphs else ["--no-graphs"]), *(["--compile"] if compile else [])]
+    flags = ["--device", device, "--dtype", dtype, *([] if graphs else ["--no-graphs"]), *(["--compile"] if compile else []),
+             *(["--max-context", str(max_context)] if max_context is not None else [])]
     remote = start_server(model, flags, keep_seconds, api_key, note=(lambda text: None) if quiet else
                           (lambda text: _err(f"note: {text}")))
     if remote is None:
@@ -825,6 +827,7 @@ def chat(
     server: ServerOpt = None,
     api_key: ApiKeyOpt = None,
     local: LocalOpt = False,
+    keep_alive: KeepAliveOpt = "5m",
     input_device: Annotated[Optional[str], typer.Option("--input-device", metavar="NAME|INDEX", show_default=False, help="The microphone /listen records from (see --list-audio-devices). Default: the system's default input.")] = None,
     input_rate: Annotated[Optional[int], typer.Option("--input-rate", min=8000, max=384000, metavar="HZ", show_default=False, help="The rate /listen records at (default: the device's own).")] = None,
     vad: Annotated[bool, typer.Option("--vad/--no-vad", help="/listen ends the turn when you stop speaking (voice-activity detection); --no-vad: only Enter or the length limit end it.")] = True,
@@ -838,8 +841,11 @@ def chat(
     version: VersionOpt = False,
 ) -> None:
     """Chat with the model: >>> prompts, replies in text and speech, /? for the commands, Ctrl-D to leave."""
+    import time
+
     from .ui import end_on_signals, safe_text_streams
 
+    t_command = time.perf_counter()
     safe_text_streams()
     end_on_signals()
     _report_library_logs()
@@ -850,6 +856,9 @@ def chat(
         # One options object from the flags, checked before the model loads (a bad --top-p is exit 2 now).
         options = ReplyOptions(voice=voice, seed=seed, greedy=greedy, max_text_tokens=max_text_tokens,
                                max_codes=max_codes, temperature=temperature, top_p=top_p, top_k=top_k).check()
+        from .api.keep_alive import parse_duration
+
+        keep_seconds = 0.0 if local or server else parse_duration(keep_alive)
         from .chat import CHAT_PLAY_HINT, ChatRepl, line_reader
         from .audio.speaker import SpeakerSink
 
@@ -857,10 +866,14 @@ def chat(
             SpeakerSink(audio_device, hint=CHAT_PLAY_HINT)  # PortAudio and a device, before loading
         out, err = _consoles()
         assistant = _remote(server, api_key, local, model, quiet=False)
+        if assistant is None:
+            options = _checked_voice(options, model)
+            if keep_seconds > 0:  # as omni-say: the model kept loaded for the next command
+                assistant = _background_server(model, device, dtype, graphs, compile, keep_seconds, api_key, False,
+                                               t_command, max_context=max_context)
         if assistant is not None:
             options = _remote_voice(options, assistant)
         else:
-            options = _checked_voice(options, model)
             assistant = _load(model, device, dtype, err, max_context=max_context, **runtime_flags(graphs, compile))
             if _isatty(sys.stdin) and _isatty(sys.stdout):
                 assistant.warm_up(background=True)  # while the person types: the first reply is then as quick as the next

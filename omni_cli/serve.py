@@ -68,6 +68,7 @@ def serve(
     top_k: TopKOpt = None,
     max_text_tokens: MaxTextOpt = None,
     max_codes: MaxCodesOpt = None,
+    max_context: Annotated[int, typer.Option("--max-context", min=64, metavar="N", help="Tokens of conversation a request may hold (the thinker's cache); a longer one loses its oldest turns.")] = 4096,
     keep_alive: Annotated[Optional[str], typer.Option("--keep-alive", metavar="DURATION", show_default=False, help="Stop after DURATION without a request (e.g. 300, 5m, 1h; default: run until stopped).")] = None,
     warm_up: Annotated[bool, typer.Option("--warm-up/--no-warm-up", help="Answer one short unheard request before serving, so that the first request is served as fast as the later ones.")] = True,
     debug: DebugOpt = False,
@@ -76,10 +77,13 @@ def serve(
     """Serve a model on http://HOST:PORT/v1 (OpenAI-compatible: /v1/chat/completions, /v1/models, /health)."""
     import time
 
-    from .ui import process_started_at
+    from .ui import end_on_signals, process_started_at
 
     t_command = time.perf_counter()
     t_process = process_started_at()
+    # SIGTERM (kill, the keep-alive replacing it) ends it as Ctrl-C does: uvicorn shuts down, then raises
+    # the signal again, which then unwinds through `_serve`'s clean-up (the record forgotten) to exit 143.
+    end_on_signals()
     _report_library_logs()
     try:
         api_key = api_key or None
@@ -97,7 +101,7 @@ def serve(
         from .ui import make_console
 
         assistant = _timed_load(model, device, dtype, make_console("stderr"), t_command, "before loading",
-                                **runtime_flags(graphs, compile))
+                                max_context=max_context, **runtime_flags(graphs, compile))
         if t_process is not None:
             assistant.startup = {"start Python, import omni-serve": t_command - t_process, **assistant.startup}
         if warm_up:

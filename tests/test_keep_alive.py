@@ -218,3 +218,25 @@ def test_without_a_cache_folder_the_command_loads_the_model_itself(place, tmp_pa
     assert result.returncode == 0, result.stderr
     assert "so the model loads in this process" in result.stderr and "background omni-serve (pid" not in result.stderr
     assert len(sf.read(tmp_path / "a.wav")[0]) > 0
+
+
+def test_omni_chat_keeps_the_model_loaded_too(place, tmp_path):
+    """omni-chat starts the background server as omni-say does (with its --max-context); an omni-say after
+    it is answered by that server, and `--keep-alive 0` loads the model in the chat's own process."""
+    from conftest import run_omni_chat
+
+    chat = run_omni_chat("--mute", "--seed", "1", "--max-context", "2048", env=place.env, input="Hello there\n",
+                         timeout=300)
+    assert chat.returncode == 0, chat.stderr
+    assert "background omni-serve" in chat.stderr and chat.stdout.strip()
+    record = place.record
+    assert record is not None and _alive(record["pid"])  # outlives the chat
+    place.started.append(record["pid"])
+    assert "--max-context 2048" in Path(f"/proc/{record['pid']}/cmdline").read_text().replace("\0", " ")
+    say = place.say("Hello there", "-o", tmp_path / "a.wav")
+    assert say.returncode == 0 and "using omni-serve" in say.stderr, say.stderr
+    os.kill(record["pid"], signal.SIGTERM)
+    assert place.wait_gone(record["pid"]) and place.record is None
+    own = run_omni_chat("--mute", "--keep-alive", "0", env=place.env, input="Hi\n", timeout=300)
+    assert own.returncode == 0 and "omni-serve" not in own.stderr and own.stdout.strip(), own.stderr
+    assert place.record is None  # no server started
