@@ -269,3 +269,28 @@ def test_warm_up_in_the_background_leaves_no_trace_in_the_next_reply(assistant, 
     assert calls.index(("done", "Hello.")) < calls.index(("done", "Tell me about the sea."))
     assert after.text_ids == before.text_ids and after.codes == before.codes
     assert np.array_equal(after.audio, before.audio)
+
+
+def test_without_graphs_nothing_is_compiled():
+    """--no-graphs turns compiling off too (compiled steps exist to be captured), as the docs say; on a
+    GPU device --compile with graphs compiles both stacks."""
+    from omni_cli.runtime.engine import enable_fast_steps
+
+    tf32 = torch.backends.cuda.matmul.allow_tf32  # configure_cuda sets it for a bfloat16 "GPU"
+    class Stack:
+        def enable_fast_decode(self, graphs, compile):
+            self.args = (graphs, compile)
+
+    class Steps:
+        device = torch.device("cuda")  # a device object only: nothing runs on it
+        has_talker = True
+
+    try:
+        for graphs, compile, compiled in ((True, True, True), (False, True, False), (True, False, False)):
+            steps = Steps()
+            steps.thinker, steps.talker = Stack(), Stack()
+            enable_fast_steps(steps, torch.bfloat16, graphs, compile, None)
+            assert steps.compile is compiled
+            assert steps.thinker.args == steps.talker.args == (graphs, compiled)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32

@@ -89,14 +89,14 @@ def configure_cuda(float32_llm: bool = False) -> None:
 def enable_fast_steps(steps, dtype, graphs: bool, compile: bool, fast_decode: bool | None) -> None:
     """What every family's steps do once their stacks exist: the CUDA settings (`configure_cuda`), then,
     unless `fast_decode` is False, the fused decode steps of the thinker and the talker, compiled where
-    `compile` says and the device allows. Sets `steps.fast_decode` and `steps.compile`."""
+    `compile` says, graphs are on and the device allows. Sets `steps.fast_decode` and `steps.compile`."""
     if steps.device.type == "cuda":
         configure_cuda(float32_llm=dtype == torch.float32)
     steps.fast_decode = True if fast_decode is None else fast_decode
     if steps.fast_decode:
         from .graphs import compile_wanted
 
-        steps.compile = compile_wanted(compile, steps.device)
+        steps.compile = compile_wanted(compile and graphs, steps.device)  # compiled steps exist to be captured
         steps.thinker.enable_fast_decode(graphs, steps.compile)
         if steps.has_talker:
             steps.talker.enable_fast_decode(graphs, steps.compile)
