@@ -871,6 +871,8 @@ def chat(
             if keep_seconds > 0:  # as omni-say: the model kept loaded for the next command
                 assistant = _background_server(model, device, dtype, graphs, compile, keep_seconds, api_key, False,
                                                t_command, max_context=max_context)
+                if assistant is not None and _isatty(sys.stdin) and _isatty(sys.stdout):
+                    assistant.warm_up(background=True)  # it made none (--no-warm-up): now, while the person types
         if assistant is not None:
             options = _remote_voice(options, assistant)
         else:

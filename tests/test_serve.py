@@ -360,3 +360,20 @@ def test_a_conversation_through_the_server_hears_an_earlier_turns_clip_again(ser
         assert second_reply(local, []) != heard
     finally:
         remote.close()
+
+
+def test_a_warm_up_in_the_background_goes_before_the_next_request(server):
+    """omni-chat warms up a background server that made no warm-up while the person types: the next
+    request waits for the warm-up's reply (they share one connection), then is answered as usual."""
+    from omni_cli.api.client import RemoteAssistant
+
+    remote = RemoteAssistant.connect(server.url, KEY)
+    try:
+        before = server.health()["served"]
+        remote.warm_up(background=True)
+        assert remote._warming is not None
+        reply = remote.say("Hello there", seed=3, max_text_tokens=4, max_codes=20)
+        assert remote._warming is None and reply.text and len(reply.audio) > 0
+        assert server.health()["served"] == before + 2  # the warm-up's reply, then this one
+    finally:
+        remote.close()

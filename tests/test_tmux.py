@@ -140,3 +140,52 @@ def test_omni_chat_in_a_real_terminal(tmp_path):
     history = (data / "omni-cli" / "chat_history").read_text()
     for line in ("+Hello there", "+/voice Ethan", "+Tell me a story", "+And now?"):
         assert line in history
+
+
+def test_omni_chat_keeps_its_model_in_a_background_server_warmed_while_you_type(tmp_path):
+    """With the keep-alive on, omni-chat in a terminal loads the model in a background omni-serve and, while
+    the person types, sends it the warm-up reply the server skipped (`--no-warm-up`); a turn, Ctrl-D, and
+    the server lives on for the next command."""
+    import json
+    import os
+    import signal
+    import socket
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cache = tmp_path / "cache"
+    env = cli_env(TERM="xterm-256color", XDG_CACHE_HOME=str(cache), OMNI_PORT=str(port), OMNI_KEEP_ALIVE="60")
+    env.pop("OMNI_LOCAL", None)
+    exit_file = tmp_path / "exit-code"
+    chat = f"{shlex.quote(sys.executable)} -m omni_cli.chat --mute --seed 1 --max-text-tokens 20"
+    command = f"cd {shlex.quote(str(REPO_ROOT))} && {chat}; echo $? > {shlex.quote(str(exit_file))}; sleep 60"
+
+    def served() -> int:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=10) as r:
+            return json.loads(r.read())["served"]
+
+    t = Tmux(tmp_path, f"bash -c {shlex.quote(command)}", env)
+    record = cache / "omni_cli" / "serve" / "omni-serve.json"
+    try:
+        screen = t.wait(at_prompt, what="the first prompt")
+        assert "background omni-serve" in screen and f"127.0.0.1:{port}" in screen, screen
+        deadline = time.monotonic() + 60
+        while served() < 1:  # the warm-up, while nobody types
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        t.type("Hello there")
+        t.wait(lambda s: prompts(s) == 2 and at_prompt(s), what="the reply")
+        assert served() == 2
+        t.keys("C-d")
+        deadline = time.monotonic() + 30
+        while not exit_file.exists() or not exit_file.read_text().strip():
+            assert time.monotonic() < deadline, t.screen()
+            time.sleep(0.05)
+        assert exit_file.read_text().strip() == "0" and "Traceback" not in t.screen()
+        assert served() == 2  # still there for the next command
+    finally:
+        t.kill()
+        if record.exists():
+            os.kill(json.loads(record.read_text())["pid"], signal.SIGTERM)
