@@ -2,8 +2,8 @@
 
 `Engine(steps, tokenizer, eos_ids)` owns what outlives a turn: the family's steps (with their static
 caches and graphs), the high-priority streams the thinker's and the talker's steps run on, and the lock
-that keeps turns apart. `stream(request)` runs a `Turn` (turn.py: threads and channels; schedule.py: the decode order;
-detokenize.py; stats.py) and yields its events.
+that keeps turns apart. `stream(request)` runs a `Turn` (turn.py: threads and channels; schedule.py: the
+decode order; detokenize.py; stats.py) and yields its events.
 
 It knows no model family (the steps come from `omni_cli/models/<family>/`), no prompt and no terminal.
 """
