@@ -92,8 +92,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """The library's Qwen RMSNorm: on a CPU and compiled, op for op (float32 statistics, the result cast
     back, then scaled; inductor makes it one kernel). Uncompiled on an accelerator (the plain graphs the
     commands run), torch's fused norm: one kernel instead of seven, for the two or four norms of every
-    layer (H200, plain graphs: Qwen3-Omni's frame 15.3 -> 11.0 ms, the 7B talker's step 3.2 -> 2.4 with RoPE's). It
-    scales before casting back, so a result can differ from the library's in the last bit."""
+    layer (H200, plain graphs: Qwen3-Omni's frame 15.3 -> 11.0 ms; with Qwen2's joint RoPE, the 7B
+    talker's step 3.2 -> 2.4 ms). It scales before casting back, so a result can differ from the
+    library's in the last bit."""
     if x.device.type != "cpu" and not torch.compiler.is_compiling():
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
     dtype = x.dtype
