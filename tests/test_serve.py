@@ -13,7 +13,6 @@ import base64
 import io
 import json
 import re
-import shlex
 import signal
 import subprocess
 import sys
@@ -280,17 +279,14 @@ def test_no_key_means_loopback_only(tmp_path):
 @pytest.mark.skipif(sys.platform != "linux", reason="tmux and ALSA")
 def test_chat_with_server_in_a_terminal(server, tmp_path):
     from audio_device import alsa_file_device, have_portaudio, have_tmux
-    from test_tmux import Tmux, at_prompt, prompts
+    from test_tmux import at_prompt, chat_in_tmux, prompts
 
     if not (have_tmux() and have_portaudio()):
         pytest.skip("needs tmux and PortAudio")
     alsa, raw = alsa_file_device(tmp_path / "alsa")
     env = cli_env(**alsa, TERM="xterm-256color", OMNI_NOHISTORY="1", OMNI_LOCAL="0")
-    exit_file = tmp_path / "exit-code"
-    chat = (f"{shlex.quote(sys.executable)} -m omni_cli.chat --server {server.url} --api-key {KEY} --seed 1 "
-            "--max-codes 250 --max-text-tokens 60")
-    command = f"cd {shlex.quote(str(REPO_ROOT))} && {chat}; echo $? > {shlex.quote(str(exit_file))}; sleep 60"
-    t = Tmux(tmp_path, f"bash -c {shlex.quote(command)}", env)
+    t = chat_in_tmux(tmp_path, f"--server {server.url} --api-key {KEY} --seed 1 --max-codes 250 --max-text-tokens 60",
+                     env)
     try:
         screen = t.wait(at_prompt, what="the first prompt")
         assert server.url in screen
@@ -307,12 +303,7 @@ def test_chat_with_server_in_a_terminal(server, tmp_path):
         while server.health()["queued"]:  # the server stopped that reply too
             assert time.monotonic() < deadline
             time.sleep(0.01)
-        t.keys("C-d")
-        deadline = time.monotonic() + 30
-        while not exit_file.exists() or not exit_file.read_text().strip():
-            assert time.monotonic() < deadline, t.screen()
-            time.sleep(0.05)
-        assert exit_file.read_text().strip() == "0" and "Traceback" not in t.screen()
+        assert t.leave() == "0" and "Traceback" not in t.screen()
     finally:
         t.kill()
 

@@ -65,6 +65,28 @@ class Tmux:
     def kill(self) -> None:
         subprocess.run(["tmux", "-S", self.socket, "kill-server"], capture_output=True, timeout=30)
 
+    exit_file: Path | None = None  # where `chat_in_tmux`'s command writes omni-chat's exit code
+
+    def leave(self, timeout: float = 30.0) -> str:
+        """Ctrl-D at the prompt; omni-chat's exit code once it has ended."""
+        self.keys("C-d")
+        deadline = time.monotonic() + timeout
+        while not self.exit_file.exists() or not self.exit_file.read_text().strip():
+            assert time.monotonic() < deadline, self.screen()
+            time.sleep(0.05)
+        return self.exit_file.read_text().strip()
+
+
+def chat_in_tmux(tmp_path: Path, args: str, env: dict[str, str]) -> Tmux:
+    """`omni-chat ARGS` in a tmux session; when it ends, its exit code goes to a file (`Tmux.leave`)."""
+    exit_file = tmp_path / "exit-code"
+    chat = f"{shlex.quote(sys.executable)} -m omni_cli.chat {args}"
+    command = f"cd {shlex.quote(str(REPO_ROOT))} && {chat}; echo $? > {shlex.quote(str(exit_file))}; sleep 60"
+    # bash, not sh: dash exits after a child it waited for got a Ctrl-C, even when the child handled it.
+    t = Tmux(tmp_path, f"bash -c {shlex.quote(command)}", env)
+    t.exit_file = exit_file
+    return t
+
 
 def prompts(screen: str) -> int:
     return sum(1 for line in screen.splitlines() if line.startswith(">>>"))
@@ -80,11 +102,7 @@ def test_omni_chat_in_a_real_terminal(tmp_path):
     data = tmp_path / "data"
     env = cli_env(**alsa, XDG_DATA_HOME=str(data), TERM="xterm-256color")
     env.pop("OMNI_NOHISTORY", None)
-    exit_file = tmp_path / "exit-code"
-    chat = f"{shlex.quote(sys.executable)} -m omni_cli.chat --seed 1 --max-codes 250 --max-text-tokens 60 --verbose"
-    command = f"cd {shlex.quote(str(REPO_ROOT))} && {chat}; echo $? > {shlex.quote(str(exit_file))}; sleep 60"
-    # bash, not sh: dash exits after a child it waited for got a Ctrl-C, even when the child handled it.
-    t = Tmux(tmp_path, f"bash -c {shlex.quote(command)}", env)
+    t = chat_in_tmux(tmp_path, "--seed 1 --max-codes 250 --max-text-tokens 60 --verbose", env)
     try:
         screen = t.wait(at_prompt, what="the first prompt")
         assert "built-in tiny demo model" in screen and "/? for help" in screen
@@ -126,12 +144,7 @@ def test_omni_chat_in_a_real_terminal(tmp_path):
         t.wait(lambda s: prompts(s) == 6 and at_prompt(s), what="the reply after the interrupt")
 
         # Ctrl-D on an empty line leaves with exit code 0.
-        t.keys("C-d")
-        deadline = time.monotonic() + 30
-        while not exit_file.exists() or not exit_file.read_text().strip():
-            assert time.monotonic() < deadline, t.screen()
-            time.sleep(0.05)
-        assert exit_file.read_text().strip() == "0"
+        assert t.leave() == "0"
         screen = t.screen()
         (tmp_path / "screen.txt").write_text(screen)
         assert "Traceback" not in screen
@@ -158,15 +171,12 @@ def test_omni_chat_keeps_its_model_in_a_background_server_warmed_while_you_type(
     cache = tmp_path / "cache"
     env = cli_env(TERM="xterm-256color", XDG_CACHE_HOME=str(cache), OMNI_PORT=str(port), OMNI_KEEP_ALIVE="60")
     env.pop("OMNI_LOCAL", None)
-    exit_file = tmp_path / "exit-code"
-    chat = f"{shlex.quote(sys.executable)} -m omni_cli.chat --mute --seed 1 --max-text-tokens 20"
-    command = f"cd {shlex.quote(str(REPO_ROOT))} && {chat}; echo $? > {shlex.quote(str(exit_file))}; sleep 60"
 
     def served() -> int:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=10) as r:
             return json.loads(r.read())["served"]
 
-    t = Tmux(tmp_path, f"bash -c {shlex.quote(command)}", env)
+    t = chat_in_tmux(tmp_path, "--mute --seed 1 --max-text-tokens 20", env)
     record = cache / "omni_cli" / "serve" / "omni-serve.json"
     try:
         screen = t.wait(at_prompt, what="the first prompt")
@@ -178,12 +188,7 @@ def test_omni_chat_keeps_its_model_in_a_background_server_warmed_while_you_type(
         t.type("Hello there")
         t.wait(lambda s: prompts(s) == 2 and at_prompt(s), what="the reply")
         assert served() == 2
-        t.keys("C-d")
-        deadline = time.monotonic() + 30
-        while not exit_file.exists() or not exit_file.read_text().strip():
-            assert time.monotonic() < deadline, t.screen()
-            time.sleep(0.05)
-        assert exit_file.read_text().strip() == "0" and "Traceback" not in t.screen()
+        assert t.leave() == "0" and "Traceback" not in t.screen()
         assert served() == 2  # still there for the next command
     finally:
         t.kill()
