@@ -196,13 +196,16 @@ class Assistant:
             warming.join()  # one turn at a time: the warm-up's first
             self._warming = None
         opts = reply_options(options, fields)
-        req, conv, media = self._request(prompt, opts, sink, conversation, audio, images)
+        req, conv, media, dropped = self._request(prompt, opts, sink, conversation, audio, images)
         events = self.engine.stream(req)
         try:
             for event in events:
-                if isinstance(event, Done) and conversation is not None:
-                    conversation.turns[:] = conv.turns
-                    conversation.add(prompt, event.reply.text, media)
+                if isinstance(event, Done):
+                    if dropped:  # a server sends it back, so that its client's history drops them too
+                        event.reply.stats["dropped_exchanges"] = dropped
+                    if conversation is not None:
+                        conversation.turns[:] = conv.turns
+                        conversation.add(prompt, event.reply.text, media)
                 yield event
         finally:
             events.close()  # closing this generator (an interrupt) stops the turn at once
@@ -256,7 +259,7 @@ class Assistant:
             max_codes=n_codes, seed=fresh_seed() if opts.seed is None else int(opts.seed), text_only=text_only,
             sink=sink, media=media,
         )
-        return req, conv, {"audio": clips, "images": pictures}
+        return req, conv, {"audio": clips, "images": pictures}, dropped
 
     def _clips(self, audio) -> list:
         """The request's audio as 16 kHz clips (a UsageError for what cannot be read, or a model that

@@ -368,3 +368,31 @@ def test_a_warm_up_in_the_background_goes_before_the_next_request(server):
         assert server.health()["served"] == before + 2  # the warm-up's reply, then this one
     finally:
         remote.close()
+
+
+def test_a_conversation_that_outgrows_the_servers_context_drops_its_oldest_turns_as_a_local_one(caplog):
+    """omni-serve fits a conversation to its --max-context as the local engine does, and says how many
+    exchanges it dropped: the client's history drops them too (the next request is no longer), with the
+    local note. Turn by turn, the histories' lengths and the replies equal a local model's."""
+    import omni_cli
+    from omni_cli.api.client import RemoteAssistant
+    from omni_cli.config import RuntimeOptions
+
+    caplog.set_level("INFO", logger="omni_cli")
+    local = omni_cli.load(runtime=RuntimeOptions(max_context=512))
+    served = Server("--max-context", "512", "--no-warm-up")
+    remote = RemoteAssistant.connect(served.url)
+    try:
+        chats = [local.conversation(), remote.conversation()]
+        lengths = []
+        for i in range(8):
+            text = f"Message number {i} with a few more words in it to fill up the context"
+            replies = [chat.say(text, seed=1, max_text_tokens=60, text_only=True) for chat in chats]
+            assert replies[0].text == replies[1].text
+            lengths.append([len(chat.history.turns) for chat in chats])
+        assert all(a == b for a, b in lengths) and lengths[-1][0] < 16, lengths
+        notes = [r.getMessage() for r in caplog.records if r.name == "omni_cli.api.client"]
+        assert notes and all(n.startswith("dropped the oldest") for n in notes)
+    finally:
+        remote.close()
+        served.stop()

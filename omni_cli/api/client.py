@@ -244,6 +244,10 @@ class RemoteAssistant:
             reader.abort()
             raise
         if conversation is not None:
+            dropped = int(reply.stats.get("dropped_exchanges") or 0)
+            if dropped:  # the server fit the conversation to its context as a local model does: so does its history
+                logging.getLogger(__name__).info("dropped the oldest %d exchange(s) to fit the context", dropped)
+                del conversation.turns[: 2 * dropped]
             conversation.add(prompt, reply.text, {"audio": audio, "images": images})
         yield Done(reply)
 
