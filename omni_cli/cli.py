@@ -875,6 +875,9 @@ def chat(
                     assistant.warm_up(background=True)  # it made none (--no-warm-up): now, while the person types
         if assistant is not None:
             options = _remote_voice(options, assistant)
+            from .api.keep_alive import hold
+
+            hold(assistant.url)  # a server that stops when idle stays while this chat is open
         else:
             assistant = _load(model, device, dtype, err, max_context=max_context, **runtime_flags(graphs, compile))
             if _isatty(sys.stdin) and _isatty(sys.stdout):

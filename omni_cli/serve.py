@@ -146,6 +146,7 @@ def _serve(assistant, model, listener, api_key, defaults: ReplyOptions, idle: fl
                             access_log=bool(os.environ.get("OMNI_ACCESS_LOG")))
     server = uvicorn.Server(config)
     if idle:
+        app.state.keep_alive = idle
         threading.Thread(target=_stop_when_idle, args=(server, app.state.worker, idle), name="omni-serve-idle",
                          daemon=True).start()
     try:
@@ -159,14 +160,18 @@ def _serve(assistant, model, listener, api_key, defaults: ReplyOptions, idle: fl
 
 
 def _stop_when_idle(server, worker, idle: float) -> None:
-    """`--keep-alive`: ask uvicorn to stop once no request has been queued or running for `idle` seconds."""
+    """`--keep-alive`: ask uvicorn to stop once no request of any kind (a reply, or a client that holds the
+    server open pinging /health: an open omni-chat) has come, nor been queued or running, for `idle` s."""
     import time
 
-    last, served = time.monotonic(), worker.served
+    def seen():
+        return worker.served, worker.asked
+
+    last, before = time.monotonic(), seen()
     while not server.should_exit:
         time.sleep(min(0.5, idle))
-        if worker.waiting or worker.served != served:
-            last, served = time.monotonic(), worker.served
+        if worker.waiting or seen() != before:
+            last, before = time.monotonic(), seen()
         elif time.monotonic() - last >= idle:
             _err(f"omni-serve: no request for {idle:g} s, stopping")
             server.should_exit = True

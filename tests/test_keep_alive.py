@@ -240,3 +240,33 @@ def test_omni_chat_keeps_the_model_loaded_too(place, tmp_path):
     own = run_omni_chat("--mute", "--keep-alive", "0", env=place.env, input="Hi\n", timeout=300)
     assert own.returncode == 0 and "omni-serve" not in own.stderr and own.stdout.strip(), own.stderr
     assert place.record is None  # no server started
+
+
+def test_an_open_chat_holds_a_server_that_stops_when_idle(place, tmp_path):
+    """A person may think longer than the keep-alive: while omni-chat is open, the server it uses does not
+    stop for want of requests (the chat asks its /health), and stops once the chat has gone."""
+    import subprocess
+    import sys
+
+    place.env["OMNI_KEEP_ALIVE"] = "2"
+    proc = subprocess.Popen([sys.executable, "-m", "omni_cli.chat", "--mute", "--seed", "1", "--max-text-tokens", "8"],
+                            env=place.env, cwd=REPO_ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        proc.stdin.write("Hello there\n")
+        proc.stdin.flush()
+        deadline = time.monotonic() + 120
+        while place.record is None:
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.1)
+        pid = place.record["pid"]
+        place.started.append(pid)
+        time.sleep(6)  # three keep-alive periods without a reply
+        assert _alive(pid)
+        out, err = proc.communicate("And again?\n", timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err
+    assert len([line for line in out.splitlines() if line.strip()]) == 2  # both replies
+    assert place.wait_gone(pid, 30)  # the chat gone, the server stops after its keep-alive

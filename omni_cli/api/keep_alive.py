@@ -151,6 +151,36 @@ def start_server(model: str | None, flags: list[str], keep_alive: float, api_key
     return remote
 
 
+def hold(url: str) -> None:
+    """Keep the server at `url` from stopping for want of requests while this process uses it (an open
+    omni-chat, whose person may think longer than the keep-alive): a daemon thread asks its /health, which
+    counts as a request, three times per keep-alive period. A server that does not stop when idle (or
+    does not say) is left alone; one that is gone is the next request's error."""
+    import threading
+    import urllib.request
+
+    def health() -> dict:
+        with urllib.request.urlopen(f"{client.base_url(url)}/health", timeout=5.0) as response:
+            return json.loads(response.read())
+
+    try:
+        idle = health().get("keep_alive")
+    except (OSError, ValueError, AttributeError):
+        return
+    if not idle:
+        return
+
+    def run() -> None:
+        while True:
+            time.sleep(max(0.2, float(idle) / 3))
+            try:
+                health()
+            except (OSError, ValueError):
+                pass  # gone or busy: the next request says so
+
+    threading.Thread(target=run, name="keep-alive-hold", daemon=True).start()
+
+
 def _alive(proc: subprocess.Popen | None, pid: int | None) -> bool:
     return proc.poll() is None if proc is not None else _is_server(pid)
 

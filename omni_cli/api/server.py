@@ -95,6 +95,7 @@ class EngineWorker:
         self.lock = threading.Lock()
         self.waiting = 0  # jobs queued or running
         self.served = 0
+        self.asked = 0  # HTTP requests of any kind (a client that holds the server open pings /health)
         self.running: Job | None = None
         self.thread = threading.Thread(target=self._main, name="omni-serve-worker", daemon=True)
         self.thread.start()
@@ -164,12 +165,17 @@ def create_app(assistant, name: str, api_key: str | None = None, key: str | None
                                     code="invalid_api_key"))
 
     async def health(request: Request) -> Response:
-        return JSONResponse({"status": "ok", "model": name, "queued": worker.waiting, "served": worker.served})
+        worker.asked += 1
+        # keep_alive: the seconds without a request after which the server stops (omni-serve --keep-alive)
+        return JSONResponse({"status": "ok", "model": name, "queued": worker.waiting, "served": worker.served,
+                             "keep_alive": getattr(request.app.state, "keep_alive", None)})
 
     async def models(request: Request) -> Response:
+        worker.asked += 1
         return refused(request) or JSONResponse(p.models_list(name, info))
 
     async def completions(request: Request) -> Response:
+        worker.asked += 1
         if (no := refused(request)) is not None:
             return no
         try:
