@@ -875,6 +875,10 @@ def chat(
                     assistant.warm_up(background=True)  # it made none (--no-warm-up): now, while the person types
         if assistant is not None:
             options = _remote_voice(options, assistant)
+            served = assistant.info.get("max_context")
+            if served and served != max_context:
+                _err(f"note: the server keeps {served} tokens of conversation, not the {max_context} of --max-context "
+                     "(--local loads the model here with yours)")
             from .api.keep_alive import hold
 
             hold(assistant.url)  # a server that stops when idle stays while this chat is open

@@ -235,6 +235,9 @@ def test_omni_chat_keeps_the_model_loaded_too(place, tmp_path):
     assert "--max-context 2048" in Path(f"/proc/{record['pid']}/cmdline").read_text().replace("\0", " ")
     say = place.say("Hello there", "-o", tmp_path / "a.wav")
     assert say.returncode == 0 and "using omni-serve" in say.stderr, say.stderr
+    again = run_omni_chat("--mute", "--seed", "1", env=place.env, input="Hi\n", timeout=300)  # 4096, the default
+    assert again.returncode == 0 and "using omni-serve" in again.stderr, again.stderr
+    assert "the server keeps 2048 tokens of conversation, not the 4096 of --max-context" in again.stderr
     os.kill(record["pid"], signal.SIGTERM)
     assert place.wait_gone(record["pid"]) and place.record is None
     own = run_omni_chat("--mute", "--keep-alive", "0", env=place.env, input="Hi\n", timeout=300)

@@ -151,6 +151,7 @@ def create_app(assistant, name: str, api_key: str | None = None, key: str | None
             "has_audio": assistant.has_audio, "speech_steps": [steps_name, per_second],
             "speaks_only_under_default_system": assistant.speaks_only_under_default_system,
             "is_demo": bool(getattr(assistant, "is_demo", False)), "limits": dict(assistant.limits), "key": key,
+            "max_context": getattr(assistant, "max_context", None),  # tokens of conversation a request keeps
             # where the server's start went (phase -> seconds, in order; omni-say --verbose shows it)
             "startup": dict(getattr(assistant, "startup", None) or {})}
 
