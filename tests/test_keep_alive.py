@@ -247,7 +247,8 @@ def test_omni_chat_keeps_the_model_loaded_too(place, tmp_path):
 
 def test_an_open_chat_holds_a_server_that_stops_when_idle(place, tmp_path):
     """A person may think longer than the keep-alive: while omni-chat is open, the server it uses does not
-    stop for want of requests (the chat asks its /health), and stops once the chat has gone."""
+    stop for want of requests (the chat asks its /health), nor for another model's command, and stops
+    once the chat has gone."""
     import subprocess
     import sys
 
@@ -266,6 +267,10 @@ def test_an_open_chat_holds_a_server_that_stops_when_idle(place, tmp_path):
         place.started.append(pid)
         time.sleep(6)  # three keep-alive periods without a reply
         assert _alive(pid)
+        # Another model's command does not stop a held server as idle: it loads its model itself.
+        other = place.say("Hi", "-m", REPO_ROOT / "assets" / "tiny-qwen3-omni", "-o", tmp_path / "q3.wav")
+        assert other.returncode == 0 and "busy with another model" in other.stderr, other.stderr
+        assert _alive(pid) and place.record["pid"] == pid
         out, err = proc.communicate("And again?\n", timeout=120)
     finally:
         if proc.poll() is None:

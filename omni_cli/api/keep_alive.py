@@ -107,8 +107,8 @@ def start_server(model: str | None, flags: list[str], keep_alive: float, api_key
             note(f"waiting for omni-serve (pid {record['pid']}), still loading {model or 'the model'}")
             return _wait(url, api_key, pid=int(record["pid"]), log=Path(record.get("log", "")))
         if not _stop_idle(url, int(record["pid"])):
-            note(f"the background omni-serve at {url} is busy with another model, so the model loads in this "
-                 "process")
+            note(f"the background omni-serve at {url} is busy with another model (a reply, or an open chat), so "
+                 "the model loads in this process")
             return None
     if client.listening(url):  # someone else's server: leave it alone
         note(f"another server answers at {url}, so the model loads in this process")
@@ -152,15 +152,16 @@ def start_server(model: str | None, flags: list[str], keep_alive: float, api_key
 
 
 def hold(url: str) -> None:
-    """Keep the server at `url` from stopping for want of requests while this process uses it (an open
-    omni-chat, whose person may think longer than the keep-alive): a daemon thread asks its /health, which
-    counts as a request, three times per keep-alive period. A server that does not stop when idle (or
-    does not say) is left alone; one that is gone is the next request's error."""
+    """Keep the server at `url` from stopping while this process uses it (an open omni-chat, whose person
+    may think longer than the keep-alive): a daemon thread asks its `/health?hold=1` three times per
+    keep-alive period, which counts as a request and marks the server held (another model's command does
+    not stop it as idle). A server that does not stop when idle (or does not say) is left alone; one
+    that is gone is the next request's error."""
     import threading
     import urllib.request
 
     def health() -> dict:
-        with urllib.request.urlopen(f"{client.base_url(url)}/health", timeout=5.0) as response:
+        with urllib.request.urlopen(f"{client.base_url(url)}/health?hold=1", timeout=5.0) as response:
             return json.loads(response.read())
 
     try:
@@ -216,8 +217,9 @@ def _stop_idle(url: str, pid: int) -> bool:
         import urllib.request
 
         with urllib.request.urlopen(f"{url}/health", timeout=client.PROBE_TIMEOUT) as response:
-            if json.loads(response.read()).get("queued", 0):
-                return False  # busy with another command's reply
+            health = json.loads(response.read())
+            if health.get("queued", 0) or health.get("held"):
+                return False  # busy with another command's reply, or held by an open chat
     except (OSError, ValueError):
         pass  # still loading, or not answering: stopping it loses nothing
     os.kill(pid, signal.SIGTERM)

@@ -22,6 +22,7 @@ import json
 import logging
 import queue
 import threading
+import time
 
 import numpy as np
 from starlette.applications import Starlette
@@ -96,6 +97,7 @@ class EngineWorker:
         self.waiting = 0  # jobs queued or running
         self.served = 0
         self.asked = 0  # HTTP requests of any kind (a client that holds the server open pings /health)
+        self.held_at: float | None = None  # when a client last said it holds the server (/health?hold=1)
         self.running: Job | None = None
         self.thread = threading.Thread(target=self._main, name="omni-serve-worker", daemon=True)
         self.thread.start()
@@ -167,9 +169,15 @@ def create_app(assistant, name: str, api_key: str | None = None, key: str | None
 
     async def health(request: Request) -> Response:
         worker.asked += 1
-        # keep_alive: the seconds without a request after which the server stops (omni-serve --keep-alive)
+        # keep_alive: the seconds without a request after which the server stops (omni-serve --keep-alive);
+        # held: a client (an open omni-chat) said within that time that it holds the server, so another
+        # model's command must not stop it as idle.
+        keep = getattr(request.app.state, "keep_alive", None)
+        if request.query_params.get("hold"):
+            worker.held_at = time.monotonic()
+        held = worker.held_at is not None and time.monotonic() - worker.held_at < (keep or 60.0)
         return JSONResponse({"status": "ok", "model": name, "queued": worker.waiting, "served": worker.served,
-                             "keep_alive": getattr(request.app.state, "keep_alive", None)})
+                             "keep_alive": keep, "held": held})
 
     async def models(request: Request) -> Response:
         worker.asked += 1
