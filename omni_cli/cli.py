@@ -150,6 +150,9 @@ ApiKeyOpt = Annotated[Optional[str], typer.Option(
     help="The server's API key (default: $OMNI_API_KEY).")]
 LocalOpt = Annotated[bool, typer.Option(
     "--local", envvar="OMNI_LOCAL", help="Load the model in this process even when an omni-serve answers (so does OMNI_LOCAL=1).")]
+MaxContextOpt = Annotated[int, typer.Option(
+    "--max-context", min=64, metavar="N",
+    help="Tokens of conversation the model keeps; older turns are dropped, with a notice.")]
 KeepAliveOpt = Annotated[str, typer.Option(
     "--keep-alive", metavar="DURATION", envvar="OMNI_KEEP_ALIVE",
     help="When no omni-serve answers, load the model in one started in the background, which keeps it for "
@@ -819,7 +822,7 @@ def chat(
     top_k: TopKOpt = None,
     max_text_tokens: MaxTextOpt = None,
     max_codes: MaxCodesOpt = None,
-    max_context: Annotated[int, typer.Option("--max-context", min=64, metavar="N", help="Tokens of conversation the model keeps; older turns are dropped, with a notice.")] = 4096,
+    max_context: MaxContextOpt = 4096,
     system: Annotated[Optional[str], typer.Option("--system", metavar="TEXT", show_default=False, help="System prompt (default: the model's own: Qwen2.5-Omni's, which it needs to speak; none for Qwen3-Omni).")] = None,
     mute: Annotated[bool, typer.Option("--mute", help="Start muted: replies in text only (/unmute to hear them).")] = False,
     audio_device: AudioDeviceOpt = None,

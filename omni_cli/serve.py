@@ -24,9 +24,9 @@ import typer
 
 from .api.protocol import DEFAULT_PORT
 from .cli import (
-    CompileOpt, DebugOpt, DeviceOpt, DtypeOpt, GraphsOpt, GreedyOpt, MaxCodesOpt, MaxTextOpt, ModelOpt, SeedOpt,
-    TemperatureOpt, TopKOpt, TopPOpt, VersionOpt, _err, _exit_on, _OneLineErrors, _report_library_logs, _timed_load,
-    runtime_flags,
+    CompileOpt, DebugOpt, DeviceOpt, DtypeOpt, GraphsOpt, GreedyOpt, MaxCodesOpt, MaxContextOpt, MaxTextOpt, ModelOpt,
+    SeedOpt, TemperatureOpt, TopKOpt, TopPOpt, VersionOpt, _err, _exit_on, _OneLineErrors, _report_library_logs,
+    _timed_load, runtime_flags,
 )
 from .config import ReplyOptions
 from .errors import UsageError
@@ -68,7 +68,7 @@ def serve(
     top_k: TopKOpt = None,
     max_text_tokens: MaxTextOpt = None,
     max_codes: MaxCodesOpt = None,
-    max_context: Annotated[int, typer.Option("--max-context", min=64, metavar="N", help="Tokens of conversation a request may hold (the thinker's cache); a longer one loses its oldest turns.")] = 4096,
+    max_context: MaxContextOpt = 4096,
     keep_alive: Annotated[Optional[str], typer.Option("--keep-alive", metavar="DURATION", show_default=False, help="Stop after DURATION without a request (e.g. 300, 5m, 1h; default: run until stopped).")] = None,
     warm_up: Annotated[bool, typer.Option("--warm-up/--no-warm-up", help="Answer one short unheard request before serving, so that the first request is served as fast as the later ones.")] = True,
     debug: DebugOpt = False,
