@@ -49,6 +49,17 @@ def _alive(pid: int) -> bool:
     return not (status.exists() and status.read_text().split(")")[-1].split()[0] == "Z")
 
 
+def _served(port: int) -> int:
+    """Replies the server on `port` has served (0 while it does not answer yet)."""
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as response:
+            return json.loads(response.read())["served"]
+    except OSError:
+        return 0
+
+
 class Place:
     """A port and a cache folder of the test's own, and the environment that points omni-say at them."""
 
@@ -265,6 +276,9 @@ def test_an_open_chat_holds_a_server_that_stops_when_idle(place, tmp_path):
             time.sleep(0.1)
         pid = place.record["pid"]
         place.started.append(pid)
+        while _served(place.port) < 1:  # the first reply (the server loaded meanwhile)
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.1)
         time.sleep(6)  # three keep-alive periods without a reply
         assert _alive(pid)
         # Another model's command does not stop a held server as idle: it loads its model itself.
