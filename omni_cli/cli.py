@@ -399,19 +399,22 @@ def _demo_note(remote) -> None:
         _err(f"note: {DEMO_NOTICE}")
 
 
-def _background_server(model, device, dtype, graphs, compile, keep_seconds, api_key, quiet, t_command,
+def _background_server(model, device, dtype, graphs, compile, keep_seconds, api_key, quiet, t_command, err,
                        max_context: int | None = None):
     """The keep-alive (api/keep_alive.py): the model loaded by a background omni-serve, or None where the
-    default port is another server's (then this process loads it, and says why)."""
+    default port is another server's (then this process loads it, and says why). `err`: the console the
+    spinner goes to while the server loads, as `_load`'s does."""
     import time
 
     from .api.keep_alive import start_server
+    from .ui import loading, model_label
 
     t_start = time.perf_counter()
     flags = ["--device", device, "--dtype", dtype, *([] if graphs else ["--no-graphs"]), *(["--compile"] if compile else []),
              *(["--max-context", str(max_context)] if max_context is not None else [])]
-    remote = start_server(model, flags, keep_seconds, api_key, note=(lambda text: None) if quiet else
-                          (lambda text: _err(f"note: {text}")))
+    with loading(err, f"{model_label(model)} in a background omni-serve", enabled=not quiet):
+        remote = start_server(model, flags, keep_seconds, api_key, note=(lambda text: None) if quiet else
+                              (lambda text: _err(f"note: {text}")))
     if remote is None:
         return None  # the note said why
     if not quiet:
@@ -675,7 +678,7 @@ def say(
                 options = _checked_voice(options, model)
             if keep_seconds > 0:
                 assistant = _background_server(model, device, dtype, graphs, compile, keep_seconds, api_key, quiet,
-                                               t_command)
+                                               t_command, err)
         if assistant is None:
             assistant = _timed_load(model, device, dtype, err, t_command, "before loading (prompt, outputs, voice)",
                                     quiet=quiet, **runtime_flags(graphs, compile))
@@ -873,7 +876,7 @@ def chat(
             options = _checked_voice(options, model)
             if keep_seconds > 0:  # as omni-say: the model kept loaded for the next command
                 assistant = _background_server(model, device, dtype, graphs, compile, keep_seconds, api_key, False,
-                                               t_command, max_context=max_context)
+                                               t_command, err, max_context=max_context)
                 if assistant is not None and _isatty(sys.stdin) and _isatty(sys.stdout):
                     assistant.warm_up(background=True)  # it made none (--no-warm-up): now, while the person types
         if assistant is not None:
