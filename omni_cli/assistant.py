@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
 
 import numpy as np
@@ -30,6 +29,7 @@ from .errors import UsageError
 from .prompt import Chat, Conversation, check_prompt, fit  # noqa: F401 - Chat re-exported
 from .runtime.engine import Engine, fresh_seed
 from .runtime.events import AudioBlock, Done, Reply, TextDelta, TurnRequest
+from .warm_up import WarmsUp
 
 __all__ = ["Assistant", "Chat", "Reply", "ReplyOptions", "TextDelta", "AudioBlock", "Done"]
 
@@ -68,7 +68,7 @@ def eos_ids(generation_config, tokenizer) -> list[int]:
     return [int(i) for i in eos if i is not None]
 
 
-class Assistant:
+class Assistant(WarmsUp):
     keeps_media = True  # a conversation's turns keep their clips and images (the remote client's too)
 
     def __init__(self, loaded, *, max_context: int = 4096, max_codes: int | None = None, graphs: bool = True,
@@ -97,7 +97,6 @@ class Assistant:
         phases = self.engine.warmup()
         self.startup.update(phases or {"warm-up": time.perf_counter() - t})
         self.ready_at = time.perf_counter()  # when a request can start (perf_counter)
-        self._warming: threading.Thread | None = None  # `warm_up(background=True)`'s thread, until joined
 
     @classmethod
     def load(cls, model: str | None = None, device: str = "auto", dtype: str = "auto",
@@ -138,33 +137,6 @@ class Assistant:
         return Chat(self, Conversation(system=self.default_system if system is None else system))
 
     # ------------------------------------------------------------------------------------------
-    def warm_up(self, background: bool = False) -> None:
-        """One short reply that nobody hears. A process's first reply pays one-time costs: the chat template's
-        first use, graphs captured the first time a reply reaches them, and on a GPU each kernel's first
-        launch (CUDA loads kernels lazily: on an H200 the first sampled reply's first token took 134 ms
-        where the next took 45). Without it omni-serve's first request had its first audio 0.2 s after the
-        next ones'. It samples, as replies do by default (a greedy warm-up left the sampling kernels to the
-        first real reply). What stays: a prompt of a length not seen before takes ~25 ms more to its first
-        token. `background`: on a thread (omni-chat, while the person types); the next reply waits for it,
-        and a failure there is only logged (that reply meets it again)."""
-        if not background:
-            self._warm_up_reply()
-            return
-
-        def run():
-            try:
-                self._warm_up_reply()
-            except Exception as exc:  # noqa: BLE001 - the next real reply reports what is wrong
-                log.debug("warm-up failed: %s", exc)
-
-        self._warming = threading.Thread(target=run, name="omni-warm-up", daemon=True)
-        self._warming.start()
-
-    def _warm_up_reply(self) -> None:
-        _, per_second = self.speech_steps
-        self.say("Hello.", seed=0, max_text_tokens=8, max_codes=max(1, round(1.5 * per_second)),
-                 text_only=not self.has_audio)
-
     def say(self, prompt: str, options: ReplyOptions | None = None, *, sink=None,
             conversation: Conversation | None = None, audio=None, images=None, **fields) -> Reply:
         """One reply, start to end. Audio goes to `sink` as it is produced (if given) and into `reply.audio`.
@@ -191,10 +163,7 @@ class Assistant:
         its history and, once the turn completes, the reply too (an interrupted turn leaves the history
         as it was); the turn's clips and images stay with it, so later turns hear and see them again.
         """
-        warming = self._warming
-        if warming is not None and warming is not threading.current_thread():
-            warming.join()  # one turn at a time: the warm-up's first
-            self._warming = None
+        self._after_warm_up()
         opts = reply_options(options, fields)
         req, conv, media, dropped = self._request(prompt, opts, sink, conversation, audio, images)
         events = self.engine.stream(req)

@@ -872,13 +872,12 @@ def chat(
             SpeakerSink(audio_device, hint=CHAT_PLAY_HINT)  # PortAudio and a device, before loading
         out, err = _consoles()
         assistant = _remote(server, api_key, local, model, quiet=False)
+        loaded_now = assistant is None  # a model loaded for this chat has not replied yet (a found server has)
         if assistant is None:
             options = _checked_voice(options, model)
             if keep_seconds > 0:  # as omni-say: the model kept loaded for the next command
                 assistant = _background_server(model, device, dtype, graphs, compile, keep_seconds, api_key, False,
                                                t_command, err, max_context=max_context)
-                if assistant is not None and _isatty(sys.stdin) and _isatty(sys.stdout):
-                    assistant.warm_up(background=True)  # it made none (--no-warm-up): now, while the person types
         if assistant is not None:
             options = _remote_voice(options, assistant)
             served = assistant.info.get("max_context")
@@ -890,8 +889,10 @@ def chat(
             hold(assistant.url)  # a server that stops when idle stays while this chat is open
         else:
             assistant = _load(model, device, dtype, err, max_context=max_context, **runtime_flags(graphs, compile))
-            if _isatty(sys.stdin) and _isatty(sys.stdout):
-                assistant.warm_up(background=True)  # while the person types: the first reply is then as quick as the next
+        if loaded_now and _isatty(sys.stdin) and _isatty(sys.stdout):
+            # while the person types (a background server made none: --no-warm-up): the first reply is then
+            # as quick as the next
+            assistant.warm_up(background=True)
 
         def speaker():
             sink = SpeakerSink(audio_device, hint=CHAT_PLAY_HINT)

@@ -24,7 +24,6 @@ import io
 import json
 import logging
 import os
-import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
@@ -33,6 +32,7 @@ from ..config import ReplyOptions
 from ..errors import OmniError, UsageError
 from ..prompt import Chat, Conversation
 from ..runtime.events import AudioBlock, Done, Reply, TextDelta
+from ..warm_up import WarmsUp
 from . import protocol as p
 
 if TYPE_CHECKING:  # imported once audio comes: the request goes out before numpy loads
@@ -92,7 +92,7 @@ def find_local_server(model: str | None, api_key: str | None = None) -> "RemoteA
     return remote if remote.info.get("key") == model_key(model) else None
 
 
-class RemoteAssistant:
+class RemoteAssistant(WarmsUp):
     """A served model, used like a local `Assistant` (the attributes the faces read, and `stream`)."""
 
     keeps_media = True  # a conversation's turns keep their clips and images: each request sends them again
@@ -106,7 +106,6 @@ class RemoteAssistant:
         self.is_demo = bool(self.info.get("is_demo", False))
         self.http = http
         self._sent: tuple[str, float] | None = None  # the prompt `send` sent, and when, for `stream`
-        self._warming: threading.Thread | None = None  # `warm_up(background=True)`, until the next request
 
     @classmethod
     def connect(cls, url: str, api_key: str | None = None, timeout: float = 10.0, transport=None) -> "RemoteAssistant":
@@ -174,26 +173,6 @@ class RemoteAssistant:
         self.http.close()
 
     # -- a reply --------------------------------------------------------------------------------------
-    def warm_up(self, background: bool = False) -> None:
-        """One short reply nobody hears, as `Assistant.warm_up` does, for a server that made none before it
-        served (a keep-alive's background server starts with `--no-warm-up`, so that the command that
-        started it is answered sooner): its first request pays the GPU's one-time costs (H200, 7B: its turn
-        to the first audio 0.61 s against 0.36 s for the next). `background`: on a thread (omni-chat, while
-        the person types); the next request waits for it (one connection), and a failure is only logged."""
-        def run():
-            try:
-                _, per_second = self.speech_steps
-                self.say("Hello.", seed=0, max_text_tokens=8, max_codes=max(1, round(1.5 * per_second)),
-                         text_only=not self.has_audio)
-            except Exception as exc:  # noqa: BLE001 - the next real request meets the cause
-                logging.getLogger(__name__).debug("warm-up failed: %s", exc)
-
-        if not background:
-            run()
-            return
-        self._warming = threading.Thread(target=run, name="omni-warm-up", daemon=True)
-        self._warming.start()
-
     def say(self, prompt: str, options: ReplyOptions | None = None, **kwargs) -> Reply:
         events = self.stream(prompt, options, **kwargs)
         try:
@@ -255,11 +234,7 @@ class RemoteAssistant:
         """POST the request (its response is `self.http.receive()`); when it was sent."""
         from dataclasses import replace
 
-        warming = self._warming
-        if warming is not None and warming is not threading.current_thread():
-            warming.join()  # the warm-up's reply holds the connection until it ends
-            self._warming = None
-
+        self._after_warm_up()  # a background warm-up's reply holds the connection until it ends
         opts = replace(options or ReplyOptions(), **fields).check()
         body = self._body(prompt, opts, conversation, audio, images)
         t0 = time.perf_counter()
