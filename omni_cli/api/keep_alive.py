@@ -158,14 +158,9 @@ def hold(url: str) -> None:
     not stop it as idle). A server that does not stop when idle (or does not say) is left alone; one
     that is gone is the next request's error."""
     import threading
-    import urllib.request
-
-    def health() -> dict:
-        with urllib.request.urlopen(f"{client.base_url(url)}/health?hold=1", timeout=5.0) as response:
-            return json.loads(response.read())
 
     try:
-        idle = health().get("keep_alive")
+        idle = _health(url, 5.0, hold=True).get("keep_alive")
     except (OSError, ValueError, AttributeError):
         return
     if not idle:
@@ -175,11 +170,21 @@ def hold(url: str) -> None:
         while True:
             time.sleep(max(0.2, float(idle) / 3))
             try:
-                health()
+                _health(url, 5.0, hold=True)
             except (OSError, ValueError):
                 pass  # gone or busy: the next request says so
 
     threading.Thread(target=run, name="keep-alive-hold", daemon=True).start()
+
+
+def _health(url: str, timeout: float, hold: bool = False) -> dict:
+    """The server's `GET /health` (`hold`: as a client that holds it open). OSError or ValueError if it
+    does not answer in JSON within `timeout` seconds."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"{client.base_url(url)}/health{'?hold=1' if hold else ''}",
+                                timeout=timeout) as response:
+        return json.loads(response.read())
 
 
 def _alive(proc: subprocess.Popen | None, pid: int | None) -> bool:
@@ -214,12 +219,9 @@ def _last_error(log: Path | None) -> str:
 def _stop_idle(url: str, pid: int) -> bool:
     """Stop the background server `pid` (another model's) if it serves no request now; True once it is gone."""
     try:
-        import urllib.request
-
-        with urllib.request.urlopen(f"{url}/health", timeout=client.PROBE_TIMEOUT) as response:
-            health = json.loads(response.read())
-            if health.get("queued", 0) or health.get("held"):
-                return False  # busy with another command's reply, or held by an open chat
+        health = _health(url, client.PROBE_TIMEOUT)
+        if health.get("queued", 0) or health.get("held"):
+            return False  # busy with another command's reply, or held by an open chat
     except (OSError, ValueError):
         pass  # still loading, or not answering: stopping it loses nothing
     os.kill(pid, signal.SIGTERM)
