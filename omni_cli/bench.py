@@ -81,15 +81,22 @@ def _subject(model, family, voices: dict) -> _Subject:
     return _Subject(model, family, voices, family.DEFAULT_VOICE, family.text_eos_ids(model), family.TALKER_SAMPLING)
 
 
-def _ours(subject: _Subject, prompt_ids, text_tokens, codes, device, graphs: bool, runs: int,
-          variant: str | None = None, compile: bool = True) -> dict:
+def _engine(subject: _Subject, prompt_ids, text_tokens, codes, **steps_options):
+    """The family's steps for these lengths (`steps_options`: graphs, compile, variant) in an engine, warmed
+    up: (engine, the warm-up's phases)."""
     from .runtime.engine import Engine
 
-    t0 = time.perf_counter()
     steps = subject.family.steps(subject.model, subject.voices, max_context=max(1024, len(prompt_ids) + text_tokens + 8),
-                                 max_codes=codes, graphs=graphs, variant=variant, compile=compile)
+                                 max_codes=codes, **steps_options)
     engine = Engine(steps, _BenchTokenizer(), eos_ids=subject.eos_ids)
-    phases = engine.warmup()
+    return engine, engine.warmup()
+
+
+def _ours(subject: _Subject, prompt_ids, text_tokens, codes, device, graphs: bool, runs: int,
+          variant: str | None = None, compile: bool = True) -> dict:
+    t0 = time.perf_counter()
+    engine, phases = _engine(subject, prompt_ids, text_tokens, codes, graphs=graphs, variant=variant, compile=compile)
+    steps = engine.steps
     setup = time.perf_counter() - t0
     how = "compiled" if steps.compile else "not compiled"
     progress(f"engine ready in {setup:.1f} s ({subject.family.READY_NOTE}; {how})")
@@ -102,13 +109,9 @@ def _ours(subject: _Subject, prompt_ids, text_tokens, codes, device, graphs: boo
 
 def _schedules(subject: _Subject, prompt_ids, text_tokens, codes, device, runs: int) -> dict:
     """Each of the family's vocoder schedules on one engine, one after the other in this process (side by side)."""
-    from .runtime.engine import Engine
-
     family = subject.family
-    steps = family.steps(subject.model, subject.voices, max_context=max(1024, len(prompt_ids) + text_tokens + 8),
-                         max_codes=codes, graphs=True)
-    engine = Engine(steps, _BenchTokenizer(), eos_ids=subject.eos_ids)
-    engine.warmup()
+    engine, _ = _engine(subject, prompt_ids, text_tokens, codes, graphs=True)
+    steps = engine.steps
     table = {}
     for name in family.SCHEDULES:
         family.use_schedule(steps, name)
@@ -120,12 +123,7 @@ def _schedules(subject: _Subject, prompt_ids, text_tokens, codes, device, runs: 
 def _streams(subject: _Subject, prompt_ids, text_tokens, codes, device, runs: int, compile: bool) -> dict:
     """One engine, its talker's steps on the thinker's stream and on their own (the default), side by side:
     each run takes one reply of each, in turn, after a warm-up reply of each."""
-    from .runtime.engine import Engine
-
-    steps = subject.family.steps(subject.model, subject.voices, max_context=max(1024, len(prompt_ids) + text_tokens + 8),
-                                 max_codes=codes, graphs=True, compile=compile)
-    engine = Engine(steps, _BenchTokenizer(), eos_ids=subject.eos_ids)
-    engine.warmup()
+    engine, _ = _engine(subject, prompt_ids, text_tokens, codes, graphs=True, compile=compile)
     modes = {"one stream": False, "two streams": True}
     results: dict[str, list] = {name: [] for name in modes}
     for i in range(runs + 1):  # the first run warms up
