@@ -162,34 +162,27 @@ def test_omni_chat_keeps_its_model_in_a_background_server_warmed_while_you_type(
     import json
     import os
     import signal
-    import socket
-    import urllib.request
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from test_keep_alive import _free_port, _served
+
+    port = _free_port()
     cache = tmp_path / "cache"
     env = cli_env(TERM="xterm-256color", XDG_CACHE_HOME=str(cache), OMNI_PORT=str(port), OMNI_KEEP_ALIVE="60")
     env.pop("OMNI_LOCAL", None)
-
-    def served() -> int:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=10) as r:
-            return json.loads(r.read())["served"]
-
     t = chat_in_tmux(tmp_path, "--mute --seed 1 --max-text-tokens 20", env)
     record = cache / "omni_cli" / "serve" / "omni-serve.json"
     try:
         screen = t.wait(at_prompt, what="the first prompt")
         assert "background omni-serve" in screen and f"127.0.0.1:{port}" in screen, screen
         deadline = time.monotonic() + 60
-        while served() < 1:  # the warm-up, while nobody types
+        while _served(port) < 1:  # the warm-up, while nobody types
             assert time.monotonic() < deadline
             time.sleep(0.1)
         t.type("Hello there")
         t.wait(lambda s: prompts(s) == 2 and at_prompt(s), what="the reply")
-        assert served() == 2
+        assert _served(port) == 2
         assert t.leave() == "0" and "Traceback" not in t.screen()
-        assert served() == 2  # still there for the next command
+        assert _served(port) == 2  # still there for the next command
     finally:
         t.kill()
         if record.exists():
