@@ -361,9 +361,12 @@ def _timed_load(model, device, dtype, err, t_command: float, before: str, quiet:
     time until loading began, then importing torch and the engine, then the loader's own phases."""
     import time
 
+    from .ui import write_bytecode_later
+
     t_load = time.perf_counter()
     assistant = _load(model, device, dtype, err, quiet=quiet, **runtime)
     loading = time.perf_counter() - t_load
+    write_bytecode_later()  # the first start's bytecode, now that torch and transformers are imported
     phases = getattr(assistant, "startup", None) or {}
     assistant.startup = {before: t_load - t_command, "import torch and the engine": loading - sum(phases.values()),
                          **phases}
@@ -946,12 +949,13 @@ def _run(app, name: str) -> None:
     ("terminate called without an active exception"), so then the process ends at once instead."""
     import threading
 
-    from .ui import cache_bytecode
+    from .ui import cache_bytecode, write_bytecode_later
 
     cache_bytecode()  # before torch is imported
     try:
         app(prog_name=name)
     except SystemExit as exc:
+        write_bytecode_later()  # a command that loaded no model (through a server, --help, ...)
         if any(t.name.startswith("omni-") and t.is_alive() for t in threading.enumerate()):
             code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
             for stream in (sys.stdout, sys.stderr):

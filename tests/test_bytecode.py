@@ -1,19 +1,22 @@
 """ui.cache_bytecode: when Python is told to write no bytecode (PYTHONDONTWRITEBYTECODE), the programs keep
 the bytecode of what they import under ~/.cache/omni_cli/pycache instead of compiling torch's and
 transformers' sources again at every start; never beside the sources; not with OMNI_NO_PYCACHE=1; and
-nothing changes when Python writes bytecode anyway. Each case runs in a fresh interpreter."""
+nothing changes when Python writes bytecode anyway. The first start writes none itself: a background
+process does, after `write_bytecode_later`. Each case runs in a fresh interpreter."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
+import time
 
 import pytest
 
 from conftest import REPO_ROOT, cli_env
 
-PROBE = ("import sys; from omni_cli.ui import cache_bytecode; where = cache_bytecode(); "
+PROBE = ("import sys; from omni_cli.ui import cache_bytecode, write_bytecode_later; where = cache_bytecode(); "
          "sys.path.insert(0, {src!r}); import probe_mod; print(where)")
+LATER = PROBE + "; write_bytecode_later()"
 
 
 def _env(tmp_path, **extra):
@@ -24,12 +27,12 @@ def _env(tmp_path, **extra):
     return env
 
 
-def _probe(tmp_path, env) -> tuple[str, list[str], list[str]]:
+def _probe(tmp_path, env, code: str = PROBE) -> tuple[str, list[str], list[str]]:
     """(what cache_bytecode returned, .pyc files under the cache, .pyc files beside the source)."""
     src = tmp_path / "src"
     src.mkdir(exist_ok=True)
     (src / "probe_mod.py").write_text("X = 1\n")
-    done = subprocess.run([sys.executable, "-c", PROBE.format(src=str(src))], env=env, cwd=REPO_ROOT,
+    done = subprocess.run([sys.executable, "-c", code.format(src=str(src))], env=env, cwd=REPO_ROOT,
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     cached = sorted(p.name for p in (tmp_path / "cache").rglob("probe_mod*.pyc"))
@@ -37,9 +40,29 @@ def _probe(tmp_path, env) -> tuple[str, list[str], list[str]]:
     return done.stdout.strip(), cached, beside
 
 
+def _eventually(pattern: str, folder, seconds: float = 60.0) -> list:
+    """The files matching `pattern` under `folder`, once there are any (the background writer's)."""
+    end = time.monotonic() + seconds
+    while not (found := list(folder.rglob(pattern))) and time.monotonic() < end:
+        time.sleep(0.1)
+    return found
+
+
 def test_bytecode_is_kept_in_the_cache_when_python_would_write_none(tmp_path):
-    where, cached, beside = _probe(tmp_path, _env(tmp_path, PYTHONDONTWRITEBYTECODE="1"))
-    assert where == str(tmp_path / "cache" / "omni_cli" / "pycache")
+    env = _env(tmp_path, PYTHONDONTWRITEBYTECODE="1")
+    cache = tmp_path / "cache" / "omni_cli" / "pycache"
+    # The first start writes nothing itself, beside the sources or in the cache...
+    where, cached, beside = _probe(tmp_path, env)
+    assert where == str(cache)
+    assert cached == [] and beside == [] and not cache.exists()
+    # ... until it asks for its bytecode to be written later, by a background process.
+    _probe(tmp_path, env, LATER)
+    assert _eventually("probe_mod*.pyc", cache)
+    # Once the folder exists, a start writes what it imports as it imports it.
+    (tmp_path / "src" / "probe_mod.py").write_text("X = 2\n")
+    for pyc in cache.rglob("probe_mod*.pyc"):
+        pyc.unlink()
+    where, cached, beside = _probe(tmp_path, env)
     assert len(cached) == 1 and beside == []
 
 
@@ -52,9 +75,10 @@ def test_nothing_changes_otherwise(tmp_path, case):
 
 
 def test_the_programs_do_it_before_their_imports(tmp_path):
-    """omni-say's entry point: the loader (imported inside the command) lands in the cache."""
+    """omni-say's entry point: the loader (imported inside the command) lands in the cache, written on
+    the first start's way out (no model loaded), then read by the next start."""
     env = _env(tmp_path, PYTHONDONTWRITEBYTECODE="1")
     done = subprocess.run([sys.executable, "-c", "from omni_cli.cli import say_main; say_main()", "--list-voices"],
                           env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    assert list((tmp_path / "cache" / "omni_cli" / "pycache").rglob("loader*.pyc"))
+    assert _eventually("loader*.pyc", tmp_path / "cache" / "omni_cli" / "pycache")
