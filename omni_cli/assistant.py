@@ -88,6 +88,11 @@ class Assistant(WarmsUp):
                                         compile=compile,
                                         max_codes=max_codes or round(DEFAULT_LIMITS["seconds"] * per_second))
         self.sample_rate = steps.sample_rate
+        # How the model runs, as built (omni-serve tells its clients, which compare it with their flags).
+        from .runtime.graphs import graphs_wanted
+
+        self.runtime = {"device": str(loaded.device), "dtype": str(loaded.dtype).removeprefix("torch."),
+                        "graphs": graphs_wanted(graphs, loaded.device), "compile": bool(getattr(steps, "compile", False))}
         self.engine = Engine(steps, loaded.tokenizer, eos_ids=eos_ids(loaded.generation_config, loaded.tokenizer))
         # Where start-up time went (`--verbose`): the loader's phases, then ours.
         self.startup = dict(getattr(loaded, "timings", None) or {})

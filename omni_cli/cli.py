@@ -373,10 +373,12 @@ def _timed_load(model, device, dtype, err, t_command: float, before: str, quiet:
     return assistant
 
 
-def _remote(server: str | None, api_key: str | None, local: bool, model: str | None, quiet: bool):
+def _remote(server: str | None, api_key: str | None, local: bool, model: str | None, quiet: bool,
+            runtime: dict | None = None):
     """The server to use instead of loading the model, or None: `--server URL` (a ServerError if it
     does not answer), else an omni-serve on the default address serving the same model (said on
-    stderr), unless --local. No torch is imported on this path."""
+    stderr), unless --local. `runtime`: the command's --device, --dtype, --graphs and --compile, which a
+    note compares with how the server runs the model. No torch is imported on this path."""
     from .api.client import RemoteAssistant, find_local_server, model_key
 
     if server:
@@ -384,14 +386,42 @@ def _remote(server: str | None, api_key: str | None, local: bool, model: str | N
         if model is not None and remote.info.get("key") not in (None, model_key(model)) and model != remote.name:
             raise UsageError(f"the server at {remote.url} serves {remote.name}, not {model}: leave out -m, "
                              "or leave out --server to load it here")
-        return remote
-    if local:
+    elif local:
         return None
-    remote = find_local_server(model, api_key)
-    if remote is not None and not quiet:
-        _err(f"note: using omni-serve at {remote.url} ({remote.name}); --local loads the model here instead")
-        _demo_note(remote)
+    else:
+        remote = find_local_server(model, api_key)
+        if remote is not None and not quiet:
+            _err(f"note: using omni-serve at {remote.url} ({remote.name}); --local loads the model here instead")
+            _demo_note(remote)
+    if remote is not None and not quiet and runtime:
+        _runtime_note(remote, **runtime)
     return remote
+
+
+def _runtime_note(remote, device: str, dtype: str, graphs: bool, compile: bool) -> None:
+    """A note when the server runs the model otherwise than this command's flags ask: they would apply to
+    a model loaded here (--local). Only flags given are compared (auto, and the defaults, ask nothing);
+    a server that does not say how it runs (an older omni-serve, vLLM-Omni) gets no note."""
+    from .loader import _DTYPES
+
+    served = remote.info.get("runtime")
+    if not isinstance(served, dict):
+        return
+    differ = []
+    where = str(served.get("device", ""))
+    if device != "auto" and where and device != (where if ":" in device else where.split(":")[0]):
+        differ.append(f"--device {device}")
+    if dtype != "auto" and served.get("dtype") and _DTYPES.get(dtype.strip().lower(), dtype) != served["dtype"]:
+        differ.append(f"--dtype {dtype}")
+    if not graphs and served.get("graphs"):
+        differ.append("--no-graphs")
+    if compile and not served.get("compile"):
+        differ.append("--compile")
+    if differ:
+        how = f"on {where} in {served.get('dtype')}" + (
+            ", compiled" if served.get("compile") else " with plain CUDA graphs" if served.get("graphs") else ", eagerly")
+        _err(f"note: the server runs the model {how}: {' '.join(differ)} would apply to a model loaded here "
+             "(--local)")
 
 
 def _demo_note(remote) -> None:
@@ -654,7 +684,8 @@ def say(
         # A server first, as it needs no loading: the request goes out now, and the server works on the
         # reply while the outputs (and the consoles: rich's import, ~17 ms) are set up here.
         t_remote = time.perf_counter()
-        assistant = _remote(server, api_key, local, model, quiet)
+        asked = dict(device=device, dtype=dtype, graphs=graphs, compile=compile)  # compared with a server's
+        assistant = _remote(server, api_key, local, model, quiet, asked)
         if assistant is not None:
             options = options if text_only else _remote_voice(options, assistant)
             assistant.send(text, options, **media)
@@ -874,7 +905,8 @@ def chat(
         if not mute:
             SpeakerSink(audio_device, hint=CHAT_PLAY_HINT)  # PortAudio and a device, before loading
         out, err = _consoles()
-        assistant = _remote(server, api_key, local, model, quiet=False)
+        asked = dict(device=device, dtype=dtype, graphs=graphs, compile=compile)  # compared with a server's
+        assistant = _remote(server, api_key, local, model, False, asked)
         loaded_now = assistant is None  # a model loaded for this chat has not replied yet (a found server has)
         if assistant is None:
             options = _checked_voice(options, model)

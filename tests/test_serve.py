@@ -155,6 +155,21 @@ def test_say_with_server_writes_the_wav_the_server_streamed(server, tmp_path):
     assert rate == 24_000 and len(wav) > 0
     assert np.array_equal(wav, np.frombuffer(pcm, dtype="<i2"))  # sample for sample
     assert r.stdout.strip()  # the text on stdout, as for a local model
+    assert "the server runs the model" not in r.stderr  # no flag asked for anything else
+
+
+def test_say_with_server_notes_flags_the_server_does_not_run_with(server):
+    """The server runs the tiny model on the CPU in float32: --dtype bfloat16 and --compile ask otherwise,
+    which a one-line note says (the reply still comes from the server); --dtype float32 asks nothing new."""
+    r = run_omni_say("Hi", "--server", server.url, "--api-key", KEY, "--text-only", "--max-text-tokens", "3",
+                     "--dtype", "bf16", "--compile", env=cli_env(OMNI_LOCAL="0"))
+    assert r.returncode == 0, r.stderr
+    notes = [line for line in r.stderr.splitlines() if "the server runs the model" in line]
+    assert notes == ["note: the server runs the model on cpu in float32, eagerly: --dtype bf16 --compile would "
+                     "apply to a model loaded here (--local)"], r.stderr
+    r = run_omni_say("Hi", "--server", server.url, "--api-key", KEY, "--text-only", "--max-text-tokens", "3",
+                     "--dtype", "float32", "--device", "cpu", env=cli_env(OMNI_LOCAL="0"))
+    assert r.returncode == 0 and "the server runs the model" not in r.stderr, r.stderr
 
 
 def test_say_with_server_and_a_bad_output_withdraws_its_request(server, tmp_path):

@@ -154,6 +154,8 @@ def create_app(assistant, name: str, api_key: str | None = None, key: str | None
             "speaks_only_under_default_system": assistant.speaks_only_under_default_system,
             "is_demo": bool(getattr(assistant, "is_demo", False)), "limits": dict(assistant.limits), "key": key,
             "max_context": getattr(assistant, "max_context", None),  # tokens of conversation a request keeps
+            # device, dtype, graphs, compile: how the model runs (the commands note where their flags differ)
+            "runtime": getattr(assistant, "runtime", None),
             # where the server's start went (phase -> seconds, in order; omni-say --verbose shows it)
             "startup": dict(getattr(assistant, "startup", None) or {})}
 
