@@ -353,7 +353,11 @@ def _load(model, device, dtype, err, quiet: bool = False, **runtime):
         kwargs["runtime"] = RuntimeOptions(device=device, dtype=dtype, **runtime)
 
     with loading(err, model_label(model), enabled=not quiet):
-        return omni_cli.load(model, device=device, dtype=dtype, **kwargs)
+        assistant = omni_cli.load(model, device=device, dtype=dtype, **kwargs)
+    from .ui import write_bytecode_later
+
+    write_bytecode_later()  # the first start's bytecode, now that torch and transformers are imported
+    return assistant
 
 
 def _timed_load(model, device, dtype, err, t_command: float, before: str, quiet: bool = False, **runtime):
@@ -361,12 +365,9 @@ def _timed_load(model, device, dtype, err, t_command: float, before: str, quiet:
     time until loading began, then importing torch and the engine, then the loader's own phases."""
     import time
 
-    from .ui import write_bytecode_later
-
     t_load = time.perf_counter()
     assistant = _load(model, device, dtype, err, quiet=quiet, **runtime)
     loading = time.perf_counter() - t_load
-    write_bytecode_later()  # the first start's bytecode, now that torch and transformers are imported
     phases = getattr(assistant, "startup", None) or {}
     assistant.startup = {before: t_load - t_command, "import torch and the engine": loading - sum(phases.values()),
                          **phases}

@@ -184,10 +184,10 @@ def cache_bytecode() -> str | None:
     setting kept clean: ~100 MB. Nothing changes where bytecode is written anyway, or with
     OMNI_NO_PYCACHE=1. Call it before torch is imported.
 
-    The first start (no such folder yet) only reads from it: writing ~3,000 files while the weights come
-    from a cold disk made a fresh start of the 7B model ~6 s longer (H200, page cache dropped: 37.7 s
-    against 31.0 s). `write_bytecode_later` then writes them on a background process, once the model
-    is loaded. Returns the folder, or None when it did nothing."""
+    The first start (no such folder yet) writes none: writing ~3,700 files while the weights come from a
+    cold disk made a fresh start of the 7B model 0.4-6.7 s longer (three pairs on H200 machines, page cache
+    dropped). `write_bytecode_later` then writes them on a background process, once the model is
+    loaded. Returns the folder, or None when it did nothing."""
     global _bytecode_later
     if not sys.dont_write_bytecode or os.environ.get(BYTECODE_ENV, "").strip() not in ("", "0"):
         return None
