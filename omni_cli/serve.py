@@ -14,7 +14,6 @@ It is a face: flags in, the app served by uvicorn; no model logic.
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import os
 import sys
@@ -22,7 +21,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from .api.protocol import DEFAULT_PORT
+from .api.protocol import DEFAULT_PORT, is_loopback
 from .cli import (
     CompileOpt, DebugOpt, DeviceOpt, DtypeOpt, GraphsOpt, GreedyOpt, MaxCodesOpt, MaxContextOpt, MaxTextOpt, ModelOpt,
     SeedOpt, TemperatureOpt, TopKOpt, TopPOpt, VersionOpt, _err, _exit_on, _OneLineErrors, _report_library_logs,
@@ -40,15 +39,6 @@ serve_app = typer.Typer(
     rich_markup_mode=None,
     context_settings={"help_option_names": ["-h", "--help"]},
 )
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 @serve_app.command(cls=_OneLineErrors)

@@ -172,6 +172,95 @@ def test_say_with_server_notes_flags_the_server_does_not_run_with(server):
     assert r.returncode == 0 and "the server runs the model" not in r.stderr, r.stderr
 
 
+class ForwardProxy:
+    """A minimal HTTP forward proxy on a free port: each request (absolute-form, as a client sends it to a
+    proxy) goes to `target` (host, port) whatever host it names, with Connection: close; the response is
+    relayed as it comes. `seen`: the request lines it got."""
+
+    def __init__(self, target: tuple[str, int]) -> None:
+        import socket
+
+        self.target, self.seen = target, []
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._one, args=(conn,), daemon=True).start()
+
+    def _one(self, conn) -> None:
+        import socket
+        from urllib.parse import urlsplit
+
+        with conn:
+            head = b""
+            while b"\r\n\r\n" not in head:
+                piece = conn.recv(65536)
+                if not piece:
+                    return
+                head += piece
+            head, body = head.split(b"\r\n\r\n", 1)
+            line, *headers = head.decode("latin-1").split("\r\n")
+            self.seen.append(line)
+            method, url, version = line.split(" ")
+            length = next((int(h.split(":", 1)[1]) for h in headers if h.lower().startswith("content-length:")), 0)
+            while len(body) < length:
+                body += conn.recv(65536)
+            where = urlsplit(url)
+            kept = [h for h in headers if not h.lower().startswith(("connection:", "proxy-"))]
+            request = "\r\n".join([f"{method} {where.path}{'?' + where.query if where.query else ''} {version}",
+                                    *kept, "Connection: close", "", ""]).encode("latin-1") + body
+            with socket.create_connection(self.target) as upstream:
+                upstream.sendall(request)
+                while piece := upstream.recv(65536):
+                    conn.sendall(piece)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def test_a_server_elsewhere_is_reached_through_the_environments_proxy(server):
+    """HTTP_PROXY is used for a server that is not on this machine (here a name only the proxy can
+    reach); NO_PROXY naming it goes without; this machine's servers never go through a proxy."""
+    from urllib.parse import urlsplit
+
+    port = urlsplit(server.url).port
+    proxy = ForwardProxy(("127.0.0.1", port))
+    try:
+        elsewhere = f"http://omni-serve.invalid:{port}"
+        args = ("Hi", "--api-key", KEY, "--text-only", "--max-text-tokens", "3")
+        r = run_omni_say(*args, "--server", elsewhere, env=cli_env(OMNI_LOCAL="0", HTTP_PROXY=proxy.url))
+        assert r.returncode == 0 and r.stdout.strip(), r.stderr
+        assert f"GET {elsewhere}/v1/models HTTP/1.1" in proxy.seen
+        assert f"POST {elsewhere}/v1/chat/completions HTTP/1.1" in proxy.seen
+        seen = len(proxy.seen)
+        r = run_omni_say(*args, "--server", elsewhere, env=cli_env(OMNI_LOCAL="0", HTTP_PROXY=proxy.url,
+                                                                  NO_PROXY="omni-serve.invalid"))
+        assert r.returncode == 1 and len(proxy.seen) == seen, r.stderr
+        assert r.stderr.strip().splitlines()[-1].startswith(f"error: no server answers at {elsewhere} (")
+        # This machine's server, with a proxy that answers nothing: reached directly, /health too.
+        dead = "http://127.0.0.1:9"
+        r = run_omni_say(*args, "--server", server.url, env=cli_env(OMNI_LOCAL="0", HTTP_PROXY=dead, ALL_PROXY=dead))
+        assert r.returncode == 0 and r.stdout.strip(), r.stderr
+        assert len(proxy.seen) == seen
+    finally:
+        proxy.close()
+
+
+def test_this_machines_server_is_never_asked_through_a_proxy(server, monkeypatch):
+    from omni_cli.api import keep_alive
+
+    monkeypatch.setenv("HTTP_PROXY", "http://127.0.0.1:9")  # nothing listens there
+    assert keep_alive._health(server.url, 5.0)["status"] == "ok"
+
+
 def test_say_with_server_and_a_bad_output_withdraws_its_request(server, tmp_path):
     """omni-say sends its request before it opens its outputs: an output it cannot write is still the one-line
     error a local model gives, the request is withdrawn (the engine is free again at once), and the next one is served."""

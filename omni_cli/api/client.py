@@ -12,8 +12,9 @@ the connection: the server stops the reply.
 No torch here, nor anywhere it imports: a client face starts in a fraction of a second. HTTP is the
 standard library's `http.client` over one kept-alive connection (`_Connection`), not httpx: importing httpx
 and setting up its client took ~0.13 s of a command's start on a CPU box, more than the rest of the client
-(the server's side uses httpx only in tests). Proxy variables are not read: the server is usually on this
-machine.
+(the server's side uses httpx only in tests). A server elsewhere is reached through the proxy the
+environment names (`HTTPS_PROXY`, `HTTP_PROXY`, `ALL_PROXY`, `NO_PROXY`, as curl and httpx read them; an
+http:// proxy, tunnelled for an https:// server); this machine's own servers never are.
 """
 
 from __future__ import annotations
@@ -65,6 +66,22 @@ def base_url(url: str) -> str:
     if "://" not in url:
         url = f"http://{url}"
     return url[: -len("/v1")] if url.endswith("/v1") else url
+
+
+def proxy_for(scheme: str, host: str) -> str | None:
+    """The proxy URL the environment names for a server at `host` (`scheme`: http or https), or None:
+    none is set, NO_PROXY names the host, or the host is this machine's (a proxy cannot reach that)."""
+    if not any(name.lower().endswith("_proxy") for name in os.environ) or p.is_loopback(host):
+        return None  # the common cases, without urllib.request's import
+    import urllib.request
+
+    if urllib.request.proxy_bypass_environment(host):
+        return None
+    proxies = urllib.request.getproxies_environment()
+    proxy = proxies.get(scheme) or proxies.get("all")
+    if proxy and "://" not in proxy:
+        proxy = f"http://{proxy}"
+    return proxy or None
 
 
 def listening(url: str) -> bool:
@@ -120,7 +137,8 @@ class RemoteAssistant(WarmsUp):
             response.close()  # read to its end: the connection is kept for the reply
         except _NETWORK_ERRORS as exc:
             http.close()
-            raise ServerError(f"no server answers at {url} ({type(exc).__name__}): start one with omni-serve, "
+            via = f" through the proxy {http.proxy}" if http.proxy else ""
+            raise ServerError(f"no server answers at {url}{via} ({type(exc).__name__}): start one with omni-serve, "
                               "or leave out --server to load the model here") from None
         if response.status_code != 200:
             http.close()
@@ -492,6 +510,7 @@ class _Connection:
         self.timeout = self.read_timeout = timeout
         self.transport = transport
         self.conn: http_client.HTTPConnection | None = None
+        self.proxy = proxy_for(where.scheme or "http", self.host) if transport is None else None
         self.reused = False  # the open connection has carried a whole response before
         self._request: tuple | None = None  # the request between `send` and `receive` (method, path, headers, body)
 
@@ -507,12 +526,26 @@ class _Connection:
         if self.transport is None:
             self._write(retry=self.reused)
 
+    def _open(self) -> http_client.HTTPConnection:
+        """A connection to the server, or to the proxy (`self.proxy`): for an https:// server through a
+        tunnel (CONNECT) that TLS runs in; an http:// server's requests go to the proxy whole (`_write`)."""
+        kind = http_client.HTTPSConnection if self.https else http_client.HTTPConnection
+        if self.proxy is None:
+            return kind(self.host, self.port, timeout=self.timeout)
+        host, port, auth = _proxy_parts(self.proxy, self.host)
+        conn = kind(host, port, timeout=self.timeout)
+        if self.https:
+            conn.set_tunnel(self.host, self.port or 443, headers=auth)
+        return conn
+
     def _write(self, retry: bool) -> None:
         if self.conn is None:
-            kind = http_client.HTTPSConnection if self.https else http_client.HTTPConnection
-            self.conn = kind(self.host, self.port, timeout=self.timeout)
+            self.conn = self._open()
             self.reused = False
         method, path, headers, data = self._request
+        if self.proxy is not None and not self.https:  # the proxy is sent the whole URL, and its login
+            path = f"http://{self.host}:{self.port or 80}{path}"
+            headers = {**headers, **_proxy_parts(self.proxy, self.host)[2]}
         try:
             self.conn.request(method, path, body=data, headers=headers)
         except self._STALE:
@@ -559,6 +592,21 @@ class _Connection:
         if self.conn is not None:
             self.conn.close()
             self.conn = None
+
+
+def _proxy_parts(proxy: str, server: str) -> tuple[str, int, dict]:
+    """(host, port, Proxy-Authorization header if the URL holds a login) of an http:// proxy URL."""
+    from urllib.parse import unquote, urlsplit
+
+    where = urlsplit(proxy)
+    if where.scheme != "http" or not where.hostname:
+        raise ServerError(f"cannot use the proxy {proxy}: only http://HOST:PORT proxies are supported (NO_PROXY={server} "
+                          "reaches the server without it)")
+    auth = {}
+    if where.username:
+        login = f"{unquote(where.username)}:{unquote(where.password or '')}".encode()
+        auth["Proxy-Authorization"] = "Basic " + base64.b64encode(login).decode("ascii")
+    return where.hostname, where.port or 80, auth
 
 
 def _pieces(raw: http_client.HTTPResponse) -> Iterator[bytes]:

@@ -178,13 +178,20 @@ def hold(url: str) -> None:
 
 
 def _health(url: str, timeout: float, hold: bool = False) -> dict:
-    """The server's `GET /health` (`hold`: as a client that holds it open). OSError or ValueError if it
-    does not answer in JSON within `timeout` seconds."""
-    import urllib.request
-
-    with urllib.request.urlopen(f"{client.base_url(url)}/health{'?hold=1' if hold else ''}",
-                                timeout=timeout) as response:
-        return json.loads(response.read())
+    """The server's `GET /health` (`hold`: as a client that holds it open), through the client's
+    connection (so a proxy is used as for the server's other requests: never for this machine's). OSError
+    or ValueError if it does not answer 200 in JSON within `timeout` seconds."""
+    http = client._Connection(client.base_url(url), {}, timeout)
+    try:
+        response = http.request("GET", "/health" + ("?hold=1" if hold else ""))
+        body = response.read()
+    except (client.http_client.HTTPException, ServerError) as exc:
+        raise OSError(str(exc)) from exc
+    finally:
+        http.close()
+    if response.status_code != 200:
+        raise OSError(f"GET /health: {response.status_code}")
+    return json.loads(body)
 
 
 def _alive(proc: subprocess.Popen | None, pid: int | None) -> bool:

@@ -42,8 +42,22 @@ def default_port() -> int:
 
 
 DEFAULT_PORT = default_port()
+
+
 QUEUE_HEADER = "X-Omni-Queue-Position"  # requests ahead of this one when it was queued (0: none)
 WHOLE_FORMATS = ("wav", "flac", "mp3", "opus", "pcm16")  # `audio.format` of a reply that is not streamed
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` names this machine's loopback interface (localhost, 127.0.0.0/8, ::1)."""
+    if host == "localhost":
+        return True
+    import ipaddress
+
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 class RequestError(Exception):
