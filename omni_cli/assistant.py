@@ -91,9 +91,10 @@ class Assistant(WarmsUp):
         # How the model runs, as built (omni-serve tells its clients, which compare it with their flags).
         from .runtime.graphs import graphs_wanted
 
-        dtype = next(loaded.model.thinker.parameters()).dtype  # the thinker's and the talker's (token2wav: float32)
+        dtype = next(loaded.model.thinker.parameters()).dtype  # the talker's too (token2wav runs in float32)
         self.runtime = {"device": str(steps.device), "dtype": str(dtype).removeprefix("torch."),
-                        "graphs": graphs_wanted(graphs, steps.device), "compile": bool(getattr(steps, "compile", False))}
+                        "graphs": graphs_wanted(graphs, steps.device),
+                        "compile": bool(getattr(steps, "compile", False))}
         self.engine = Engine(steps, loaded.tokenizer, eos_ids=eos_ids(loaded.generation_config, loaded.tokenizer))
         # Where start-up time went (`--verbose`): the loader's phases, then ours.
         self.startup = dict(getattr(loaded, "timings", None) or {})

@@ -26,6 +26,7 @@ import signal
 import subprocess
 import sys
 import time
+from http.client import HTTPException
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -181,14 +182,14 @@ def _health(url: str, timeout: float, hold: bool = False) -> dict:
     """The server's `GET /health` (`hold`: as a client that holds it open), through the client's
     connection (so a proxy is used as for the server's other requests: never for this machine's). OSError
     or ValueError if it does not answer 200 in JSON within `timeout` seconds."""
-    http = client._Connection(client.base_url(url), {}, timeout)
+    conn = client._Connection(client.base_url(url), {}, timeout)
     try:
-        response = http.request("GET", "/health" + ("?hold=1" if hold else ""))
+        response = conn.request("GET", "/health" + ("?hold=1" if hold else ""))
         body = response.read()
-    except (client.http_client.HTTPException, ServerError) as exc:
+    except (HTTPException, ServerError) as exc:
         raise OSError(str(exc)) from exc
     finally:
-        http.close()
+        conn.close()
     if response.status_code != 200:
         raise OSError(f"GET /health: {response.status_code}")
     return json.loads(body)

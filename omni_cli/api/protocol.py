@@ -42,8 +42,6 @@ def default_port() -> int:
 
 
 DEFAULT_PORT = default_port()
-
-
 QUEUE_HEADER = "X-Omni-Queue-Position"  # requests ahead of this one when it was queued (0: none)
 WHOLE_FORMATS = ("wav", "flac", "mp3", "opus", "pcm16")  # `audio.format` of a reply that is not streamed
 
