@@ -2,7 +2,8 @@
 # Start-up on a lent GPU machine, measured the way a user meets it (the device tool runs this from the
 # repository root; what lands in $OUT comes back). Steps, in the order given:
 #   folder    write a true-size random Qwen2.5-Omni-7B folder ($DIR; scripts/make_random_checkpoint.py)
-#   fresh     drop the page cache if allowed, then omni-say -m $DIR ... --verbose (nothing compiled yet);
+#   fresh     empty omni_cli's bytecode cache (stopping a writer still filling it) and drop the page cache
+#             if allowed, then omni-say -m $DIR ... --verbose (a first start: nothing compiled yet);
 #             it loads the model in a background omni-serve (omni-say's default --keep-alive)
 #   again     the same command a second time (answered by that background server)
 #   local     omni-say --keep-alive 0 twice: the model loaded in the command itself (first with the
@@ -63,7 +64,8 @@ for step in "$@"; do
   case $step in
     folder) timed folder python3 scripts/make_random_checkpoint.py "$dir" --preset qwen2.5-omni-7b --device cuda --force
             du -sh "$dir" ;;
-    fresh) sync; if echo 3 > /proc/sys/vm/drop_caches 2>/dev/null; then echo "page cache dropped"; else
+    fresh) pkill -f "pycache_prefix=" 2>/dev/null; rm -rf "${XDG_CACHE_HOME:-$HOME/.cache}/omni_cli/pycache"
+           sync; if echo 3 > /proc/sys/vm/drop_caches 2>/dev/null; then echo "page cache dropped"; else
              echo "page cache NOT dropped (not allowed here)"; fi
            timed fresh "${say[@]}" -o /tmp/fresh.wav ;;
     again) timed again "${say[@]}" -o /tmp/again.wav ;;
