@@ -34,10 +34,10 @@ HELLO = [{"role": "user", "content": "Hello there"}]
 class Server:
     """`python -m omni_cli.serve` in a subprocess; its stderr is read on a thread (the banner gives the URL)."""
 
-    def __init__(self, *args: str) -> None:
+    def __init__(self, *args: str, python: tuple[str, ...] = ()) -> None:
         env = cli_env()
         env.pop("OMNI_LOCAL", None)
-        self.proc = subprocess.Popen([sys.executable, "-m", "omni_cli.serve", "--port", "0", *args], env=env,
+        self.proc = subprocess.Popen([sys.executable, *python, "-m", "omni_cli.serve", "--port", "0", *args], env=env,
                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=REPO_ROOT)
         self.lines: list[str] = []
         self.url: str | None = None
@@ -297,6 +297,23 @@ def test_say_with_server_takes_audio_and_image_input(server, tmp_path):
     r = run_omni_say("--image", str(tmp_path / "p.png"), "And this?", "--server", server.url, "--api-key", KEY,
                      "-o", str(tmp_path / "b.wav"), "--verbose", env=cli_env(OMNI_LOCAL="0"))
     assert r.returncode == 0 and re.search(r"images in\s+1 \(encoder", r.stderr), r.stderr
+
+
+def test_the_first_streamed_request_imports_nothing():
+    """What a streamed reply needs is imported before the server serves (anyio's event-loop backend, which
+    starlette's first streamed response would load: 12-20 ms of the first request), so that the first
+    request is served as the later ones. `-X importtime` lists every import on stderr as it happens."""
+    s = Server(python=("-X", "importtime"))
+    try:
+        time.sleep(0.5)  # the banner's line and any import after it drained
+        before = len(s.lines)
+        text, pcm, _omni, _ = stream_raw(s, spoken(max_tokens=4))
+        assert pcm
+        time.sleep(0.5)
+        imported = [line for line in s.lines[before:] if line.startswith("import time:")]
+        assert imported == [], "".join(imported)
+    finally:
+        assert s.stop() == 128 + signal.SIGTERM
 
 
 def test_wrong_key_is_401_and_bad_bodies_are_400(server):
