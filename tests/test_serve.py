@@ -307,7 +307,7 @@ def test_the_first_streamed_request_imports_nothing():
     try:
         time.sleep(0.5)  # the banner's line and any import after it drained
         before = len(s.lines)
-        text, pcm, _omni, _ = stream_raw(s, spoken(max_tokens=4))
+        _text, pcm, _omni, _ = stream_raw(s, spoken(max_tokens=4))
         assert pcm
         time.sleep(0.5)
         imported = [line for line in s.lines[before:] if line.startswith("import time:")]
