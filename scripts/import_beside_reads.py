@@ -20,10 +20,11 @@ this does not do: load a model, or say anything about a warm machine.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time
+
+from cold_read import drop_page_cache  # scripts/cold_read.py, beside this one
 
 CASES = ("alone", "pread", "mapped", "cuda", "pinned")
 BLOCK = 16 << 20
@@ -104,16 +105,6 @@ if thread is not None:
     thread.join()
 print(f"{case:7s} import {imported:6.2f} s   reader {done.get('reader', 0.0):6.2f} s", flush=True)
 """
-
-
-def drop_page_cache() -> bool:
-    os.system("sync")
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
 
 
 def main() -> None:
