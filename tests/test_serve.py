@@ -255,10 +255,10 @@ def test_a_server_elsewhere_is_reached_through_the_environments_proxy(server):
 
 
 def test_this_machines_server_is_never_asked_through_a_proxy(server, monkeypatch):
-    from omni_cli.api import keep_alive
+    from omni_cli.api import client
 
     monkeypatch.setenv("HTTP_PROXY", "http://127.0.0.1:9")  # nothing listens there
-    assert keep_alive._health(server.url, 5.0)["status"] == "ok"
+    assert client.health(server.url, 5.0)["status"] == "ok"
 
 
 def test_say_with_server_and_a_bad_output_withdraws_its_request(server, tmp_path):

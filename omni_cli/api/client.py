@@ -97,6 +97,23 @@ def listening(url: str) -> bool:
     return True
 
 
+def health(url: str, timeout: float, hold: bool = False) -> dict:
+    """A server's `GET /health` (`hold`: as a client that holds it open: api/keep_alive.py), on a connection
+    of its own (a proxy as for the server's other requests). OSError or ValueError if it does not answer
+    200 in JSON within `timeout` seconds."""
+    conn = _Connection(base_url(url), {}, timeout)
+    try:
+        response = conn.request("GET", "/health" + ("?hold=1" if hold else ""))
+        body = response.read()
+    except (http_client.HTTPException, ServerError) as exc:
+        raise OSError(str(exc)) from exc
+    finally:
+        conn.close()
+    if response.status_code != 200:
+        raise OSError(f"GET /health: {response.status_code}")
+    return json.loads(body)
+
+
 def find_local_server(model: str | None, api_key: str | None = None) -> "RemoteAssistant | None":
     """An omni-serve on the default address serving the same model, or None (nothing there, another
     model, or no answer within PROBE_TIMEOUT)."""

@@ -26,7 +26,6 @@ import signal
 import subprocess
 import sys
 import time
-from http.client import HTTPException
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -161,7 +160,7 @@ def hold(url: str) -> None:
     import threading
 
     try:
-        idle = _health(url, 5.0, hold=True).get("keep_alive")
+        idle = client.health(url, 5.0, hold=True).get("keep_alive")
     except (OSError, ValueError, AttributeError):
         return
     if not idle:
@@ -171,28 +170,11 @@ def hold(url: str) -> None:
         while True:
             time.sleep(max(0.2, float(idle) / 3))
             try:
-                _health(url, 5.0, hold=True)
+                client.health(url, 5.0, hold=True)
             except (OSError, ValueError):
                 pass  # gone or busy: the next request says so
 
     threading.Thread(target=run, name="keep-alive-hold", daemon=True).start()
-
-
-def _health(url: str, timeout: float, hold: bool = False) -> dict:
-    """The server's `GET /health` (`hold`: as a client that holds it open), through the client's
-    connection (so a proxy is used as for the server's other requests: never for this machine's). OSError
-    or ValueError if it does not answer 200 in JSON within `timeout` seconds."""
-    conn = client._Connection(client.base_url(url), {}, timeout)
-    try:
-        response = conn.request("GET", "/health" + ("?hold=1" if hold else ""))
-        body = response.read()
-    except (HTTPException, ServerError) as exc:
-        raise OSError(str(exc)) from exc
-    finally:
-        conn.close()
-    if response.status_code != 200:
-        raise OSError(f"GET /health: {response.status_code}")
-    return json.loads(body)
 
 
 def _alive(proc: subprocess.Popen | None, pid: int | None) -> bool:
@@ -227,7 +209,7 @@ def _last_error(log: Path | None) -> str:
 def _stop_idle(url: str, pid: int) -> bool:
     """Stop the background server `pid` (another model's) if it serves no request now; True once it is gone."""
     try:
-        health = _health(url, client.PROBE_TIMEOUT)
+        health = client.health(url, client.PROBE_TIMEOUT)
         if health.get("queued", 0) or health.get("held"):
             return False  # busy with another command's reply, or held by an open chat
     except (OSError, ValueError):
