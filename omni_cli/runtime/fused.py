@@ -14,6 +14,10 @@ host-chosen bucket, so shapes are fixed per bucket) under a mask of the valid on
 layer routes on the device (softmax, top-k, the experts' rows read by index): no host sync, no Python
 branch on a tensor value, no allocation that depends on data.
 
+Where the stack's projections are small (`as_sum`) and the step runs uncompiled on CUDA with Triton,
+each layer's projections are `runtime/kernels.py`'s one-launch matrix-vector products with their norm,
+gate and residual inside (`kernels`; `OMNI_NO_KERNELS=1` turns them off).
+
 It does not know which LLM it runs, nor sampling. Its float results can differ from the library's
 layer-by-layer path in the last bits (fused matmuls and the experts' reduction order may round
 differently); tests compare the tokens.
@@ -21,11 +25,30 @@ differently); tests compare the tokens.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 
 from .graphs import compile_fn
 from .kv_cache import StaticKVCache
+
+
+_kernels = None  # runtime/kernels.py once `kernels_wanted` has imported it (it needs triton)
+
+
+def kernels_wanted(device: torch.device) -> bool:
+    """`runtime/kernels.py` for the small projections: on CUDA, where triton imports, unless
+    `OMNI_NO_KERNELS=1`."""
+    global _kernels
+    if device.type != "cuda" or os.environ.get("OMNI_NO_KERNELS", "").strip() not in ("", "0"):
+        return False
+    try:
+        from . import kernels
+    except ImportError:
+        return False
+    _kernels = kernels
+    return True
 
 
 def _fuse_rows(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -142,10 +165,11 @@ def picked_matvec(weights: torch.Tensor, idx: torch.Tensor, x: torch.Tensor) -> 
     return torch.matmul(weights[idx], x.unsqueeze(-1)).squeeze(-1)
 
 
-def moe_mlp(x: torch.Tensor, tensors: tuple, top_k: int, renormalise: bool, as_sum: bool = False) -> torch.Tensor:
+def moe_mlp(x: torch.Tensor, tensors: tuple, top_k: int, renormalise: bool, as_sum: bool = False,
+            kernels: bool = False) -> torch.Tensor:
     """A sparse MoE block on x [1, n, H]: the library's routing (`route`), then the picked experts and
     the shared one (`experts`)."""
-    return experts(x, *route(x, tensors[0], top_k, renormalise, as_sum), tensors, as_sum)
+    return experts(x, *route(x, tensors[0], top_k, renormalise, as_sum), tensors, as_sum, kernels)
 
 
 def route(x: torch.Tensor, router_w: torch.Tensor, top_k: int, renormalise: bool, as_sum: bool = False):
@@ -161,57 +185,74 @@ def route(x: torch.Tensor, router_w: torch.Tensor, top_k: int, renormalise: bool
     return weight.to(x.dtype), idx
 
 
-def experts(x: torch.Tensor, weight: torch.Tensor, idx: torch.Tensor, tensors: tuple, as_sum: bool = False):
+def experts(x: torch.Tensor, weight: torch.Tensor, idx: torch.Tensor, tensors: tuple, as_sum: bool = False,
+            kernels: bool = False):
     """The picked experts on x [1, n, H], summed in top-k order as the library's grouped path sums them,
-    plus the sigmoid-gated shared expert when there is one."""
+    plus the sigmoid-gated shared expert when there is one. With `kernels`, one token's picked experts
+    are two launches that read the picked rows in place (`picked_gemv`), where the batched matmul
+    first copies them out."""
     gate_up, down = tensors[1:3]
     rows = x.view(-1, x.shape[-1])  # [n, H]
-    h = gated(picked_matvec(gate_up, idx, rows.unsqueeze(1)))  # [n, k, I]
-    out = (picked_matvec(down, idx, h) * weight.unsqueeze(-1)).sum(dim=1)  # [n, H]
+    if kernels and rows.shape[0] == 1:
+        h = _kernels.picked_gemv(rows[0], gate_up, idx[0])  # [k, 2I]: gate | up
+        out = _kernels.picked_gemv(h, down, idx[0], weights=weight[0], gate=True).view(1, -1)
+    else:
+        h = gated(picked_matvec(gate_up, idx, rows.unsqueeze(1)))  # [n, k, I]
+        out = (picked_matvec(down, idx, h) * weight.unsqueeze(-1)).sum(dim=1)  # [n, H]
     if len(tensors) > 3:
         shared_gate_up, shared_down, shared_gate = tensors[3:]
-        shared = linear(gated(linear(rows, shared_gate_up, as_sum=as_sum)), shared_down, as_sum=as_sum)
+        if kernels:
+            shared = _kernels.gemv(_kernels.gemv(rows, shared_gate_up), shared_down, gate=True)
+        else:
+            shared = linear(gated(linear(rows, shared_gate_up, as_sum=as_sum)), shared_down, as_sum=as_sum)
         out = out + torch.sigmoid(linear(rows, shared_gate, as_sum=as_sum)) * shared
     return out.view_as(x)
 
 
 def layer_step(hidden, in_w, post_w, qkv_w, qkv_b, q_norm_w, k_norm_w, o_w, mlp, keys, values, pos, cos, sin,
                valid, eps: float, split: tuple[int, int, int], head_dim: int, scaling: float,
-               routing: tuple[int, bool] | None, as_sum: bool = False):
+               routing: tuple[int, bool] | None, as_sum: bool = False, kernels: bool = False):
     """One decoder layer for n tokens. Pure function of tensors: what `torch.compile` fuses. `as_sum`:
-    the projections as reductions (`linear`)."""
+    the projections as reductions (`linear`); `kernels`: as runtime/kernels.py's launches."""
     hidden = attention(hidden, in_w, qkv_w, qkv_b, q_norm_w, k_norm_w, o_w, keys, values, pos, cos, sin, valid,
-                       eps, split, head_dim, scaling, as_sum)
-    x = rms_norm(hidden, post_w, eps)
+                       eps, split, head_dim, scaling, as_sum, kernels)
     if routing is None:
         gate_up_w, down_w = mlp
+        if kernels:  # the norm inside gate/up's launch, the gate and the residual inside down's
+            return _kernels.gemv(_kernels.gemv(hidden, gate_up_w, norm=post_w, eps=eps), down_w, gate=True,
+                                 residual=hidden)
+        x = rms_norm(hidden, post_w, eps)
         return hidden + linear(gated(linear(x, gate_up_w, as_sum=as_sum)), down_w, as_sum=as_sum)
-    return hidden + moe_mlp(x, mlp, *routing, as_sum=as_sum)
+    x = rms_norm(hidden, post_w, eps)
+    return hidden + moe_mlp(x, mlp, *routing, as_sum=as_sum, kernels=kernels)
 
 
 def routed_attention(hidden, in_w, post_w, qkv_w, qkv_b, q_norm_w, k_norm_w, o_w, mlp, keys, values, pos, cos,
                      sin, valid, eps: float, split: tuple[int, int, int], head_dim: int, scaling: float,
-                     routing: tuple[int, bool], as_sum: bool = False):
+                     routing: tuple[int, bool], as_sum: bool = False, kernels: bool = False):
     """A mixture-of-experts layer's first part (`layer_step`'s arguments): attention, the MLP's norm and
     the routing; returns (hidden, normed x, weights, expert ids) for `routed_experts`."""
     hidden = attention(hidden, in_w, qkv_w, qkv_b, q_norm_w, k_norm_w, o_w, keys, values, pos, cos, sin, valid,
-                       eps, split, head_dim, scaling, as_sum)
+                       eps, split, head_dim, scaling, as_sum, kernels)
     x = rms_norm(hidden, post_w, eps)
     return (hidden, x, *route(x, mlp[0], *routing, as_sum=as_sum))
 
 
-def routed_experts(hidden, x, weight, idx, mlp, as_sum: bool = False):
+def routed_experts(hidden, x, weight, idx, mlp, as_sum: bool = False, kernels: bool = False):
     """A mixture-of-experts layer's second part: the experts `routed_attention` chose, and the residual."""
-    return hidden + experts(x, weight, idx, mlp, as_sum)
+    return hidden + experts(x, weight, idx, mlp, as_sum, kernels)
 
 
 def attention(hidden, in_w, qkv_w, qkv_b, q_norm_w, k_norm_w, o_w, keys, values, pos, cos, sin, valid, eps: float,
-              split: tuple[int, int, int], head_dim: int, scaling: float, as_sum: bool = False):
+              split: tuple[int, int, int], head_dim: int, scaling: float, as_sum: bool = False,
+              kernels: bool = False):
     """A layer's attention block with its residual: norm, q/k/v, RoPE, the cache write at `pos`, attention
     over the first `valid.shape[-1]` rows, o."""
     n = hidden.shape[1]
-    x = rms_norm(hidden, in_w, eps)
-    qkv = linear(x, qkv_w, qkv_b, as_sum)
+    if kernels:  # the norm inside q/k/v's launch (no bias: `FusedDecoder` checks)
+        qkv = _kernels.gemv(hidden, qkv_w, norm=in_w, eps=eps)
+    else:
+        qkv = linear(rms_norm(hidden, in_w, eps), qkv_w, qkv_b, as_sum)
     q, k, v = (t.view(1, n, -1, head_dim) for t in qkv.split(split, dim=-1))
     if q_norm_w is not None:  # Qwen3: per-head norms before RoPE (the layer's eps, as the library's)
         q = rotate(rms_norm(q, q_norm_w, eps).transpose(1, 2), cos, sin)
@@ -226,7 +267,10 @@ def attention(hidden, in_w, qkv_w, qkv_b, q_norm_w, k_norm_w, o_w, keys, values,
     span = valid.shape[-1]
     att = F.scaled_dot_product_attention(q, keys[:, :, :span], values[:, :, :span], attn_mask=valid,
                                          scale=scaling, enable_gqa=True)
-    return hidden + linear(att.transpose(1, 2).reshape(1, n, -1), o_w, as_sum=as_sum)
+    att = att.transpose(1, 2).reshape(1, n, -1)
+    if kernels:
+        return _kernels.gemv(att, o_w, residual=hidden)
+    return hidden + linear(att, o_w, as_sum=as_sum)
 
 
 class FusedDecoder:
@@ -238,7 +282,8 @@ class FusedDecoder:
         kernels of a one-token step); the same compiled code serves every layer of a kind. `whole`:
         compile the whole step instead (fusion across layer boundaries too; for small stacks, whose
         compile time is short). `mrope`: the stack's rotary takes three M-RoPE rows of positions (False:
-        plain RoPE). `as_sum`: compiled projections as reductions (`linear`: for small matrices).
+        plain RoPE). `as_sum`: the projections are small: compiled, as reductions (`linear`); uncompiled
+        on CUDA with triton, as runtime/kernels.py's launches (`kernels_wanted`).
         """
         self.layers = [_Layer(layer) for layer in model.layers]
         for L in self.layers:  # the per-head norms share the layer's eps in every Qwen3 config
@@ -255,6 +300,10 @@ class FusedDecoder:
         self.cos, self.sin = cos[0], sin[0]
         self.span_index = torch.arange(cache.max_len, device=param.device)
         self.as_sum = as_sum
+        # Compiled, inductor's fused reductions are as fast in a step's graph (H200, measured): the kernels
+        # serve the plain steps only. They add no bias.
+        self.kernels = (as_sum and not compile and kernels_wanted(param.device)
+                        and all(L.qkv_b is None for L in self.layers))
         # Added to a slot's position for its RoPE angle: the delta an image prompt's 3-D positions leave
         # for what follows (0 for text and audio); a device tensor, so one captured graph serves every turn.
         self.rope_shift = torch.zeros(1, dtype=torch.long, device=param.device)
@@ -280,11 +329,11 @@ class FusedDecoder:
         for i, L in enumerate(self.layers):
             args = (hidden, L.in_norm[0], L.post_norm[0], L.qkv_w, L.qkv_b, L.q_norm[0], L.k_norm[0], L.o_w, L.mlp,
                     self.cache.keys[i], self.cache.values[i], pos, cos, sin, valid,
-                    L.in_norm[1], L.split, L.head_dim, L.scaling, L.routing, self.as_sum)
+                    L.in_norm[1], L.split, L.head_dim, L.scaling, L.routing, self.as_sum, self.kernels)
             if L.routing is not None and self.moe_parts is not None:
                 attend_and_route, mix_experts = self.moe_parts
                 hidden, x, weight, idx = attend_and_route(*args)
-                hidden = mix_experts(hidden, x, weight, idx, L.mlp, self.as_sum)
+                hidden = mix_experts(hidden, x, weight, idx, L.mlp, self.as_sum, self.kernels)
             else:
                 hidden = self.layer_fn(*args)
         return rms_norm(hidden, *self.norm)

@@ -1,0 +1,169 @@
+"""Triton kernels for the uncompiled one-token decode on CUDA: matrix-vector products that read a weight
+once, with what sits around them done in the same launch.
+
+At batch 1 a decode step is matrix-vector products, each a read of its weight. Uncompiled, each is a
+cuBLAS call with its norm, gate and residual as separate kernels (an RMSNorm alone is one to seven), and
+a mixture-of-experts layer's picked experts are first copied out of the expert tensor. Each kernel here
+does a product together with its neighbours: the RMSNorm before it (every program recomputes the
+statistic of the short input: cheaper than a launch), the SiLU gate of a fused gate/up output, the
+residual after it; the experts' kernel reads the picked rows in place.
+
+- `gemv(x, w, norm=, eps=, gate=, residual=)`: rows x [..., K] times w [N, K].T.
+- `picked_gemv(x, w, idx, weights=, gate=, residual=)`: the same over the experts `idx` picks from
+  w [E, N, K]; with `weights` the picks are scaled and summed in top-k order.
+
+They serve the plain graphs the commands run by default (`runtime/fused.py` uses them where a stack's
+matrices are small, not compiled): H200, Qwen3-Omni-30B-A3B, a frame 10.9 -> 8.9 ms and a thinker step
+11.6 -> 8.4 ms (docs/benchmarks.md). Compiled, inductor's own fused reductions are as fast in a step's
+graph (a frame's four projections 21 µs a layer against these kernels' 23), so compiled steps do not
+use them.
+
+Rounding follows the library's eager modules (the normed input and the gate rounded to the
+activations' dtype before the product, float32 accumulation, the residual added in the activations'
+dtype); the summation order differs from cuBLAS's, so a result can differ in the last bit. The block
+shapes are the H200's best of a small sweep (`_blocks`). Arithmetic on half-precision values is written
+as float32 with explicit casts (the same rounding, and Triton's CPU interpreter, which the tests use,
+computes bfloat16 products wrongly). It knows nothing of models; importing it needs triton.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+NONE, NORM, GATE = 0, 1, 2  # what a kernel does to x before the product
+
+
+@triton.jit
+def _input(x_ptr, nw_ptr, cols, K, rstd, PROLOGUE: tl.constexpr):
+    """A block of the product's input, as the layer's eager modules would have made it, in float32."""
+    mask = cols < K
+    if PROLOGUE == 1:  # RMSNorm: float32 statistic, the normed value cast back, then scaled (the library's order)
+        x = tl.load(x_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        normed = (x * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
+        w = tl.load(nw_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        return (w * normed).to(x_ptr.dtype.element_ty).to(tl.float32)
+    if PROLOGUE == 2:  # SiLU(gate) * up over a [gate | up] row (2K long), each rounded as the eager ops round
+        g = tl.load(x_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(x_ptr + K + cols, mask=mask, other=0.0).to(tl.float32)
+        act = (g * tl.sigmoid(g)).to(x_ptr.dtype.element_ty).to(tl.float32)
+        return (act * u).to(x_ptr.dtype.element_ty).to(tl.float32)
+    return tl.load(x_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _rstd(x_ptr, K, eps, BLOCK_K: tl.constexpr):
+    acc = tl.zeros([BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
+        acc += x * x
+    return tl.rsqrt(tl.sum(acc, axis=0) / K + eps)
+
+
+@triton.jit
+def _row_block(x_ptr, w_ptr, nw_ptr, rows, N, K, rstd, PROLOGUE: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_K: tl.constexpr):
+    """float32 [BLOCK_N]: rows `rows` of w (row-major [N, K]) times the prepared input."""
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        x = _input(x_ptr, nw_ptr, cols, K, rstd, PROLOGUE)
+        w = tl.load(w_ptr + rows[:, None] * K + cols[None, :], mask=(rows[:, None] < N) & (cols[None, :] < K),
+                    other=0.0)
+        acc += w.to(tl.float32) * x[None, :]
+    return tl.sum(acc, axis=1)
+
+
+@triton.jit
+def _store(out_ptr, res_ptr, rows, N, y, RESIDUAL: tl.constexpr):
+    """y (float32) rounded to the output's dtype, plus the residual in that dtype (as the library adds)."""
+    y = y.to(out_ptr.dtype.element_ty).to(tl.float32)
+    if RESIDUAL:
+        y = (tl.load(res_ptr + rows, mask=rows < N, other=0.0).to(tl.float32) + y)
+    tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=rows < N)
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, N, K, x_row, eps, PROLOGUE: tl.constexpr,
+                 RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m = tl.program_id(1)  # the input row (a decode step has one; the code predictor's first, two)
+    x_ptr += m * x_row
+    rstd = 1.0
+    if PROLOGUE == 1:
+        rstd = _rstd(x_ptr, K, eps, BLOCK_K)
+    y = _row_block(x_ptr, w_ptr, nw_ptr, rows, N, K, rstd, PROLOGUE, BLOCK_N, BLOCK_K)
+    _store(out_ptr + m * N, res_ptr + m * N, rows, N, y, RESIDUAL)
+
+
+@triton.jit
+def _picked_kernel(x_ptr, w_ptr, idx_ptr, rw_ptr, out_ptr, res_ptr, N, K, x_stride, TOPK: tl.constexpr,
+                   PROLOGUE: tl.constexpr, SUM: tl.constexpr, RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    if SUM:  # every pick in this program, each rounded and scaled as the library's, summed in top-k order
+        total = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for p in tl.static_range(TOPK):
+            e = tl.load(idx_ptr + p).to(tl.int64)
+            y = _row_block(x_ptr + p * x_stride, w_ptr + e * N * K, x_ptr, rows, N, K, 1.0, PROLOGUE, BLOCK_N,
+                           BLOCK_K).to(out_ptr.dtype.element_ty).to(tl.float32)
+            rw = tl.load(rw_ptr + p).to(tl.float32)
+            total += (y * rw).to(out_ptr.dtype.element_ty).to(tl.float32)
+        _store(out_ptr, res_ptr, rows, N, total, RESIDUAL)
+    else:  # one pick per program row of the grid: out [TOPK, N]
+        p = tl.program_id(1)
+        e = tl.load(idx_ptr + p).to(tl.int64)
+        y = _row_block(x_ptr + p * x_stride, w_ptr + e * N * K, x_ptr, rows, N, K, 1.0, PROLOGUE, BLOCK_N, BLOCK_K)
+        _store(out_ptr + p * N, out_ptr, rows, N, y, False)
+
+
+def _blocks(N: int, K: int, gate: bool) -> dict:
+    """Rows per program, the reduction's block, warps, chosen on an H200 for Qwen3-Omni's shapes by a
+    sweep over (4, 8, 16) rows x (256, 512) x (4, 8) warps (`scripts/gemv_bench.py`), then in whole
+    replies: small outputs take 4 rows a program so that every SM has some, larger ones 8 or 16, and a
+    long gated input 8 warps. The sweep's best with cold weights (4 rows everywhere, 8 warps for o and
+    down) made the thinker's step 3% slower in a reply (8.38 -> 8.75 ms; the frame 8.89 -> 9.01 ms)."""
+    block_n = 4 if N <= 2048 else 8 if K >= 2048 else 16
+    warps = 8 if gate or (N >= 4096 and K >= 2048) else 4
+    return dict(BLOCK_N=block_n, BLOCK_K=512, num_warps=warps, num_stages=3)
+
+
+def gemv(x: torch.Tensor, w: torch.Tensor, *, norm: torch.Tensor | None = None, eps: float = 0.0,
+         gate: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows x [..., K] (with `gate`, [..., 2K]) times w [N, K].T: [..., N]. `norm`: RMSNorm each row
+    first with that weight and `eps`; `gate`: each row is [gate | up] and the input SiLU(gate) * up;
+    `residual` [..., N]: added to the result."""
+    N, K = w.shape
+    x = x.contiguous()
+    out = torch.empty(*x.shape[:-1], N, device=x.device, dtype=x.dtype)
+    blocks = _blocks(N, K, gate)
+    _gemv_kernel[(triton.cdiv(N, blocks["BLOCK_N"]), x.numel() // x.shape[-1])](
+        x, w, out, residual.contiguous() if residual is not None else out, norm if norm is not None else x,
+        N, K, x.shape[-1], eps, PROLOGUE=NORM if norm is not None else GATE if gate else NONE,
+        RESIDUAL=residual is not None, **blocks)
+    return out
+
+
+def picked_gemv(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, *, weights: torch.Tensor | None = None,
+                gate: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """w[idx[p]] times input p for each pick p of idx [k]: x is one row [K] for every pick,
+    or one row per pick [k, K] (with `gate`, [k, 2K]: SiLU(gate) * up). Returns [k, N]; with `weights`
+    [k], the picks scaled and summed, [N] (+ `residual` [N])."""
+    E, N, K = w.shape
+    top_k = idx.numel()
+    x = x.contiguous()
+    x_stride = 0 if x.dim() == 1 or x.shape[0] == 1 else x.stride(0)
+    blocks = _blocks(N, K, gate)
+    if weights is None:
+        out = torch.empty(top_k, N, device=x.device, dtype=x.dtype)
+        grid = (triton.cdiv(N, blocks["BLOCK_N"]), top_k)
+    else:
+        out = torch.empty(N, device=x.device, dtype=x.dtype)
+        grid = (triton.cdiv(N, blocks["BLOCK_N"]),)
+    _picked_kernel[grid](
+        x, w, idx, weights if weights is not None else x, out, residual if residual is not None else out, N, K,
+        x_stride, TOPK=top_k, PROLOGUE=GATE if gate else NONE, SUM=weights is not None,
+        RESIDUAL=residual is not None, **blocks)
+    return out
