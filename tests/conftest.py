@@ -31,6 +31,15 @@ if hasattr(signal, "SIGHUP") and signal.getsignal(signal.SIGHUP) is signal.SIG_I
 # process busy on one of two cores a second thread made the vocoder tests 6x slower (11 s -> 64 s).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+# runtime/kernels.py's Triton kernels run on a CPU through Triton's interpreter (tests/test_kernels.py).
+# Triton chooses it once, when it is first imported, and torch.compile imports it wherever it is
+# installed: so it is chosen here, before any test runs, on a machine without a GPU (with one, the GPU
+# tests run the kernels for real).
+import torch  # noqa: E402 (after OMP_NUM_THREADS, which torch reads at import)
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 # Before anything imports huggingface_hub (it reads this once, at import).
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.pop("OMNI_MODEL", None)
