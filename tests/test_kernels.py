@@ -116,3 +116,11 @@ def test_qwen3_steps_with_the_kernels_equal_the_steps_without(kernels, monkeypat
             outs.append(torch.cat(steps, dim=1))
         without, with_kernels = outs
         assert ulps(with_kernels, without) <= 4, type(stack).__name__
+
+
+def test_the_kernels_are_wanted_on_cuda_only_and_can_be_turned_off(kernels, monkeypatch):
+    monkeypatch.delenv("OMNI_NO_KERNELS", raising=False)
+    assert fused.kernels_wanted(torch.device("cuda")) is (torch.version.hip is None)
+    assert fused.kernels_wanted(torch.device("cpu")) is False
+    monkeypatch.setenv("OMNI_NO_KERNELS", "1")
+    assert fused.kernels_wanted(torch.device("cuda")) is False

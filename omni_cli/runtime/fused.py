@@ -38,10 +38,13 @@ _kernels = None  # runtime/kernels.py once `kernels_wanted` has imported it (it 
 
 
 def kernels_wanted(device: torch.device) -> bool:
-    """`runtime/kernels.py` for the small projections: on CUDA, where triton imports, unless
+    """`runtime/kernels.py` for the small projections: on an NVIDIA GPU (ROCm's builds of torch call
+    theirs "cuda" too; the kernels were measured on NVIDIA's only), where triton imports, unless
     `OMNI_NO_KERNELS=1`."""
     global _kernels
-    if device.type != "cuda" or os.environ.get("OMNI_NO_KERNELS", "").strip() not in ("", "0"):
+    if device.type != "cuda" or torch.version.hip is not None:
+        return False
+    if os.environ.get("OMNI_NO_KERNELS", "").strip() not in ("", "0"):
         return False
     try:
         from . import kernels

@@ -21,7 +21,7 @@ use them.
 Rounding follows the library's eager modules (the normed input and the gate rounded to the
 activations' dtype before the product, float32 accumulation, the residual added in the activations'
 dtype); the summation order differs from cuBLAS's, so a result can differ in the last bit. The block
-shapes are the H200's best of a small sweep (`_blocks`). Arithmetic on half-precision values is written
+shapes were chosen on an H200 (`_blocks`). Arithmetic on half-precision values is written
 as float32 with explicit casts (the same rounding, and Triton's CPU interpreter, which the tests use,
 computes bfloat16 products wrongly). It knows nothing of models; importing it needs triton.
 """
@@ -120,11 +120,13 @@ def _picked_kernel(x_ptr, w_ptr, idx_ptr, rw_ptr, out_ptr, res_ptr, N, K, x_stri
 
 
 def _blocks(N: int, K: int, gate: bool) -> dict:
-    """Rows per program, the reduction's block, warps, chosen on an H200 for Qwen3-Omni's shapes by a
-    sweep over (4, 8, 16) rows x (256, 512) x (4, 8) warps (`scripts/gemv_bench.py`), then in whole
-    replies: small outputs take 4 rows a program so that every SM has some, larger ones 8 or 16, and a
-    long gated input 8 warps. The sweep's best with cold weights (4 rows everywhere, 8 warps for o and
-    down) made the thinker's step 3% slower in a reply (8.38 -> 8.75 ms; the frame 8.89 -> 9.01 ms)."""
+    """Rows per program, the reduction's block, warps, for Qwen3-Omni's shapes on an H200: small outputs
+    take 4 rows a program so that every SM has some, larger ones 8 or 16, and a long gated input 8
+    warps. From a sweep over (4, 8, 16) rows x (256, 512) x (4, 8) warps (`scripts/gemv_bench.py`) that
+    read each weight from the L2 cache. The same sweep with the weights read from memory preferred 4
+    rows everywhere and 8 warps for o and down, but whole replies were slower with that: a thinker step
+    8.75 ms against 8.38, a frame 9.01 against 8.89 ms (two machines, whose figures without the
+    kernels were within 1%)."""
     block_n = 4 if N <= 2048 else 8 if K >= 2048 else 16
     warps = 8 if gate or (N >= 4096 and K >= 2048) else 4
     return dict(BLOCK_N=block_n, BLOCK_K=512, num_warps=warps, num_stages=3)
