@@ -4,13 +4,12 @@ weights at true size, like omni-bench); prints the JSON report after each sectio
 whole). Sections can be picked: `python scripts/profile_gpu.py steps vocoder beside prefill`.
 
 It measures device time with CUDA events (graph replays and eager calls alike) and lists the top kernels
-of one call with torch.profiler. Experiments swap functions in for a while (a compiled DiT, a bf16 copy
-of the DiT, the prefill's attention choice) and put the engine's own back afterwards.
+of one call with torch.profiler. Experiments swap functions in for a while (a compiled DiT, the
+prefill's attention choice) and put the engine's own back afterwards.
 """
 
 from __future__ import annotations
 
-import copy
 import json
 import sys
 import threading
@@ -133,7 +132,7 @@ def vocoder(model, report: dict) -> None:
         ref = ref.clone()
         out["dit120_graph_ms"] = device_ms(graph.replay, 5)
         out["dit120_eager_kernels"] = kernels(lambda: voc._sample(*args), top=15)
-        one = lambda: dit_forward(voc.dit, *_dit_args(voc, code, noise, blocks))  # noqa: E731
+        one = lambda: dit_forward(voc._plan, *_dit_args(voc, code, noise, blocks))  # noqa: E731
         out["dit_one_eval_eager_ms"] = device_ms(one, 10)
 
         mel = ref[:, :, :88].contiguous()
@@ -157,48 +156,19 @@ def vocoder(model, report: dict) -> None:
         except Exception as exc:  # noqa: BLE001 - an experiment; report and go on
             out["dit_compile_error"] = repr(exc)[:300]
 
-        # Experiment 2: the DiT network in bf16, the ODE state and time embedding input kept in fp32
-        # (transformers says token2wav must run in fp32: how far off is it, and how much faster?).
-        try:
-            _with_forward(_bf16_forward(voc))
-            g16, _, mel16 = voc._graphs._capture(voc._sample, args)
-            g16.replay()
-            err = (mel16 - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt()
-            out["dit120_bf16_rel_rms_err"] = err.item()
-            out["dit120_bf16_max_abs_diff"] = (mel16 - ref).abs().max().item()
-            out["dit120_bf16_graph_ms"] = device_ms(g16.replay, 5)
-        except Exception as exc:  # noqa: BLE001
-            out["dit_bf16_error"] = repr(exc)[:300]
         _with_forward(dit_forward)
     report["vocoder"] = out
     report["_graphs"] = (graph, g2)  # kept for the next section
 
 
-def _bf16_forward(voc):
-    dit = copy.deepcopy(voc.dit).to(torch.bfloat16)
-    bf16 = torch.bfloat16
-
-    def forward(_dit, x, t, static, rope, block_diff):
-        emb = dit.time_embed.time_embed(t.repeat(2)).to(bf16)  # the sinusoid of t in fp32
-        for layer in dit.time_embed.time_mlp:
-            emb = layer(emb)
-        hidden = dit.input_embed.proj(torch.cat((torch.cat([x, x], dim=0), static), dim=-1).to(bf16))
-        rope16 = tuple(r.to(bf16) for r in rope)
-        for layer in dit.transformer_blocks:
-            hidden = layer(hidden, emb, position_embeddings=rope16, block_diff=block_diff)
-        return dit.proj_out(dit.norm_out(hidden, emb)).float()
-
-    return forward
-
-
 def _dit_args(voc, code, noise, blocks):
+    """One evaluation's arguments after the model (`dit_forward(voc._plan, ...)`): the first time point's."""
     static = voc._static_inputs(code)
     length = noise.shape[1]
     positions = torch.arange(length, device=DEV)[None, :].repeat(2, 1)
     rope = voc.dit.rotary_embed(static, positions)
-    t = torch.zeros((), device=DEV)
-    block_diff = (blocks[None, :] - blocks[:, None]).expand(2, voc.dit.num_attention_heads, length, length)
-    return noise, t, static, rope, block_diff
+    masks = vocoder_mod.attention_masks(voc.dit, blocks[None, :] - blocks[:, None], noise.dtype)
+    return noise, voc._grid[0][0], static, rope, masks
 
 
 def beside(engine: Engine, report: dict) -> None:

@@ -54,7 +54,7 @@ def kernels_wanted(device: torch.device) -> bool:
     return True
 
 
-def _fuse_rows(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+def fuse_rows(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Stack the weights (and biases) of `linears` into one matrix and re-point each module at its rows."""
     weight = torch.cat([m.weight.data for m in linears], dim=0)
     bias = None
@@ -88,7 +88,7 @@ class _Layer:
         self.post_norm = _norm(layer.post_attention_layernorm)
         self.q_norm = _norm(getattr(attn, "q_norm", None))  # Qwen3: RMSNorm over each head
         self.k_norm = _norm(getattr(attn, "k_norm", None))
-        self.qkv_w, self.qkv_b = _fuse_rows([attn.q_proj, attn.k_proj, attn.v_proj])
+        self.qkv_w, self.qkv_b = fuse_rows([attn.q_proj, attn.k_proj, attn.v_proj])
         self.split = (attn.q_proj.weight.shape[0], attn.k_proj.weight.shape[0], attn.v_proj.weight.shape[0])
         self.o_w = attn.o_proj.weight
         self.head_dim = attn.head_dim
@@ -102,14 +102,14 @@ def _mlp_tensors(mlp) -> tuple[tuple, tuple[int, bool] | None]:
     routing (top_k, renormalise the top-k weights)."""
     if not hasattr(mlp, "experts"):
         _check_silu(mlp.act_fn)
-        return (_fuse_rows([mlp.gate_proj, mlp.up_proj])[0], mlp.down_proj.weight), None
+        return (fuse_rows([mlp.gate_proj, mlp.up_proj])[0], mlp.down_proj.weight), None
     experts, router = mlp.experts, mlp.gate
     _check_silu(experts.act_fn)
     tensors = (router.weight, experts.gate_up_proj, experts.down_proj)
     shared = getattr(mlp, "shared_expert", None)
     if shared is not None:
         _check_silu(shared.act_fn)
-        gate_up, _ = _fuse_rows([shared.gate_proj, shared.up_proj])
+        gate_up, _ = fuse_rows([shared.gate_proj, shared.up_proj])
         tensors += (gate_up, shared.down_proj.weight, mlp.shared_expert_gate.weight)
     return tensors, (router.top_k, bool(router.norm_topk_prob))
 

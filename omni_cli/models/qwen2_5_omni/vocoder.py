@@ -35,6 +35,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
+from .dit import DitPlan, attention_masks, dit_forward, rk4_final, rk4_step
 
 AUDIO_CODES = 8192  # talker ids below this are audio; the rest (pad, bos, eos, ...) are control
 
@@ -116,6 +117,10 @@ class StreamingVocoder:
         # CUDA graphs of the fixed-shape windows, kept on the model so later utterances reuse them;
         # the voice's conditioning is baked into them, so it is cached there too, per voice.
         self._graphs = _WindowGraphs.for_model(token2wav, self.device)
+        # The ODE's grid is fixed by the settings, so each evaluation's time conditioning is computed once
+        # per model and grid (`DitPlan.grid`), not in every evaluation of every window.
+        self._plan = DitPlan.for_dit(self.dit)
+        self._times, self._grid = self._plan.grid(num_steps, sway_coefficient, self.device, self.dtype)
         self.pad_windows = self._graphs.enabled if pad_windows is None else pad_windows
         self._voice_key = id(cond)
         self._voice = self._graphs.voices.get(self._voice_key)
@@ -320,28 +325,27 @@ class StreamingVocoder:
         # Each layer's mask depends only on the window, not on the ODE's state: made once here instead
         # of in every layer of each of the 36 evaluations (on a small model, most of the DiT's time).
         masks = attention_masks(self.dit, block_diff, noise.dtype)
-        times = torch.linspace(0, 1, self.num_steps, device=self.device, dtype=self.dtype)
-        if self.sway_coefficient is not None:
-            times += self.sway_coefficient * (torch.cos(torch.pi / 2 * times) - 1 + times)
+        times, grid = self._times, self._grid
         if by_step:
-            return self._ode_by_steps(noise, times, static, rope, masks).permute(0, 2, 1)
-        guidance = self.guidance_scale
+            return self._ode_by_steps(noise, times, grid, static, rope, masks).permute(0, 2, 1)
+        plan, guidance = self._plan, self.guidance_scale
         forward = self._graphs.compiled_dit() if self._graphs.capturing else dit_forward
 
         # Always the CFG batch of two: transformers switches to a batch of one below guidance 1e-5,
         # which gives the same velocity up to rounding.
-        def velocity(t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-            out = forward(self.dit, x, t, static, rope, masks)
+        def velocity(i: int, j: int, t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+            out = forward(plan, x, grid[i][j], static, rope, masks)
             guided, null = torch.chunk(out, 2, dim=0)
             return guided + (guided - null) * guidance
 
         return rk4_final(velocity, noise, times).permute(0, 2, 1)
 
-    def _ode_by_steps(self, x, times, static, rope, masks) -> torch.Tensor:
+    def _ode_by_steps(self, x, times, grid, static, rope, masks) -> torch.Tensor:
         """The ODE one RK4 step at a time, each step a CUDA graph per window length (`_WindowGraphs.stepper`):
         uncompiled, the whole ODE's graph would take ~1.5 s to capture per window length (an estimate: two
-        runs of ~35 000 kernel launches from Python), one step's a ninth of that. The window's own tensors (conditioning,
-        RoPE, masks) are copied into the graph once per window, `x` and the step's times once per step.
+        runs of ~35 000 kernel launches from Python), one step's a ninth of that. The window's own tensors
+        (conditioning, RoPE, masks) are copied into the graph once per window; `x`, the step's times and its
+        four evaluations' time conditioning once per step.
         The result lives in the graph's buffer until the next window: use it at once."""
         shared, layer_mask = [], []  # the masks the layers share (by reach), and each layer's
         for mask in masks:
@@ -349,21 +353,21 @@ class StreamingVocoder:
             if i is None:
                 i, _ = len(shared), shared.append(mask)
             layer_mask.append(i)
-        dit, guidance = self.dit, self.guidance_scale
+        plan, guidance = self._plan, self.guidance_scale
 
-        def step(x, t0, t1, static, cos, sin, *shared):
-            by_layer = [shared[i] for i in layer_mask]
+        def step(x, t0, t1, c0, c1, c2, c3, static, cos, sin, *shared):
+            by_layer, conds = [shared[i] for i in layer_mask], (c0, c1, c2, c3)
 
-            def velocity(t, y):
-                guided, null = torch.chunk(dit_forward(dit, y, t, static, (cos, sin), by_layer), 2, dim=0)
+            def velocity(j, t, y):
+                guided, null = torch.chunk(dit_forward(plan, y, conds[j], static, (cos, sin), by_layer), 2, dim=0)
                 return guided + (guided - null) * guidance
 
             return rk4_step(velocity, x, t0, t1)
 
-        run = self._graphs.stepper(("dit-step", x.shape[1]), step, (x, times[0], times[1]), (static, *rope, *shared),
-                                   lazy=True)
+        run = self._graphs.stepper(("dit-step", x.shape[1]), step, (x, times[0], times[1], *grid[0]),
+                                   (static, *rope, *shared), lazy=True)
         for i in range(times.shape[0] - 1):
-            x = run(x, times[i], times[i + 1])
+            x = run(x, times[i], times[i + 1], *grid[i])
         return x
 
     def _static_inputs(self, code: torch.Tensor) -> torch.Tensor:
@@ -399,71 +403,6 @@ class StreamingVocoder:
             hidden = sum(block(hidden) for block in blocks) / v.num_residual_blocks
         hidden = v.conv_post(v.activation_post(hidden))
         return torch.clamp(hidden, min=-1.0, max=1.0).squeeze()
-
-
-def attention_masks(dit, block_diff: torch.Tensor, dtype: torch.dtype) -> list[torch.Tensor]:
-    """Per DiT layer, the additive attention mask [1, 1, T, T] for block differences `block_diff` [T, T].
-
-    The same mask a `DiTDecoderLayer` builds from `block_diff` on every call (key block minus query
-    block within the layer's look-back / look-ahead), turned into what scaled_dot_product_attention
-    turns a boolean mask into (0 where attended, -inf elsewhere), so the attention is the same float
-    operations. Layers with the same reach share one tensor; broadcast over the batch and the heads.
-    """
-    by_reach: dict[tuple[int, int], torch.Tensor] = {}
-    masks = []
-    for layer in dit.transformer_blocks:
-        reach = (layer.look_backward_block, layer.look_ahead_block)
-        if reach not in by_reach:
-            allowed = (block_diff >= -float(reach[0])) & (block_diff <= float(reach[1]))
-            mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
-            by_reach[reach] = mask.masked_fill_(allowed.logical_not(), float("-inf"))[None, None]
-        masks.append(by_reach[reach])
-    return masks
-
-
-def dit_forward(dit, x, t, static, rope, masks) -> torch.Tensor:
-    """One CFG evaluation (batch of two), the same float operations as the DiT's own forward.
-
-    `masks`: one per layer, from `attention_masks`. The layers' own forward is restated (same
-    operations, `DiTDecoderLayer.forward`) only to take that mask instead of rebuilding it. A tensor of
-    block differences ([T, T], or expanded to [2, heads, T, T], as callers such as
-    scripts/profile_gpu.py pass) is also taken: the masks are made from it here.
-    """
-    if isinstance(masks, torch.Tensor):
-        masks = attention_masks(dit, masks if masks.ndim == 2 else masks[0, 0], x.dtype)
-    time_embedding = dit.time_embed(t.repeat(2))
-    hidden = dit.input_embed.proj(torch.cat((torch.cat([x, x], dim=0), static), dim=-1))
-    for layer, mask in zip(dit.transformer_blocks, masks):
-        norm, gate_msa, shift_mlp, scale_mlp, gate_mlp = layer.attn_norm(hidden, emb=time_embedding)
-        attention = layer.attn(hidden_states=norm, position_embeddings=rope, attention_mask=mask)
-        hidden = hidden + gate_msa.unsqueeze(1) * attention
-        norm = layer.ff_norm(hidden) * (1 + scale_mlp[:, None]) + shift_mlp[:, None]
-        hidden = hidden + gate_mlp.unsqueeze(1) * layer.ff(norm)
-    hidden = dit.norm_out(hidden, time_embedding)
-    return dit.proj_out(hidden)
-
-
-def rk4_final(velocity: Callable, x: torch.Tensor, times: torch.Tensor) -> torch.Tensor:
-    """transformers' RK4 solver (`RungeKutta4ODESolver`), same float operations, final value only.
-
-    The library's `integrate` also interpolates at each time point with Python comparisons of device
-    scalars (host syncs); on its own grid every point is an interval end, so the final value is the
-    last step's. Without those branches the whole ODE is capturable as one CUDA graph.
-    """
-    for i in range(times.shape[0] - 1):
-        x = rk4_step(velocity, x, times[i], times[i + 1])
-    return x
-
-
-def rk4_step(velocity: Callable, x: torch.Tensor, t0: torch.Tensor, t1: torch.Tensor) -> torch.Tensor:
-    """One step of transformers' RK4 (3/8 rule) from t0 to t1."""
-    third, two_thirds = 1 / 3, 2 / 3
-    dt = t1 - t0
-    k1 = velocity(t0, x)
-    k2 = velocity(t0 + dt * third, x + dt * k1 * third)
-    k3 = velocity(t0 + dt * two_thirds, x + dt * (k2 - k1 * third))
-    k4 = velocity(t1, x + dt * (k1 - k2 + k3))
-    return x + (k1 + 3 * (k2 + k3) + k4) * dt / 8
 
 
 class _WindowGraphs:
