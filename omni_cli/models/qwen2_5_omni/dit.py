@@ -70,15 +70,18 @@ class DitPlan:
 
     @torch.inference_mode()
     def time_conditioning(self, t: torch.Tensor) -> torch.Tensor:
-        """[6 * layers + 2, 2, width]: each layer's (shift, scale, gate) for attention and for the MLP,
-        then the final norm's (scale, shift), for time point `t` (a 0-d tensor), for the CFG batch of two
-        as the library computes them."""
+        """[6 * layers + 2, 2, width] for time point `t` (a 0-d tensor), for the CFG batch of two: each
+        layer's (shift, 1 + scale, gate) for attention and for the MLP, then the final norm's (1 + scale,
+        shift). The library adds the 1 to the scale in every evaluation; the same sum is made once here."""
         dit = self.dit
         embedding = dit.time_embed(t.repeat(2))
         parts: list[torch.Tensor] = []
         for layer in self.layers:
-            parts += layer.attn_norm.linear(layer.attn_norm.silu(embedding)).chunk(6, dim=1)
-        parts += dit.norm_out.linear(dit.norm_out.silu(embedding)).chunk(2, dim=1)
+            shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = \
+                layer.attn_norm.linear(layer.attn_norm.silu(embedding)).chunk(6, dim=1)
+            parts += [shift_msa, 1 + scale_msa, gate_msa, shift_mlp, 1 + scale_mlp, gate_mlp]
+        scale, shift = dit.norm_out.linear(dit.norm_out.silu(embedding)).chunk(2, dim=1)
+        parts += [1 + scale, shift]
         return torch.stack(parts)
 
     @torch.inference_mode()
@@ -138,17 +141,17 @@ def dit_forward(plan: DitPlan, x, cond, static, rope, masks) -> torch.Tensor:
     dit = plan.dit
     hidden = dit.input_embed.proj(torch.cat((torch.cat([x, x], dim=0), static), dim=-1))
     for i, (layer, mask) in enumerate(zip(plan.layers, masks)):
-        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = cond[6 * i : 6 * i + 6]
-        norm = layer.attn_norm.norm(hidden) * (1 + scale_msa[:, None]) + shift_msa[:, None]
+        shift_msa, scale_msa_1, gate_msa, shift_mlp, scale_mlp_1, gate_mlp = cond[6 * i : 6 * i + 6]
+        norm = layer.attn_norm.norm(hidden) * scale_msa_1[:, None] + shift_msa[:, None]
         if plan.fused_attention:
             attention = _attention(layer.attn, norm, *plan.qkv[i], *plan.rope[i], rope, mask)
         else:
             attention = layer.attn(hidden_states=norm, position_embeddings=rope, attention_mask=mask)
         hidden = hidden + gate_msa.unsqueeze(1) * attention
-        norm = layer.ff_norm(hidden) * (1 + scale_mlp[:, None]) + shift_mlp[:, None]
+        norm = layer.ff_norm(hidden) * scale_mlp_1[:, None] + shift_mlp[:, None]
         hidden = hidden + gate_mlp.unsqueeze(1) * layer.ff(norm)
-    scale, shift = cond[-2], cond[-1]
-    hidden = dit.norm_out.norm(hidden) * (1 + scale)[:, None, :] + shift[:, None, :]
+    scale_1, shift = cond[-2], cond[-1]
+    hidden = dit.norm_out.norm(hidden) * scale_1[:, None, :] + shift[:, None, :]
     return dit.proj_out(hidden)
 
 
@@ -181,8 +184,8 @@ def _attention(attn, hidden, qkv_w, qkv_b, rope_w, rope_b, rope, mask) -> torch.
     # `apply_rotary_pos_emb`'s (x * cos) + (rotate_half(x) * sin), with x and rotate_half(x) made above.
     q0, q0_half, k0, k0_half = F.linear(hidden, rope_w, rope_b).unsqueeze(1).split(head_dim, dim=-1)
     cos, sin = (r.unsqueeze(1) for r in rope)
-    query[:, :1] = (q0 * cos) + (q0_half * sin)
-    key[:, :1] = (k0 * cos) + (k0_half * sin)
+    for x, x_half, out in ((q0, q0_half, query[:, :1]), (k0, k0_half, key[:, :1])):
+        torch.add(x * cos, x_half * sin, out=out)  # written into the head: no copy of it after
     attend = _library.ALL_ATTENTION_FUNCTIONS[attn.config._attn_implementation]
     weights, _ = attend(attn, query, key, value, attention_mask=mask, is_causal=False)
     weights = weights.reshape(batch, -1, attn.heads * head_dim).to(query.dtype)
