@@ -35,7 +35,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from .dit import DitPlan, attention_masks, dit_forward, rk4_final, rk4_step
+from .dit import DitPlan, attention_masks, dit_forward, dit_forward_compiled, rk4_final, rk4_step
 
 AUDIO_CODES = 8192  # talker ids below this are audio; the rest (pad, bos, eos, ...) are control
 
@@ -432,7 +432,7 @@ class _WindowGraphs:
         self._compiled = None
 
     def compiled_dit(self) -> Callable:
-        """`dit_forward` through inductor, for the windows being captured: the element-wise work is fused
+        """`dit_forward_compiled` through inductor, for the windows being captured: the element-wise work is fused
         (a 120-frame window's graph: 130 → 83 ms on an H200, measured with static shapes). One compile
         serves every window length (dynamic shapes); outside captures, and with `OMNI_NO_COMPILE=1`, the
         plain function runs."""
@@ -441,7 +441,7 @@ class _WindowGraphs:
         if self._compiled is None:
             self._compiled = dit_forward
             if compile_wanted(True, self.device):
-                self._compiled = _or_plain(compile_fn(dit_forward, dynamic=True), dit_forward)
+                self._compiled = _or_plain(compile_fn(dit_forward_compiled, dynamic=True), dit_forward)
         return self._compiled
 
     @classmethod
