@@ -46,6 +46,7 @@ def main() -> int:
     ap.add_argument("--device", default="cuda", help="cuda, or cpu for a quick check of the script (slow)")
     args = ap.parse_args()
 
+    from omni_cli.loader import _quiet_transformers
     from omni_cli.models.qwen2_5_omni.vocoder import StreamingVocoder, warmup_codes
     from omni_cli.runtime.engine import configure_cuda
 
@@ -53,7 +54,8 @@ def main() -> int:
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     configure_cuda()  # TF32 matmuls for the float32 vocoder, as the engine sets them
     t = time.perf_counter()
-    model, voice = build_token2wav(dev)
+    with _quiet_transformers():  # the config's text-side ids it checks against the codec vocabulary
+        model, voice = build_token2wav(dev)
     built = time.perf_counter() - t
 
     def vocoder(max_codes: int) -> StreamingVocoder:
@@ -88,7 +90,8 @@ def main() -> int:
                      "total_ms": 1000 * (time.perf_counter() - t)})
     measured = runs[1:]
     report = {
-        "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "torch": torch.__version__, "compiled": args.compile,
+        "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "torch": torch.__version__,
+        "compiled": args.compile,
         "codes": args.codes, "steady_chunk_codes": args.chunk, "build_s": built, "warmup_s": warmed,
         "first_chunk_ms": statistics.median(r["first_chunk_ms"] for r in measured),
         "steady_chunk_ms": statistics.median(r["chunk_ms"][3] for r in measured if len(r["chunk_ms"]) > 3)

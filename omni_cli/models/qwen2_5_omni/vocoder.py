@@ -432,8 +432,8 @@ class _WindowGraphs:
         self._compiled = None
 
     def compiled_dit(self) -> Callable:
-        """`dit_forward_compiled` through inductor, for the windows being captured: the element-wise work is fused
-        (a 120-frame window's graph: 130 → 83 ms on an H200, measured with static shapes). One compile
+        """`dit_forward_compiled` through inductor, for the windows being captured: the element-wise work is
+        fused (a 120-frame window's graph: 130 → 83 ms on an H200, measured with static shapes). One compile
         serves every window length (dynamic shapes); outside captures, and with `OMNI_NO_COMPILE=1`, the
         plain function runs."""
         from ...runtime.graphs import compile_fn, compile_wanted
