@@ -21,7 +21,7 @@ out=${OUT:-/tmp/omni-cold-start}
 dir=${DIR:-/tmp/qwen2.5-omni-7b-random}
 mkdir -p "$out"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-say=(python3 -c "from omni_cli.cli import say_main; say_main()" -m "$dir" "Hello there, how are you today?" --max-codes 250 --max-text-tokens 32
+say=(python3 -c "from omni_cli.entry_points import say; say()" -m "$dir" "Hello there, how are you today?" --max-codes 250 --max-text-tokens 32
      --seed 0 --verbose)
 
 timed() {  # timed LABEL COMMAND...: run it, print the wall time and its last lines (all in $out/cold_start.log)
@@ -37,7 +37,7 @@ timed() {  # timed LABEL COMMAND...: run it, print the wall time and its last li
 }
 
 serve() {  # serve [FLAG]: omni-serve -m $dir [FLAG] in the background, omni-say three times through it, SIGTERM
-  python3 -c "from omni_cli.serve import serve_main; serve_main()" -m "$dir" $1 > /tmp/serve.log 2>&1 &
+  python3 -c "from omni_cli.entry_points import serve; serve()" -m "$dir" $1 > /tmp/serve.log 2>&1 &
   local pid=$! t0
   t0=$(date +%s.%N)
   for _ in $(seq 1 480); do

@@ -78,7 +78,28 @@ def test_the_programs_do_it_before_their_imports(tmp_path):
     """omni-say's entry point: the loader (imported inside the command) lands in the cache, written on
     the first start's way out (no model loaded), then read by the next start."""
     env = _env(tmp_path, PYTHONDONTWRITEBYTECODE="1")
-    done = subprocess.run([sys.executable, "-c", "from omni_cli.cli import say_main; say_main()", "--list-voices"],
+    done = subprocess.run([sys.executable, "-c", "from omni_cli.entry_points import say; say()", "--list-voices"],
                           env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert _eventually("loader*.pyc", tmp_path / "cache" / "omni_cli" / "pycache")
+
+
+@pytest.mark.parametrize("program", ["say", "chat", "serve", "bench"])
+def test_an_installed_program_arranges_it_before_importing_its_command(tmp_path, program):
+    """The entry points pyproject names (omni_cli.entry_points) set the cache before the command's module
+    is imported: with the folder there, omni_cli/cli.py itself (and typer) are written into it as they are
+    imported, so the next start reads them. (An entry point naming omni_cli.cli:say_main compiled them
+    from source at every start: they were imported before say_main could set anything.)"""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11 and later
+
+    scripts = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts[f"omni-{program}"] == f"omni_cli.entry_points:{program}"
+    env = _env(tmp_path, PYTHONDONTWRITEBYTECODE="1")
+    cache = tmp_path / "cache" / "omni_cli" / "pycache"
+    cache.mkdir(parents=True)
+    done = subprocess.run([sys.executable, "-c", f"from omni_cli.entry_points import {program}; {program}()", "--help"],
+                          env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    written = [p for p in cache.rglob("*.pyc") if p.parent.name == "omni_cli"]
+    assert "cli" in {p.name.split(".")[0] for p in written}
+    assert list(cache.rglob("typer/main.*.pyc"))
