@@ -9,6 +9,7 @@ of a reply, and `load` / `build_steps` (checkpoint.py, steps.py), which import t
     thinker.py     thinker prefill / decode_one over a static cache
     talker.py      talker prefill / decode_one (thinker_to_talker_proj, codec_head)
     vocoder.py     streaming token2wav: block-wise DiT windows + BigVGAN with overlap trimming
+    dit.py         one DiT evaluation for the vocoder's ODE: time conditioning per grid, fused products
     presets.py     omni-bench: true-size configs with random weights, transformers' generate timed
 """
 
