@@ -12,7 +12,9 @@ small kernels (on a GPU a window is launch-bound: ~1,000 kernels an evaluation):
   modules keep views of its rows, so no memory is added) and `_attention` makes one product.
 - RoPE touches only the first head, de-interleaved and rotated by half (two copies, two negations and
   four concatenations a layer): `rope_rows` are that head's q and k rows in those orders, with the signs,
-  so one small product gives the rotation's inputs.
+  so one small product gives the rotation's inputs, and the rotated head is written into its place.
+  Compiled, inductor fuses that element-wise work itself and the extra product would only add a launch:
+  `dit_forward_compiled` runs the layers' own attention (with the time conditioning table).
 
 The rest is the library's float operations in the library's order (`DiTDecoderLayer.forward` and
 `DiTAttention.forward` of transformers 5.17-5.24, the attention through the configured attention
@@ -46,10 +48,11 @@ THIRD, TWO_THIRDS = 1 / 3, 2 / 3
 
 
 class DitPlan:
-    """What every evaluation of one DiT shares: fused q/k/v weights, and per ODE grid the time conditioning.
+    """What every evaluation of one DiT shares: the stacked q/k/v weights, the first heads' RoPE rows, and
+    per ODE grid the time conditioning.
 
-    Made once per token2wav model (`for_dit`); the tensors it holds must outlive the CUDA graphs that
-    read them, so it is kept on the model.
+    Made once per token2wav model (`for_dit`), on the device the model is on then; the tensors it holds
+    must outlive the CUDA graphs that read them, so it is kept on the model.
     """
 
     def __init__(self, dit) -> None:
