@@ -12,39 +12,31 @@ setting comes first. It imports nothing else at module level.
 from __future__ import annotations
 
 
-def _bytecode_first() -> None:
+def _run(module: str, main: str) -> None:
+    """Arrange the bytecode, then import `module` (relative to this package) and call its `main`."""
+    from importlib import import_module
+
     from .ui import cache_bytecode
 
     cache_bytecode()
+    getattr(import_module(module, __package__), main)()
 
 
 def say() -> None:
     """omni-say"""
-    _bytecode_first()
-    from .cli import say_main
-
-    say_main()
+    _run(".cli", "say_main")
 
 
 def chat() -> None:
     """omni-chat"""
-    _bytecode_first()
-    from .cli import chat_main
-
-    chat_main()
+    _run(".cli", "chat_main")
 
 
 def serve() -> None:
     """omni-serve"""
-    _bytecode_first()
-    from .serve import serve_main
-
-    serve_main()
+    _run(".serve", "serve_main")
 
 
 def bench() -> None:
     """omni-bench"""
-    _bytecode_first()
-    from .bench import bench_app
-
-    bench_app()
+    _run(".bench", "bench_app")
