@@ -36,6 +36,10 @@ def build_token2wav(device: torch.device):
     return model.eval(), voice
 
 
+def _median_or_none(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--compile", action="store_true", help="the compiled DiT (omni-bench's, --compile)")
@@ -94,8 +98,9 @@ def main() -> int:
         "compiled": args.compile,
         "codes": args.codes, "steady_chunk_codes": args.chunk, "build_s": built, "warmup_s": warmed,
         "first_chunk_ms": statistics.median(r["first_chunk_ms"] for r in measured),
-        "steady_chunk_ms": statistics.median(r["chunk_ms"][3] for r in measured if len(r["chunk_ms"]) > 3)
-        if all(len(r["chunk_ms"]) > 3 for r in measured) else None,
+        # Chunks of the steady size (the last one of an utterance may be shorter), over all runs.
+        "steady_chunk_ms": _median_or_none([ms for r in measured for frames, ms in zip(r["chunk_frames"], r["chunk_ms"])
+                                            if frames == args.chunk * warm.repeats]),
         "utterance_ms": statistics.median(r["total_ms"] for r in measured),
         "runs": measured,
     }
