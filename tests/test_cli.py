@@ -727,9 +727,11 @@ def test_wav_on_stdout_to_a_closed_pipe(tmp_path):
 def test_text_to_a_closed_pipe_ends_quietly_and_leaves_no_file(tmp_path):
     # omni-say long-prompt -o s.wav | head -c 5: the reader goes away while the reply's text streams. The
     # reader here closes its end right after 5 bytes (where head exits), so the rest of the reply hits a
-    # closed pipe for certain; the speech file is dropped as for any interrupted reply.
+    # closed pipe for certain; the speech file is dropped as for any interrupted reply. Seeded: unseeded,
+    # the random model once ended its reply after 3 bytes ("(0\n"), before the reader had its 5 (with
+    # seed 1 the reply is ~760 bytes).
     proc = subprocess.Popen([sys.executable, "-m", "omni_cli.cli", "Tell me a long story", "-o", tmp_path / "s.wav",
-                             "--max-text-tokens", "200", "--max-codes", "2000"],
+                             "--max-text-tokens", "200", "--max-codes", "2000", "--seed", "1"],
                             env=cli_env(), cwd=tmp_path, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE)
     try:
