@@ -91,16 +91,14 @@ class DitPlan:
     def grid(self, num_steps: int, sway: float | None, device: torch.device, dtype: torch.dtype):
         """The ODE's time points (`ode_times`) and, per RK4 step, the time conditioning of its four
         evaluations in order (a tuple of four contiguous tensors), made once per grid. The evaluation times
-        are computed as `rk4_step` computes them, so they are the same numbers. CUDA graphs read these
+        come from `rk4_times`, as `rk4_step`'s do, so they are the same numbers. CUDA graphs read these
         tensors, so they live here, on the model, not on one utterance's vocoder."""
         key = (num_steps, sway, device, dtype)
         if key not in self._grids:
             times = ode_times(num_steps, sway, device, dtype)
             steps = []
             for i in range(num_steps - 1):
-                t0, t1 = times[i], times[i + 1]
-                dt = t1 - t0
-                points = (t0, t0 + dt * THIRD, t0 + dt * TWO_THIRDS, t1)
+                _, points = rk4_times(times[i], times[i + 1])
                 steps.append(tuple(self.time_conditioning(t) for t in points))
             self._grids[key] = times, steps
         return self._grids[key]
@@ -217,9 +215,15 @@ def rk4_final(velocity: Callable, x: torch.Tensor, times: torch.Tensor) -> torch
 
 def rk4_step(velocity: Callable, x: torch.Tensor, t0: torch.Tensor, t1: torch.Tensor) -> torch.Tensor:
     """One step of transformers' RK4 (3/8 rule) from t0 to t1; `velocity(j, t, x)` at evaluation j."""
-    dt = t1 - t0
+    dt, (_, t_third, t_two_thirds, _) = rk4_times(t0, t1)
     k1 = velocity(0, t0, x)
-    k2 = velocity(1, t0 + dt * THIRD, x + dt * k1 * THIRD)
-    k3 = velocity(2, t0 + dt * TWO_THIRDS, x + dt * (k2 - k1 * THIRD))
+    k2 = velocity(1, t_third, x + dt * k1 * THIRD)
+    k3 = velocity(2, t_two_thirds, x + dt * (k2 - k1 * THIRD))
     k4 = velocity(3, t1, x + dt * (k1 - k2 + k3))
     return x + (k1 + 3 * (k2 + k3) + k4) * dt / 8
+
+
+def rk4_times(t0: torch.Tensor, t1: torch.Tensor) -> tuple:
+    """(dt, the times of one RK4 step's four evaluations): the 3/8 rule's t0, t0 + dt/3, t0 + 2dt/3, t1."""
+    dt = t1 - t0
+    return dt, (t0, t0 + dt * THIRD, t0 + dt * TWO_THIRDS, t1)
