@@ -4,7 +4,7 @@ first chunk and its steady chunks take, as the engine runs them. A developer's t
     python scripts/vocoder_bench.py [--compile] [--codes 750] [--runs 3] [--json FILE]
 
 It builds only token2wav (the library's DiT and BigVGAN defaults are the real sizes), warms the vocoder up
-as the engine does (`Qwen25Steps.warmup_vocoder`: uncompiled, the first windows' step graphs, the rest
+as the engine does (`vocoder.capture_windows`: uncompiled, the first windows' step graphs, the rest
 captured when first reached; compiled, every window), then streams utterances of `--codes` codes pushed
 one at a time, as the talker hands them on, and reports each chunk's wall time (`chunk_log`), the first
 chunk's and the whole utterance's. Run it with two checkouts on PYTHONPATH in turn to
@@ -51,7 +51,7 @@ def main() -> int:
     args = ap.parse_args()
 
     from omni_cli.loader import _quiet_transformers
-    from omni_cli.models.qwen2_5_omni.vocoder import StreamingVocoder, warmup_codes
+    from omni_cli.models.qwen2_5_omni.vocoder import StreamingVocoder, capture_windows
     from omni_cli.runtime.engine import configure_cuda
 
     dev = torch.device(args.device)
@@ -67,13 +67,7 @@ def main() -> int:
                                 codes_per_chunk=args.chunk, compiled=args.compile)
 
     t = time.perf_counter()
-    codes = warmup_codes(args.chunk if args.compile else min(24, args.chunk))
-    warm = vocoder(len(codes))
-    warm._graphs.capturing = True
-    with torch.inference_mode():
-        warm.push(codes)
-        warm.finish()
-    warm._graphs.capturing = False
+    capture_windows(model, voice["cond"], voice["ref_mel"], args.chunk, args.compile)
     sync()
     warmed = time.perf_counter() - t
 
@@ -100,7 +94,7 @@ def main() -> int:
         "first_chunk_ms": statistics.median(r["first_chunk_ms"] for r in measured),
         # Chunks of the steady size (the last one of an utterance may be shorter), over all runs.
         "steady_chunk_ms": _median_or_none([ms for r in measured for frames, ms in zip(r["chunk_frames"], r["chunk_ms"])
-                                            if frames == args.chunk * warm.repeats]),
+                                            if frames == args.chunk * voc.repeats]),
         "utterance_ms": statistics.median(r["total_ms"] for r in measured),
         "runs": measured,
     }

@@ -115,25 +115,13 @@ class Qwen25Steps:
         of `vocoder_chunk_codes`, call again: the windows have other lengths)."""
         if self.device.type != "cuda" or not self.has_talker or not self.graphs:
             return  # without graphs the vocoder's windows run eagerly too (a window without a graph does)
-        from .vocoder import StreamingVocoder, warmup_codes
+        from .vocoder import capture_windows
 
-        # Compiled, every window length is captured now (a capture may compile); uncompiled, the first
-        # chunks' (12, 24 and 48 codes), and the rest when a reply first reaches them (on the vocoder's
-        # thread, while the audio made so far plays).
-        codes = warmup_codes(self.vocoder_chunk_codes if self.compile else min(24, self.vocoder_chunk_codes))
         # Compiled, a window's graph has its voice inside: one set per voice. Uncompiled, the step graphs
         # take the voice as an input: one set serves all.
         voices = list(self.speakers.values()) if self.compile else list(self.speakers.values())[:1]
         for spk in voices:
-            voc = StreamingVocoder(self.model.token2wav, spk["cond"], spk["ref_mel"], max_codes=len(codes),
-                                   generator=0, codes_per_chunk=self.vocoder_chunk_codes, compiled=self.compile)
-            voc._graphs.capturing = True
-            try:
-                with torch.inference_mode():
-                    voc.push(codes)
-                    voc.finish()
-            finally:
-                voc._graphs.capturing = False
+            capture_windows(self.model.token2wav, spk["cond"], spk["ref_mel"], self.vocoder_chunk_codes, self.compile)
         torch.cuda.synchronize(self.device)
 
 

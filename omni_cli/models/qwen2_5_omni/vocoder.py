@@ -512,6 +512,23 @@ def _or_plain(compiled: Callable, plain: Callable) -> Callable:
     return call
 
 
+def capture_windows(token2wav, cond: torch.Tensor, ref_mel: torch.Tensor, codes_per_chunk: int, compiled: bool) -> None:
+    """Capture the CUDA graphs of a vocoder's windows for one voice, as the engine's warm-up does: compiled,
+    every window length (a capture may compile); uncompiled, the first chunks' (12, 24 and 48 codes), the
+    rest being captured when a reply first reaches them (on the vocoder's thread, while the audio made so
+    far plays)."""
+    codes = warmup_codes(codes_per_chunk if compiled else min(24, codes_per_chunk))
+    voc = StreamingVocoder(token2wav, cond, ref_mel, max_codes=len(codes), generator=0,
+                           codes_per_chunk=codes_per_chunk, compiled=compiled)
+    voc._graphs.capturing = True
+    try:
+        with torch.inference_mode():
+            voc.push(codes)
+            voc.finish()
+    finally:
+        voc._graphs.capturing = False
+
+
 def warmup_codes(codes_per_chunk: int, block_codes: int = 12) -> list[int]:
     """Audio codes enough for a vocoder with padded windows to run every DiT window length it has and
     the BigVGAN span of a steady chunk: the growing chunks (12, 24, ...), one steady chunk with its
