@@ -84,9 +84,10 @@ class Assistant(WarmsUp):
         self.talker_sampling = self.family.talker_sampling(loaded.generation_config)
         self.max_context = max_context
         t = time.perf_counter()
-        steps = self.family.build_steps(loaded.model, loaded.speakers, max_context=max_context, graphs=graphs,
-                                        compile=compile,
-                                        max_codes=max_codes or round(DEFAULT_LIMITS["seconds"] * per_second))
+        # How the steps are built (`compile_beside` builds them again, compiled).
+        self._steps_args = dict(max_context=max_context, graphs=graphs,
+                                max_codes=max_codes or round(DEFAULT_LIMITS["seconds"] * per_second))
+        steps = self.family.build_steps(loaded.model, loaded.speakers, compile=compile, **self._steps_args)
         self.sample_rate = steps.sample_rate
         # How the model runs, as built (omni-serve tells its clients, which compare it with their flags).
         from .runtime.graphs import graphs_wanted
@@ -114,6 +115,36 @@ class Assistant(WarmsUp):
         rt = runtime or RuntimeOptions(device=device, dtype=dtype)
         return cls(load_model(model, device=rt.device, dtype=rt.dtype), max_context=rt.max_context,
                    max_codes=rt.max_codes, graphs=rt.graphs, compile=rt.compile)
+
+    def compile_beside(self, on_ready=None, on_failure=None):
+        """Compile the steps on a thread of their own while the plain ones go on serving (runtime/beside.py);
+        the engine takes the compiled ones between two turns, and `runtime["compile"]` says so. `on_ready`
+        gets the seconds it took, `on_failure` the exception. Returns the thread, or None where nothing would
+        be compiled: a CPU, graphs off, steps compiled already, `OMNI_NO_COMPILE=1`."""
+        from .runtime.beside import compile_beside
+        from .runtime.graphs import compile_wanted
+
+        steps = self.engine.steps
+        wanted = getattr(steps, "fast_decode", False) and not getattr(steps, "compile", False)
+        if not (wanted and compile_wanted(self._steps_args["graphs"], steps.device)):
+            return None
+
+        def build():
+            return self.family.build_steps(self.loaded.model, self.loaded.speakers, compile=True, **self._steps_args)
+
+        def ready(seconds: float) -> None:
+            self.runtime["compile"] = True
+            self.runtime.pop("compiling", None)
+            if on_ready is not None:
+                on_ready(seconds)
+
+        def failed(exc: BaseException) -> None:
+            self.runtime.pop("compiling", None)
+            if on_failure is not None:
+                on_failure(exc)
+
+        self.runtime["compiling"] = True
+        return compile_beside(self.engine, build, ready, failed)
 
     @property
     def voices(self) -> list[str]:

@@ -23,7 +23,7 @@ import typer
 
 from .api.protocol import DEFAULT_PORT, is_loopback
 from .cli import (
-    CompileOpt, DebugOpt, DeviceOpt, DtypeOpt, GraphsOpt, GreedyOpt, MaxCodesOpt, MaxContextOpt, MaxTextOpt, ModelOpt,
+    DebugOpt, DeviceOpt, DtypeOpt, GraphsOpt, GreedyOpt, MaxCodesOpt, MaxContextOpt, MaxTextOpt, ModelOpt,
     SeedOpt, TemperatureOpt, TopKOpt, TopPOpt, VersionOpt, _err, _exit_on, _OneLineErrors, _report_library_logs,
     _timed_load, runtime_flags,
 )
@@ -50,7 +50,11 @@ def serve(
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "auto",
     graphs: GraphsOpt = True,
-    compile: CompileOpt = False,
+    compile: Annotated[Optional[bool], typer.Option(
+        "--compile/--no-compile", show_default=False,
+        help="--compile: torch.compile the decode steps and the vocoder before serving (a minute or more the "
+        "first time; cached). --no-compile: never. Default (GPU, with graphs): serve at once with plain CUDA "
+        "graphs and compile in the background, switching to the compiled steps between two requests.")] = None,
     seed: SeedOpt = None,
     greedy: GreedyOpt = False,
     temperature: TemperatureOpt = None,
@@ -98,7 +102,7 @@ def serve(
             t = time.perf_counter()
             assistant.warm_up()  # so that the first request is served like the later ones
             assistant.startup["the warm-up reply"] = time.perf_counter() - t
-        _serve(assistant, model, listener, api_key, defaults, idle)
+        _serve(assistant, model, listener, api_key, defaults, idle, beside=compile is None, now=warm_up)
     except BaseException as exc:  # noqa: BLE001 - every way out is reported, none with a traceback
         if isinstance(exc, (SystemExit, typer.Exit)):
             raise
@@ -119,7 +123,11 @@ def _listen(host: str, port: int, socket):
     return sock
 
 
-def _serve(assistant, model, listener, api_key, defaults: ReplyOptions, idle: float | None = None) -> None:
+def _serve(assistant, model, listener, api_key, defaults: ReplyOptions, idle: float | None = None,
+           beside: bool = False, now: bool = True) -> None:
+    """Serve until stopped. `beside`: compile the steps in the background (`_compile_beside`), from the
+    start when `now` (the warm-up reply has run), else once the first request is answered (a keep-alive
+    server's first request is the command that started it: the compiler would slow its reply)."""
     import threading
 
     import uvicorn
@@ -135,6 +143,11 @@ def _serve(assistant, model, listener, api_key, defaults: ReplyOptions, idle: fl
     config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=1, lifespan="on",
                             access_log=bool(os.environ.get("OMNI_ACCESS_LOG")))
     server = uvicorn.Server(config)
+    if beside:
+        if now:
+            _compile_beside(assistant)
+        else:
+            app.state.worker.after_first_job = lambda: _compile_beside(assistant)
     if idle:
         app.state.keep_alive = idle
         threading.Thread(target=_stop_when_idle, args=(server, app.state.worker, idle), name="omni-serve-idle",
@@ -147,6 +160,20 @@ def _serve(assistant, model, listener, api_key, defaults: ReplyOptions, idle: fl
         forget(os.getpid())  # a background server's record goes with it
     logging.getLogger(__name__).debug("stopped")
     _err("omni-serve: stopped")
+
+
+def _compile_beside(assistant) -> None:
+    """Start compiling the steps in the background (`Assistant.compile_beside`), saying so on stderr; a
+    no-op where nothing would be compiled (a CPU, graphs off)."""
+    def ready(seconds: float) -> None:
+        _err(f"omni-serve: compiled steps ready after {seconds:.0f} s; requests use them from now on")
+
+    def failed(exc: BaseException) -> None:
+        _err(f"omni-serve: compiling in the background failed, plain CUDA graphs go on serving: {exc!r:.200}")
+
+    if assistant.compile_beside(on_ready=ready, on_failure=failed) is not None:
+        _err("omni-serve: compiling the steps in the background (a minute or more the first time); plain CUDA "
+             "graphs answer meanwhile (--no-compile: never; --compile: before serving)")
 
 
 def _stop_when_idle(server, worker, idle: float) -> None:

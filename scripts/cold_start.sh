@@ -10,9 +10,11 @@
 #             background server still holding its copy, then after it is stopped)
 #   stop      stop the background server (SIGTERM to the pid in its record)
 #   compile   omni-say --compile twice: the compiler's first run, then the persistent cache's
-#   serve     omni-serve -m $DIR in the background, then omni-say three times through it (found on the
-#             default address twice, then named by --server), then SIGTERM
-#   serve-compiled  the same with omni-serve --compile
+#   serve     omni-serve -m $DIR --no-compile in the background (plain CUDA graphs only), then omni-say
+#             three times through it (found on the default address twice, then named by --server), SIGTERM
+#   serve-compiled  the same with omni-serve --compile (compiled before it serves)
+#   serve-beside    omni-serve -m $DIR (its default: it compiles in the background): omni-say twice while
+#             it compiles, then, once its /health says "compiled", three times, SIGTERM
 #   audio     a 5 s clip against a text prompt of as many tokens, in one process (scripts/audio_vs_text.py)
 # Each omni-say prints its start-up breakdown (--verbose) and is timed from outside with `date`.
 #   usage: DIR=/tmp/qwen25-7b bash scripts/cold_start.sh folder fresh again serve audio
@@ -52,6 +54,26 @@ serve() {  # serve [FLAG]: omni-serve -m $dir [FLAG] in the background, omni-say
   kill -TERM $pid; wait $pid; echo "omni-serve exit $?"; cat /tmp/serve.log >> "$out/cold_start.log"
 }
 
+health_steps() {  # what the server's /health says of its steps (plain, compiling, compiled)
+  python3 -c "import json, urllib.request as u; print(json.load(u.urlopen('http://127.0.0.1:8484/health', timeout=2))['steps'])" 2>/dev/null
+}
+
+serve_beside() {
+  python3 -c "from omni_cli.entry_points import serve; serve()" -m "$dir" > /tmp/serve.log 2>&1 &
+  local pid=$! t0 i
+  t0=$(date +%s.%N)
+  for _ in $(seq 1 480); do health_steps > /dev/null && break; sleep 0.5; done
+  echo "omni-serve ready after $(python3 -c "print(f'{$(date +%s.%N) - $t0:.1f}')") s; steps: $(health_steps)"
+  timed "beside-compiling-1" "${say[@]}" -o /tmp/serve1.wav
+  timed "beside-compiling-2" "${say[@]}" -o /tmp/serve2.wav
+  echo "steps: $(health_steps)"
+  for _ in $(seq 1 1200); do [ "$(health_steps)" = compiled ] && break; sleep 0.5; done
+  echo "steps $(health_steps) after $(python3 -c "print(f'{$(date +%s.%N) - $t0:.1f}')") s"; tail -3 /tmp/serve.log
+  nvidia-smi --query-gpu=memory.used --format=csv,noheader
+  for i in 1 2 3; do timed "beside-compiled-$i" "${say[@]}" -o /tmp/serve$i.wav; done
+  kill -TERM $pid; wait $pid; echo "omni-serve exit $?"; cat /tmp/serve.log >> "$out/cold_start.log"
+}
+
 stop_background() {  # the server omni-say started (api/keep_alive.py's record), if any
   local rec=${XDG_CACHE_HOME:-$HOME/.cache}/omni_cli/serve/omni-serve.json pid
   [ -f "$rec" ] || return 0
@@ -75,7 +97,8 @@ for step in "$@"; do
     stop) stop_background ;;
     compile) timed compile1 "${say[@]}" --compile -o /tmp/compile1.wav
              timed compile2 "${say[@]}" --compile -o /tmp/compile2.wav ;;
-    serve) serve "" ;;
+    serve) serve --no-compile ;;
+    serve-beside) serve_beside ;;
     serve-compiled) serve --compile ;;
     audio) timed audio python3 scripts/audio_vs_text.py "$dir" ;;
     *) echo "unknown step $step"; exit 2 ;;

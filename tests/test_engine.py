@@ -294,3 +294,83 @@ def test_without_graphs_nothing_is_compiled():
             assert steps.thinker.args == steps.talker.args == (graphs, compiled)
     finally:
         torch.backends.cuda.matmul.allow_tf32 = tf32
+
+
+def _second_steps(assistant):
+    """Another set of steps over the assistant's model, built as `compile_beside` builds them (uncompiled
+    here: a CPU)."""
+    return assistant.family.build_steps(assistant.loaded.model, assistant.loaded.speakers, compile=False,
+                                        **assistant._steps_args)
+
+
+def test_other_steps_take_over_between_turns_never_inside_one(assistant):
+    """`Engine.adopt` (the compiled steps made beside the plain ones: runtime/beside.py): handed over while a
+    turn runs, the new steps take over at the next turn; between turns, at once. Built over the same weights
+    they share the fused matrices (no copy), and the reply is the one the old steps gave."""
+    from omni_cli.runtime.events import Done
+
+    engine, old = assistant.engine, assistant.engine.steps
+    before = assistant.say(PROMPT, seed=5, max_text_tokens=6, max_codes=40)
+    new = _second_steps(assistant)
+    shared = [(a.qkv_w, b.qkv_w) for a, b in zip(old.thinker.fused.fused.layers, new.thinker.fused.fused.layers)]
+    assert all(a.data_ptr() == b.data_ptr() and a.shape == b.shape for a, b in shared)
+    assert new.thinker.cache.keys[0].data_ptr() != old.thinker.cache.keys[0].data_ptr()  # caches of their own
+    events = assistant.stream(PROMPT, seed=5, max_text_tokens=6, max_codes=40)
+    try:
+        next(events)  # the turn is running
+        assert engine.adopt(new) is False and engine.steps is old
+        during = next(e for e in events if isinstance(e, Done)).reply
+        events.close()  # the turn's end
+        assert engine.steps is old  # until the next turn starts
+        after = assistant.say(PROMPT, seed=5, max_text_tokens=6, max_codes=40)
+        assert engine.steps is new
+        for reply in (during, after):
+            assert reply.text_ids == before.text_ids and reply.codes == before.codes
+            np.testing.assert_array_equal(reply.audio, before.audio)
+    finally:
+        events.close()
+    assert engine.adopt(old) is True and engine.steps is old  # idle: at once
+
+
+def test_compile_beside_hands_the_engine_its_steps_or_leaves_them_on_a_failure(assistant):
+    """runtime/beside.py's thread: the steps it builds are warmed up and adopted, the caller told how long it
+    took; a build that fails leaves the engine's steps serving and says why; the switch interval is put back
+    either way. On a CPU the assistant compiles nothing (`compile_beside` gives None)."""
+    import sys
+
+    from omni_cli.runtime.beside import compile_beside
+
+    engine, old = assistant.engine, assistant.engine.steps
+    assert assistant.compile_beside() is None and "compiling" not in assistant.runtime
+    interval = sys.getswitchinterval()
+    new, warmed, ready = _second_steps(assistant), [], []
+    new.warmup = lambda: warmed.append(sys.getswitchinterval())
+    try:
+        compile_beside(engine, lambda: new, on_ready=ready.append).join(30)
+        assert engine.steps is new and len(ready) == 1 and ready[0] >= 0
+        assert warmed and warmed[0] < interval and sys.getswitchinterval() == interval
+
+        failures = []
+
+        def broken():
+            raise RuntimeError("no compiler here")
+
+        compile_beside(engine, broken, on_ready=ready.append, on_failure=failures.append).join(30)
+        assert engine.steps is new and len(ready) == 1
+        assert [str(e) for e in failures] == ["no compiler here"] and sys.getswitchinterval() == interval
+    finally:
+        engine.adopt(old)
+
+
+def test_tracing_is_true_only_inside_dynamos_trace():
+    """`graphs.tracing()` chooses the compiled paths of fused.py and sampling.py: True where dynamo traces
+    the call, False when it runs eagerly (torch's `is_compiling()` is also True in every other thread while
+    one compiles, which sent plain steps serving beside a compile down the compiled paths)."""
+    from omni_cli.runtime.graphs import tracing
+
+    def which(x):
+        return x + 1 if tracing() else x - 1
+
+    x = torch.zeros(2)
+    assert which(x).tolist() == [-1, -1]
+    assert torch.compile(which, backend="eager", fullgraph=True)(x).tolist() == [1, 1]

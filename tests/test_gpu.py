@@ -466,3 +466,48 @@ def test_talker_on_its_own_stream_gives_the_reply_of_one_stream(family):
             assert other.text_ids == a.text_ids and other.codes == a.codes
             assert other.audio.shape == a.audio.shape and float(abs(other.audio - a.audio).max()) <= 1e-4
     assert replies[0][0].codes != replies[1][0].codes  # sampled: the seeds differ
+
+
+@pytest.mark.parametrize("family", ["qwen2.5", "qwen3"])
+def test_compiled_steps_made_beside_the_plain_ones_take_over_with_the_same_replies(family):
+    """omni-serve's default (runtime/beside.py): the compiled steps are built, compiled and captured on a
+    thread of their own while replies run on the plain graphs, then take over between two replies. Every
+    reply, during the compile and after the switch, has the plain steps' greedy text and codes; the audio is
+    theirs during the compile and a model compiled from the start's after it."""
+    import qwen3_reference as ref
+
+    from omni_cli.assistant import Assistant
+    from omni_cli.loader import TINY_MODEL_DIR
+
+    path, voice = (str(TINY_MODEL_DIR), "Chelsie") if family == "qwen2.5" else (str(ref.ASSET), "Ethan")
+    assistant = Assistant.load(path, device="cuda", dtype="float32")
+    plain = assistant.engine.steps
+    assert not plain.compile
+    prompt, kw = "Hello there, how are you today?", dict(greedy=True, seed=0, voice=voice, max_text_tokens=12,
+                                                     max_codes=40)  # the seed: the vocoder's noise
+    before = assistant.say(prompt, **kw)
+    ready, failed = [], []
+    thread = assistant.compile_beside(on_ready=ready.append, on_failure=failed.append)
+    assert thread is not None and assistant.runtime.get("compiling")
+    during = [assistant.say(prompt, **kw)]
+    while thread.is_alive() and len(during) < 50:
+        during.append(assistant.say(prompt, **kw))
+    thread.join(900)
+    assert ready and not failed, failed
+    after = assistant.say(prompt, **kw)
+    steps = assistant.engine.steps
+    assert steps is not plain and steps.compile and assistant.runtime["compile"] is True
+    assert "compiling" not in assistant.runtime
+    for reply in during:  # the plain steps', while the compiler ran beside them
+        assert reply.text_ids == before.text_ids and reply.codes == before.codes
+        np.testing.assert_array_equal(reply.audio, before.audio)
+    assert after.text_ids == before.text_ids and after.codes == before.codes
+    # The audio is what a model compiled before its first reply gives (the compiled vocoder's sums are
+    # ordered otherwise than the plain one's: near it, not equal).
+    from omni_cli.config import RuntimeOptions
+
+    compiled = Assistant.load(path, runtime=RuntimeOptions(device="cuda", dtype="float32", compile=True))
+    assert compiled.engine.steps.compile
+    np.testing.assert_allclose(after.audio, compiled.say(prompt, **kw).audio, rtol=0, atol=1e-6)
+    print(f"{family}: {len(during)} replies while compiling, ready after {ready[0]:.1f} s; compiled audio "
+          f"vs plain: max {np.abs(after.audio - before.audio).max():.2e}")

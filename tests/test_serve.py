@@ -517,3 +517,10 @@ def test_a_conversation_that_outgrows_the_servers_context_drops_its_oldest_turns
     finally:
         remote.close()
         served.stop()
+
+
+def test_on_a_cpu_the_server_compiles_nothing_in_the_background(server):
+    """omni-serve compiles its steps in the background by default, on a GPU with graphs; here, a CPU, it
+    says nothing of it and its /health reports the plain steps."""
+    assert server.health()["steps"] == "plain"
+    assert not any("compil" in line for line in server.lines), "".join(server.lines)

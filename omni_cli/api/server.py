@@ -100,6 +100,7 @@ class EngineWorker:
         self.asked = 0  # HTTP requests of any kind (a client that holds the server open pings /health)
         self.held_at: float | None = None  # when a client last said it holds the server (/health?hold=1)
         self.running: Job | None = None
+        self.after_first_job = None  # called once, on this thread, when the first job has ended (omni-serve)
         self.thread = threading.Thread(target=self._main, name="omni-serve-worker", daemon=True)
         self.thread.start()
 
@@ -138,6 +139,9 @@ class EngineWorker:
                     self.running = None
                     self.waiting -= 1
                     self.served += 1
+                then, self.after_first_job = self.after_first_job, None
+                if then is not None:
+                    then()
 
 
 def create_app(assistant, name: str, api_key: str | None = None, key: str | None = None,
@@ -179,8 +183,11 @@ def create_app(assistant, name: str, api_key: str | None = None, key: str | None
         if request.query_params.get("hold"):
             worker.held_at = time.monotonic()
         held = worker.held_at is not None and time.monotonic() - worker.held_at < (keep or 60.0)
+        runtime = getattr(assistant, "runtime", None) or {}
+        # steps: "compiling" while omni-serve compiles in the background, then "compiled"; else "plain"
+        steps = "compiling" if runtime.get("compiling") else "compiled" if runtime.get("compile") else "plain"
         return JSONResponse({"status": "ok", "model": name, "queued": worker.waiting, "served": worker.served,
-                             "keep_alive": keep, "held": held})
+                             "keep_alive": keep, "held": held, "steps": steps})
 
     async def models(request: Request) -> Response:
         worker.asked += 1

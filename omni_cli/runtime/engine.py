@@ -2,7 +2,8 @@
 
 `Engine(steps, tokenizer, eos_ids)` owns what outlives a turn: the family's steps (with their static
 caches and graphs), the high-priority streams the thinker's and the talker's steps run on, and the lock
-that keeps turns apart. `stream(request)` runs a `Turn` (turn.py: threads and channels; schedule.py: the
+that keeps turns apart (and lets other steps of the same model take over between turns: `adopt`).
+`stream(request)` runs a `Turn` (turn.py: threads and channels; schedule.py: the
 decode order; detokenize.py; stats.py) and yields its events.
 
 It knows no model family (the steps come from `omni_cli/models/<family>/`), no prompt and no terminal.
@@ -39,6 +40,7 @@ class Engine:
         self._lock = threading.Lock()  # one turn at a time: the caches are shared
         self.lingering: list[threading.Thread] = []
         self._turn: Turn | None = None  # the running turn, for `interrupt`
+        self._next_steps = None  # steps to take over at the next turn (`adopt`)
 
     @property
     def has_talker(self) -> bool:
@@ -64,11 +66,30 @@ class Engine:
         try:
             while self.lingering:  # a vocoder thread still finishing an interrupted turn
                 self.lingering.pop().join()
+            self._take_next_steps()
             self._turn = Turn(self, req)
             yield from self._turn.run()
         finally:
             self._turn = None
             self._lock.release()
+
+    def adopt(self, steps) -> bool:
+        """Run turns with `steps` from now on (the same model's steps built otherwise: compiled beside these,
+        runtime/beside.py): at once if no turn is running, else from the next turn on. Returns whether they
+        took over at once."""
+        self._next_steps = steps
+        if not self._lock.acquire(blocking=False):
+            return False  # the running turn keeps its steps; `stream` swaps before the next one
+        try:
+            self._take_next_steps()
+        finally:
+            self._lock.release()
+        return True
+
+    def _take_next_steps(self) -> None:
+        steps, self._next_steps = self._next_steps, None
+        if steps is not None:
+            self.steps = steps
 
     def interrupt(self) -> None:
         """Stop the running turn (if any) from another thread: its event stream raises `TurnInterrupted`

@@ -30,7 +30,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from .graphs import compile_fn
+from .graphs import compile_fn, tracing
 from .kv_cache import StaticKVCache
 
 
@@ -55,7 +55,14 @@ def kernels_wanted(device: torch.device) -> bool:
 
 
 def fuse_rows(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Stack the weights (and biases) of `linears` into one matrix and re-point each module at its rows."""
+    """Stack the weights (and biases) of `linears` into one matrix and re-point each module at its rows.
+    Where they are already consecutive rows of one matrix (a second fused step over the same layers: the
+    compiled steps built beside the plain ones, runtime/beside.py), that matrix is returned: no copy."""
+    fused = _rows_of_one([m.weight.data for m in linears])
+    if fused is not None:
+        bias = _rows_of_one([m.bias.data for m in linears]) if linears[0].bias is not None else None
+        if linears[0].bias is None or bias is not None:
+            return fused, bias
     weight = torch.cat([m.weight.data for m in linears], dim=0)
     bias = None
     if linears[0].bias is not None:
@@ -68,6 +75,21 @@ def fuse_rows(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tenso
             m.bias.data = bias[row : row + n]
         row += n
     return weight, bias
+
+
+def _rows_of_one(parts: list[torch.Tensor]) -> torch.Tensor | None:
+    """The matrix whose consecutive rows `parts` are (contiguous views of one storage, in order), else None."""
+    first = parts[0]
+    if not all(p.is_contiguous() and p.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+               for p in parts):
+        return None
+    offset = first.storage_offset()
+    for p in parts:
+        if p.storage_offset() != offset or p.shape[1:] != first.shape[1:]:
+            return None
+        offset += p.numel()
+    rows = sum(p.shape[0] for p in parts)
+    return first.as_strided((rows, *first.shape[1:]), first.stride(), first.storage_offset())
 
 
 def _check_silu(act) -> None:
@@ -121,7 +143,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     layer (H200, plain graphs: Qwen3-Omni's frame 15.3 -> 11.0 ms; with Qwen2's joint RoPE, the 7B
     talker's step 3.2 -> 2.4 ms). It scales before casting back, so a result can differ from the
     library's in the last bit."""
-    if x.device.type != "cpu" and not torch.compiler.is_compiling():
+    if x.device.type != "cpu" and not tracing():
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
     dtype = x.dtype
     x32 = x.to(torch.float32)
@@ -149,7 +171,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     library's one-row kernel reaches a fraction of it (H200: 5-12 µs a matrix against ~3 µs of reading;
     thinker step 4.25 -> 3.8 ms, talker step 1.8 -> 1.2 ms). For Qwen2.5-Omni-7B's large ones (3584 x
     18944) it was slower than cuBLAS (thinker 5.0 -> 7.5 ms a token): those stay GEMMs."""
-    if not (as_sum and torch.compiler.is_compiling()):
+    if not (as_sum and tracing()):
         return F.linear(x, weight, bias)
     out = (x.unsqueeze(-2) * weight).sum(-1, dtype=torch.float32)
     return (out if bias is None else out + bias).to(x.dtype)
@@ -163,7 +185,7 @@ def picked_matvec(weights: torch.Tensor, idx: torch.Tensor, x: torch.Tensor) -> 
     step that is all weight reading). Eager, the product would round each term to the weights' dtype,
     so it is a batched matmul over the gathered weights, which accumulates in float32 as the library does.
     """
-    if torch.compiler.is_compiling():
+    if tracing():
         return (weights[idx] * x.unsqueeze(-2)).sum(-1, dtype=torch.float32).to(x.dtype)
     return torch.matmul(weights[idx], x.unsqueeze(-1)).squeeze(-1)
 

@@ -52,6 +52,14 @@ def compile_fn(fn: Callable, **kwargs) -> Callable:
     return torch.compile(fn, **kwargs)
 
 
+def tracing() -> bool:
+    """Whether dynamo is tracing this call (compiled code is being made from it), for functions that take
+    another path when compiled. Not `torch.compiler.is_compiling()`: that is one flag for the whole process,
+    held True while any thread compiles, so plain steps serving beside a compile (runtime/beside.py) took
+    the compiled paths too (H200, the tiny Qwen3-Omni in float32: other code-predictor picks from frame 11)."""
+    return torch.compiler.is_dynamo_compiling()
+
+
 CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
 
 
@@ -151,8 +159,18 @@ def capture_stream(device: torch.device) -> torch.cuda.Stream:
     which replay at the same time on two streams, raced on one workspace: the talker's logits were
     perturbed whenever a vocoder window ran (measured on an H200, float32: up to 1.4 in a logit, codes
     different from step 96 on). Graphs that may replay concurrently must be captured on different streams.
+
+    Its priority is one that only these streams (and the warm-up beside replies, runtime/beside.py) ask
+    for: torch hands out the streams of a priority round-robin from a pool of 32, and a turn takes two of
+    the default priority (the boundary's copies, the vocoder's), so after some turns one of them was the
+    stream a graph was being captured on; another thread's work on that stream breaks the capture and
+    fails itself (H200: "dependency created on uncaptured work in another stream", when the compiled steps
+    were first captured beside replies).
     """
-    return torch.cuda.Stream(device)
+    return torch.cuda.Stream(device, priority=CAPTURE_PRIORITY)
+
+
+CAPTURE_PRIORITY = -2  # the pool of `capture_stream` (the engine's own streams are -1, a turn's 0)
 
 
 PREFILL_BUCKETS = (32, 64, 128, 256, 512)  # prompt lengths with a graph (longer prompts run eagerly)
@@ -217,6 +235,8 @@ class PrefillGraphs:
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         self.cache.reset()
-        with torch.inference_mode(), torch.cuda.graph(graph, pool=self.pool, stream=side):
+        # Not `torch.cuda.graph`: it synchronises the whole device and empties the allocator's caches, which
+        # must not happen under the replies of steps that serve while these are made (runtime/beside.py).
+        with torch.inference_mode(), capture_anywhere(graph, self.pool, side):
             outputs = self.forward(self.model, x, self.cache, self.keep)
         return graph, outputs

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from ..config import SamplingOptions
+from .graphs import tracing
 
 
 def repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
@@ -145,7 +146,7 @@ def pick(logits: torch.Tensor, params: SamplingParams, seen: torch.Tensor | None
         logits = logits.masked_fill(suppress, float("-inf"))
     greedy = logits.argmax(dim=-1)
     scaled = logits / params.temperature
-    kept = _kept_by_rank(scaled, params) if torch.compiler.is_compiling() else _kept_by_sort(scaled, params)
+    kept = _kept_by_rank(scaled, params) if tracing() else _kept_by_sort(scaled, params)
     sampled = race_winner(scaled.masked_fill(~kept, float("-inf")).softmax(dim=-1), race)
     return torch.where(params.do_sample, sampled, greedy)
 

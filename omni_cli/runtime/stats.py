@@ -170,8 +170,8 @@ class PhaseTimer:
         try:
             yield
         finally:
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
+            if self.device.type == "cuda":  # this thread's stream (the work on others joins it): a warm-up
+                torch.cuda.current_stream(self.device).synchronize()  # beside replies must not wait on theirs
             self.phases[name] = self.phases.get(name, 0.0) + time.perf_counter() - t
 
 

@@ -122,7 +122,7 @@ class Qwen25Steps:
         voices = list(self.speakers.values()) if self.compile else list(self.speakers.values())[:1]
         for spk in voices:
             capture_windows(self.model.token2wav, spk["cond"], spk["ref_mel"], self.vocoder_chunk_codes, self.compile)
-        torch.cuda.synchronize(self.device)
+        torch.cuda.current_stream(self.device).synchronize()  # this thread's work only (runtime/beside.py)
 
 
 class _TalkerTurn:

@@ -116,7 +116,7 @@ class StreamingVocoder:
 
         # CUDA graphs of the fixed-shape windows, kept on the model so later utterances reuse them;
         # the voice's conditioning is baked into them, so it is cached there too, per voice.
-        self._graphs = _WindowGraphs.for_model(token2wav, self.device)
+        self._graphs = _WindowGraphs.for_model(token2wav, self.device, compiled)
         # The ODE's grid is fixed by the settings, so each evaluation's time conditioning is computed once
         # per model and grid (`DitPlan.grid`), not in every evaluation of every window.
         self._plan = DitPlan.for_dit(self.dit)
@@ -445,11 +445,15 @@ class _WindowGraphs:
         return self._compiled
 
     @classmethod
-    def for_model(cls, token2wav, device: torch.device) -> "_WindowGraphs":
-        graphs = getattr(token2wav, "_omni_window_graphs", None)
+    def for_model(cls, token2wav, device: torch.device, compiled: bool = False) -> "_WindowGraphs":
+        """The model's graphs of one kind: the plain steps' or the compiled windows'. Each kind has its own
+        pool, stream and `capturing` flag, so the compiled windows can be captured on another thread
+        (runtime/beside.py) while the plain ones serve replies."""
+        name = "_omni_window_graphs_compiled" if compiled else "_omni_window_graphs"
+        graphs = getattr(token2wav, name, None)
         if graphs is None:
             graphs = cls(device)
-            token2wav._omni_window_graphs = graphs
+            setattr(token2wav, name, graphs)
         return graphs
 
     def run(self, key, fn: Callable, *inputs: torch.Tensor, lazy: bool = False) -> torch.Tensor:
