@@ -40,6 +40,10 @@ log = logging.getLogger(__name__)
 # short ones: a whole demo reply takes seconds on one CPU core.
 DEFAULT_LIMITS = {"text": 1024, "seconds": 4096 / 50}
 DEMO_LIMITS = {"text": 24, "seconds": 3.0}
+# GPU memory that must be free to compile the steps beside the serving ones (`compile_beside`): a second set
+# of caches and graphs, and the compiler's own work. Measured on an H200 with Qwen2.5-Omni-7B: 21.6 GiB in
+# use before, 34.5 GiB held by the process (allocator caches included) once the compiled steps took over.
+BESIDE_FREE_GIB = 16
 
 
 def thinker_sampling(generation_config) -> SamplingOptions:
@@ -120,7 +124,8 @@ class Assistant(WarmsUp):
         """Compile the steps on a thread of their own while the plain ones go on serving (runtime/beside.py);
         the engine takes the compiled ones between two turns, and `runtime["compile"]` says so. `on_ready`
         gets the seconds it took, `on_failure` the exception. Returns the thread, or None where nothing would
-        be compiled: a CPU, graphs off, steps compiled already, `OMNI_NO_COMPILE=1`."""
+        be compiled: a CPU, graphs off, steps compiled already, `OMNI_NO_COMPILE=1`. A RuntimeError where the
+        GPU has too little memory free for a second set of steps beside the first (`BESIDE_FREE_GIB`)."""
         from .runtime.beside import compile_beside
         from .runtime.graphs import compile_wanted
 
@@ -128,6 +133,12 @@ class Assistant(WarmsUp):
         wanted = getattr(steps, "fast_decode", False) and not getattr(steps, "compile", False)
         if not (wanted and compile_wanted(self._steps_args["graphs"], steps.device)):
             return None
+        import torch
+
+        free = torch.cuda.mem_get_info(steps.device)[0]
+        if free < BESIDE_FREE_GIB * 2**30:  # an out-of-memory error could strike a reply that is running
+            raise RuntimeError(f"{free / 2**30:.1f} GiB of GPU memory free, {BESIDE_FREE_GIB} GiB wanted beside "
+                               "the steps that serve")
 
         def build():
             return self.family.build_steps(self.loaded.model, self.loaded.speakers, compile=True, **self._steps_args)

@@ -171,7 +171,13 @@ def _compile_beside(assistant) -> None:
     def failed(exc: BaseException) -> None:
         _err(f"omni-serve: compiling in the background failed, plain CUDA graphs go on serving: {exc!r:.200}")
 
-    if assistant.compile_beside(on_ready=ready, on_failure=failed) is not None:
+    try:
+        thread = assistant.compile_beside(on_ready=ready, on_failure=failed)
+    except RuntimeError as exc:
+        _err(f"omni-serve: not compiling in the background ({exc}); plain CUDA graphs serve (--compile: "
+             "compiled before serving)")
+        return
+    if thread is not None:
         _err("omni-serve: compiling the steps in the background (a minute or more the first time); plain CUDA "
              "graphs answer meanwhile (--no-compile: never; --compile: before serving)")
 

@@ -1,6 +1,7 @@
 """The family-free runtime: one turn of thinker and talker steps, streamed.
 
     engine.py          Engine: a model's steps, run one turn at a time
+    beside.py          compiled steps made on a thread of their own while the plain ones serve
     turn.py            a turn's threads (engine, producer, vocoder) and channels
     schedule.py        the decode order on the engine thread (thinker j, then talker k)
     boundary.py        the async output boundary: sampled ids device -> host, off the step path

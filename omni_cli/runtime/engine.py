@@ -11,6 +11,7 @@ It knows no model family (the steps come from `omni_cli/models/<family>/`), no p
 
 from __future__ import annotations
 
+import gc
 import os
 import threading
 from typing import Iterator
@@ -81,7 +82,15 @@ class Engine:
         if not self._lock.acquire(blocking=False):
             return False  # the running turn keeps its steps; `stream` swaps before the next one
         try:
+            while self.lingering:  # an interrupted turn's vocoder thread: it may still use the old steps
+                self.lingering.pop().join()
             self._take_next_steps()
+            # Nothing runs now: the old steps' caches and graphs (held in reference cycles) go back to the
+            # device, not only to the allocator's cache. Not done when the swap waits for a turn to start,
+            # whose first audio it would delay.
+            gc.collect()
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
         finally:
             self._lock.release()
         return True
