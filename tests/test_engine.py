@@ -374,3 +374,28 @@ def test_tracing_is_true_only_inside_dynamos_trace():
     x = torch.zeros(2)
     assert which(x).tolist() == [-1, -1]
     assert torch.compile(which, backend="eager", fullgraph=True)(x).tolist() == [1, 1]
+
+
+def test_a_turn_asked_for_during_an_adoption_waits_for_it_and_runs_on_the_new_steps(assistant, monkeypatch):
+    """`adopt` holds the turns' lock a moment when no turn runs (it frees the old steps' memory then): a
+    reply asked for meanwhile (omni-serve's next request) waits for it, instead of failing as if another
+    turn were running, and is answered by the new steps."""
+    engine, old = assistant.engine, assistant.engine.steps
+    new = _second_steps(assistant)
+    inside = threading.Event()
+
+    def slow_collect():
+        inside.set()
+        time.sleep(0.3)
+
+    monkeypatch.setattr(engine_mod.gc, "collect", slow_collect)
+    adopting = threading.Thread(target=engine.adopt, args=(new,))
+    adopting.start()
+    try:
+        assert inside.wait(10)
+        reply = assistant.say(PROMPT, seed=5, max_text_tokens=4, max_codes=20)
+        assert reply.text_ids and engine.steps is new
+    finally:
+        adopting.join(10)
+        monkeypatch.undo()
+        engine.adopt(old)

@@ -42,6 +42,7 @@ class Engine:
         self.lingering: list[threading.Thread] = []
         self._turn: Turn | None = None  # the running turn, for `interrupt`
         self._next_steps = None  # steps to take over at the next turn (`adopt`)
+        self._adopting = threading.Lock()  # held by `adopt` while it holds the turns' lock
 
     @property
     def has_talker(self) -> bool:
@@ -63,7 +64,10 @@ class Engine:
     def stream(self, req: TurnRequest) -> Iterator[TextDelta | AudioBlock | Done]:
         """Run one turn; yield text deltas and audio blocks as they exist, then Done."""
         if not self._lock.acquire(blocking=False):
-            raise RuntimeError("a turn is already running on this model")
+            with self._adopting:  # a moment's wait for an adoption; none for another turn
+                pass
+            if not self._lock.acquire(blocking=False):
+                raise RuntimeError("a turn is already running on this model")
         try:
             while self.lingering:  # a vocoder thread still finishing an interrupted turn
                 self.lingering.pop().join()
@@ -79,20 +83,21 @@ class Engine:
         runtime/beside.py): at once if no turn is running, else from the next turn on. Returns whether they
         took over at once."""
         self._next_steps = steps
-        if not self._lock.acquire(blocking=False):
-            return False  # the running turn keeps its steps; `stream` swaps before the next one
-        try:
-            while self.lingering:  # an interrupted turn's vocoder thread: it may still use the old steps
-                self.lingering.pop().join()
-            self._take_next_steps()
-            # Nothing runs now: the old steps' caches and graphs (held in reference cycles) go back to the
-            # device, not only to the allocator's cache. Not done when the swap waits for a turn to start,
-            # whose first audio it would delay.
-            gc.collect()
-            if self.device.type == "cuda":
-                torch.cuda.empty_cache()
-        finally:
-            self._lock.release()
+        with self._adopting:  # a turn asked for meanwhile waits for this, rather than failing as taken
+            if not self._lock.acquire(blocking=False):
+                return False  # the running turn keeps its steps; `stream` swaps before the next one
+            try:
+                while self.lingering:  # an interrupted turn's vocoder thread: it may still use the old steps
+                    self.lingering.pop().join()
+                self._take_next_steps()
+                # Nothing runs now: the old steps' caches and graphs (held in reference cycles) go back to
+                # the device, not only to the allocator's cache. Not done when the swap waits for a turn to
+                # start, whose first audio it would delay.
+                gc.collect()
+                if self.device.type == "cuda":
+                    torch.cuda.empty_cache()
+            finally:
+                self._lock.release()
         return True
 
     def _take_next_steps(self) -> None:
