@@ -7,7 +7,9 @@ request's own fields win), `--host`, `--port`, `--api-key` (or $OMNI_API_KEY). W
 listens on a loopback address only: another host is a usage error (exit 2), since anyone who can reach
 it could use the GPU. Ctrl-C or SIGTERM stop it: a reply in progress is cut, the port freed.
 `--keep-alive DURATION` stops it after that long without a request (omni-say starts it so in the
-background: api/keep_alive.py).
+background: api/keep_alive.py). On a GPU it serves at once with plain CUDA graphs and compiles its steps
+in the background, taking them between two requests (`Assistant.compile_beside`, runtime/beside.py);
+`--compile` compiles before serving, `--no-compile` never.
 
 It is a face: flags in, the app served by uvicorn; no model logic.
 """
