@@ -121,7 +121,7 @@ VoiceOpt = Annotated[Optional[str], typer.Option("--voice", "-v", metavar="NAME"
 DeviceOpt = Annotated[str, typer.Option("--device", metavar="DEVICE", help="auto, cpu, cuda, cuda:N, npu, npu:N, mps.")]
 DtypeOpt = Annotated[str, typer.Option("--dtype", metavar="DTYPE", help="auto (bfloat16 on accelerators, float32 on CPU), float32, bfloat16, float16.")]
 GraphsOpt = Annotated[bool, typer.Option("--graphs/--no-graphs", help="CUDA graphs of the decode steps and the vocoder on a GPU (a no-op on CPU); --no-graphs runs them eagerly, as does OMNI_NO_GRAPHS=1.")]
-CompileOpt = Annotated[bool, typer.Option("--compile/--no-compile", show_default=False, help="torch.compile the decode steps and the vocoder before the first reply (GPU, with graphs): faster steady speech after a compile of a minute or more the first time (cached for the next start, in TORCHINDUCTOR_CACHE_DIR or ~/.cache/omni_cli). Default: off (nothing is compiled before the first reply; a background omni-serve started by the command compiles in the background once it has answered).")]
+CompileOpt = Annotated[bool, typer.Option("--compile/--no-compile", show_default=False, help="torch.compile the decode steps and the vocoder before the first reply (GPU, with graphs): faster steady speech after a compile of a minute or more the first time (cached for the next start, in TORCHINDUCTOR_CACHE_DIR or ~/.cache/omni_cli). Default: off (nothing is compiled before the first reply).")]
 SeedOpt = Annotated[Optional[int], typer.Option("--seed", metavar="N", show_default=False, help="Seed for sampling and the vocoder noise (reproducible replies).")]
 GreedyOpt = Annotated[bool, typer.Option("--greedy", help="Greedy decoding instead of sampling.")]
 MaxTextOpt = Annotated[Optional[int], typer.Option("--max-text-tokens", min=1, metavar="N", show_default=False, help="Cap on the reply's text tokens (default: the model's).")]
@@ -444,7 +444,9 @@ def _background_server(model, device, dtype, graphs, compile, keep_seconds, api_
     from .ui import loading, model_label
 
     t_start = time.perf_counter()
-    flags = ["--device", device, "--dtype", dtype, *([] if graphs else ["--no-graphs"]), *(["--compile"] if compile else []),
+    # Without --compile the server never compiles: compiling in the background (omni-serve's default) would
+    # slow the next commands, which come soon after (7B on an H200: first audio 1.5-3.8 s while it compiles).
+    flags = ["--device", device, "--dtype", dtype, *([] if graphs else ["--no-graphs"]), *(["--compile"] if compile else ["--no-compile"]),
              *(["--max-context", str(max_context)] if max_context is not None else [])]
     with loading(err, f"{model_label(model)} in a background omni-serve", enabled=not quiet):
         remote = start_server(model, flags, keep_seconds, api_key, note=(lambda text: None) if quiet else
