@@ -211,6 +211,13 @@ def serve_main() -> None:
         serve_app(prog_name="omni-serve")
     except SystemExit as exc:
         sys.stdout.flush()
+        import threading
+
+        if any(t.name == "omni-compile" and t.is_alive() for t in threading.enumerate()):
+            # Stopped while it compiled in the background: that thread may be inside CUDA or the compiler, and
+            # tearing the interpreter down under it can abort the process; end it at once instead.
+            sys.stderr.flush()
+            os._exit(exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1))
         raise exc
 
 
