@@ -128,8 +128,8 @@ def _listen(host: str, port: int, socket):
 def _serve(assistant, model, listener, api_key, defaults: ReplyOptions, idle: float | None = None,
            beside: bool = False, now: bool = True) -> None:
     """Serve until stopped. `beside`: compile the steps in the background (`_compile_beside`), from the
-    start when `now` (the warm-up reply has run), else once the first request is answered (a keep-alive
-    server's first request is the command that started it: the compiler would slow its reply)."""
+    start when `now` (the warm-up reply has run), else once the first request is answered (`--no-warm-up`:
+    a request is likely waiting already, and the compiler would slow its reply)."""
     import threading
 
     import uvicorn
