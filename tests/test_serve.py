@@ -524,3 +524,29 @@ def test_on_a_cpu_the_server_compiles_nothing_in_the_background(server):
     says nothing of it and its /health reports the plain steps."""
     assert server.health()["steps"] == "plain"
     assert not any("compil" in line for line in server.lines), "".join(server.lines)
+
+
+def test_the_worker_calls_its_after_first_job_hook_once_when_the_first_job_has_ended():
+    """`omni-serve --no-warm-up` starts its background compile from this hook: after the first request,
+    not during it, and only once."""
+    from omni_cli.api.server import EngineWorker
+
+    order = []
+
+    class FakeJob:
+        def __init__(self, name):
+            self.name, self.cancelled = name, threading.Event()
+
+        def run(self, assistant):
+            order.append(self.name)
+
+    worker = EngineWorker(assistant=None)
+    worker.after_first_job = lambda: order.append("hook")
+    for name in ("first", "second"):
+        worker.submit(FakeJob(name))
+    deadline = time.monotonic() + 10
+    while worker.served < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    worker.stop()
+    worker.thread.join(5)
+    assert order == ["first", "hook", "second"]
