@@ -982,8 +982,6 @@ def _run(app, name: str) -> None:
     """Run a typer app as a program. After an interrupt the engine may leave its vocoder thread
     finishing a chunk inside torch; letting the interpreter tear down under it aborts the process
     ("terminate called without an active exception"), so then the process ends at once instead."""
-    import threading
-
     from .ui import cache_bytecode, write_bytecode_later
 
     cache_bytecode()  # before torch is imported
@@ -991,13 +989,21 @@ def _run(app, name: str) -> None:
         app(prog_name=name)
     except SystemExit as exc:
         write_bytecode_later()  # a command that loaded no model (through a server, --help, ...)
-        if any(t.name.startswith("omni-") and t.is_alive() for t in threading.enumerate()):
-            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-            for stream in (sys.stdout, sys.stderr):
-                with contextlib.suppress(Exception):
-                    stream.flush()
-            os._exit(code)
+        exit_at_once_if(lambda t: t.name.startswith("omni-"), exc)
         raise
+
+
+def exit_at_once_if(picked, exc: SystemExit) -> None:
+    """End the process now, with `exc`'s code and the streams flushed, if a live thread is `picked`: one
+    that may be inside torch, under which the interpreter's tear-down can abort the process."""
+    import threading
+
+    if any(picked(t) and t.is_alive() for t in threading.enumerate()):
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(code)
 
 
 def say_main() -> None:

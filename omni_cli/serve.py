@@ -27,7 +27,7 @@ from .api.protocol import DEFAULT_PORT, is_loopback
 from .cli import (
     DebugOpt, DeviceOpt, DtypeOpt, GraphsOpt, GreedyOpt, MaxCodesOpt, MaxContextOpt, MaxTextOpt, ModelOpt,
     SeedOpt, TemperatureOpt, TopKOpt, TopPOpt, VersionOpt, _err, _exit_on, _OneLineErrors, _report_library_logs,
-    _timed_load, runtime_flags,
+    _timed_load, exit_at_once_if, runtime_flags,
 )
 from .config import ReplyOptions
 from .errors import UsageError
@@ -211,13 +211,8 @@ def serve_main() -> None:
         serve_app(prog_name="omni-serve")
     except SystemExit as exc:
         sys.stdout.flush()
-        import threading
-
-        if any(t.name == "omni-compile" and t.is_alive() for t in threading.enumerate()):
-            # Stopped while it compiled in the background: that thread may be inside CUDA or the compiler, and
-            # tearing the interpreter down under it can abort the process; end it at once instead.
-            sys.stderr.flush()
-            os._exit(exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1))
+        # Stopped while it compiles in the background: that thread may be inside CUDA or the compiler.
+        exit_at_once_if(lambda t: t.name == "omni-compile", exc)
         raise exc
 
 

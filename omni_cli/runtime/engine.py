@@ -69,8 +69,7 @@ class Engine:
             if not self._lock.acquire(blocking=False):
                 raise RuntimeError("a turn is already running on this model")
         try:
-            while self.lingering:  # a vocoder thread still finishing an interrupted turn
-                self.lingering.pop().join()
+            self._join_lingering()
             self._take_next_steps()
             self._turn = Turn(self, req)
             yield from self._turn.run()
@@ -87,8 +86,7 @@ class Engine:
             if not self._lock.acquire(blocking=False):
                 return False  # the running turn keeps its steps; `stream` swaps before the next one
             try:
-                while self.lingering:  # an interrupted turn's vocoder thread: it may still use the old steps
-                    self.lingering.pop().join()
+                self._join_lingering()  # it may still use the old steps
                 self._take_next_steps()
                 # Nothing runs now: the old steps' caches and graphs (held in reference cycles) go back to
                 # the device, not only to the allocator's cache. Not done when the swap waits for a turn to
@@ -99,6 +97,11 @@ class Engine:
             finally:
                 self._lock.release()
         return True
+
+    def _join_lingering(self) -> None:
+        """Wait for the vocoder threads still finishing interrupted turns (under the turns' lock)."""
+        while self.lingering:
+            self.lingering.pop().join()
 
     def _take_next_steps(self) -> None:
         steps, self._next_steps = self._next_steps, None
