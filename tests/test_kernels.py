@@ -83,39 +83,90 @@ def test_picked_gemv_is_the_eager_experts(kernels):
     assert ulps(kernels.picked_gemv(x[0], gate_up, torch.tensor([1, 0, 2])), h_ref[0]) > 8
 
 
+@pytest.mark.parametrize("heads, kv, span, pos, norm", [(4, 2, 8, 5, True), (4, 1, 100, 77, True),
+                                                      (2, 2, 16, 0, True), (4, 2, 100, 99, False)])
+def test_attend_is_the_eager_attention_block(kernels, heads, kv, span, pos, norm):
+    """One token's attention (per-head norms, RoPE, the cache write, softmax over rows 0..pos) in one launch
+    against `fused.attention`'s eager ops: spans of one and of two row blocks, grouped and plain heads, the
+    first and the last row of a span."""
+    torch.manual_seed(3)
+    D, L, eps = 32, 128, 1e-6
+    qkv = torch.randn(1, 1, (heads + 2 * kv) * D, dtype=DT)
+    q_w, k_w = torch.rand(D, dtype=DT) + 0.5, torch.rand(D, dtype=DT) + 0.5
+    angle = torch.rand(D // 2) * 6
+    cos, sin = torch.cat([angle.cos()] * 2).to(DT), torch.cat([angle.sin()] * 2).to(DT)
+    keys, values = torch.randn(1, kv, L, D, dtype=DT), torch.randn(1, kv, L, D, dtype=DT)
+    k_ref, v_ref = keys.clone(), values.clone()
+    p = torch.tensor([pos])
+
+    q, k, v = (t.view(1, 1, -1, D) for t in qkv.split([heads * D, kv * D, kv * D], dim=-1))
+    if norm:
+        q, k = fused.rms_norm(q, q_w, eps), fused.rms_norm(k, k_w, eps)
+    q, k = fused.rotate(q.transpose(1, 2), cos, sin), fused.rotate(k.transpose(1, 2), cos, sin)
+    k_ref.index_copy_(2, p, k)
+    v_ref.index_copy_(2, p, v.transpose(1, 2))
+    valid = (torch.arange(span) <= pos).view(1, 1, 1, span)
+    want = F.scaled_dot_product_attention(q.float(), k_ref[:, :, :span].float(), v_ref[:, :, :span].float(),
+                                          attn_mask=valid, scale=D ** -0.5, enable_gqa=True).to(DT)
+
+    got = kernels.attend(qkv, q_w if norm else None, k_w if norm else None, cos, sin, keys, values, p, span, eps,
+                         D ** -0.5, heads)
+    assert torch.equal(keys, k_ref) and torch.equal(values, v_ref)  # the new row written, nothing else
+    assert ulps(got, want.transpose(1, 2).reshape(-1)) <= 2
+    # Really the masked softmax over rows 0..pos: attending to the whole span instead is far off.
+    everything = F.scaled_dot_product_attention(q.float(), k_ref[:, :, :span].float(), v_ref[:, :, :span].float(),
+                                                scale=D ** -0.5, enable_gqa=True).to(DT)
+    if pos < span - 1:
+        assert ulps(got, everything.transpose(1, 2).reshape(-1)) > 8
+
+
 def test_qwen3_steps_with_the_kernels_equal_the_steps_without(kernels, monkeypatch):
     """The tiny model's three stacks (MoE thinker, MoE talker with a shared expert, the dense code
-    predictor with its two-row first step), in half precision: each fused step with the kernels gives
-    the hidden state it gives without them, to the rounding of the dtype."""
+    predictor with its two-row first step), in half precision: each fused step with the product kernels
+    gives the hidden state it gives without them, to the rounding of the dtype. With the attention kernel
+    too, the one-token steps are as close to the same steps in float32 as the library's attention is
+    (the kernel's softmax is float32 where the CPU's half-precision attention rounds; they differ by more
+    than a few units of the last place, and neither is the exact one)."""
     import qwen3_reference as ref
     from omni_cli.runtime import compat
     from omni_cli.runtime.kv_cache import StaticKVCache
 
-    model = copy.deepcopy(ref.model("tiny")).to(DT)  # the helper's model is shared by other tests
-    talker = model.talker
-    stacks = [(compat.thinker_text_model(model.thinker), model.config.thinker_config.text_config, True),
-              (talker.model, model.config.talker_config.text_config, True),
-              (talker.code_predictor.model, model.config.talker_config.code_predictor_config, False)]
+    base = ref.model("tiny")  # shared by other tests: copied before the cast
 
     def forced(device):
         fused._kernels = kernels
         return True
 
-    for stack, config, mrope in stacks:
-        outs = []
-        for use in (False, True):
-            monkeypatch.setattr(fused, "kernels_wanted", forced if use else (lambda device: False))
-            cache = StaticKVCache.for_config(config, 8, device="cpu", dtype=DT)
+    def run(dtype, products: bool, attend: bool):
+        monkeypatch.setattr(fused, "kernels_wanted", forced if products else (lambda device: False))
+        monkeypatch.setattr(fused, "attend_wanted", forced if attend else (lambda device: False))
+        model = copy.deepcopy(base).to(dtype)
+        talker = model.talker
+        stacks = [(compat.thinker_text_model(model.thinker), model.config.thinker_config.text_config, True),
+                  (talker.model, model.config.talker_config.text_config, True),
+                  (talker.code_predictor.model, model.config.talker_config.code_predictor_config, False)]
+        outs = {}
+        for stack, config, mrope in stacks:
+            cache = StaticKVCache.for_config(config, 8, device="cpu", dtype=dtype)
             dec = fused.FusedDecoder(stack, cache, mrope=mrope, as_sum=True)
-            assert dec.kernels is use
+            assert (dec.kernels, dec.attend) == (products, attend)
             torch.manual_seed(2)
             width = config.hidden_size
             with torch.no_grad():
-                steps = [dec.step(torch.randn(1, 2, width, dtype=DT), torch.tensor([0, 1]), 8)]
-                steps += [dec.step(torch.randn(1, 1, width, dtype=DT), torch.tensor([p]), 8) for p in (2, 3)]
-            outs.append(torch.cat(steps, dim=1))
-        without, with_kernels = outs
-        assert ulps(with_kernels, without) <= 4, type(stack).__name__
+                steps = [dec.step(torch.randn(1, 2, width).to(dtype), torch.tensor([0, 1]), 8)]
+                steps += [dec.step(torch.randn(1, 1, width).to(dtype), torch.tensor([p]), 8) for p in (2, 3)]
+            outs[type(stack).__name__] = torch.cat(steps, dim=1)
+        return outs
+
+    without, products, both = run(DT, False, False), run(DT, True, False), run(DT, True, True)
+    exact = run(torch.float32, False, False)
+    for name, want in without.items():
+        assert ulps(products[name], want) <= 4, name
+        # The one-token rows (positions 2 and 3), against float32: the kernel's error is no larger.
+        err = {k: (v[name][:, 2:].float() - exact[name][:, 2:]).abs().max().item()
+               for k, v in (("without", without), ("both", both))}
+        assert err["both"] <= 1.1 * err["without"], (name, err)
+        assert ulps(both[name], want) <= 64, name  # and close to the library's (a wrong kernel is far off)
 
 
 def test_the_kernels_are_wanted_on_cuda_only_and_can_be_turned_off(kernels, monkeypatch):

@@ -16,7 +16,9 @@ branch on a tensor value, no allocation that depends on data.
 
 Where the stack's projections are small (`as_sum`) and the step runs uncompiled on CUDA with Triton,
 each layer's projections are `runtime/kernels.py`'s one-launch matrix-vector products with their norm,
-gate and residual inside (`kernels`; `OMNI_NO_KERNELS=1` turns them off).
+gate and residual inside (`kernels`; `OMNI_NO_KERNELS=1` turns them off). In those stacks on CUDA, compiled
+or not, a one-token attention block (per-head norms, RoPE, the cache write, attention) is one launch too
+(`kernels.attend`; `OMNI_NO_ATTEND=1` turns it off).
 
 It does not know which LLM it runs, nor sampling. Its float results can differ from the library's
 layer-by-layer path in the last bits (fused matmuls and the experts' reduction order may round
@@ -52,6 +54,14 @@ def kernels_wanted(device: torch.device) -> bool:
         return False
     _kernels = kernels
     return True
+
+
+def attend_wanted(device: torch.device) -> bool:
+    """`kernels.attend` for the one-token attention blocks: where the kernels are wanted, unless
+    `OMNI_NO_ATTEND=1` (to measure against the library's attention)."""
+    if os.environ.get("OMNI_NO_ATTEND", "").strip() not in ("", "0"):
+        return False
+    return kernels_wanted(device)
 
 
 def fuse_rows(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -236,11 +246,13 @@ def experts(x: torch.Tensor, weight: torch.Tensor, idx: torch.Tensor, tensors: t
 
 def layer_step(hidden, in_w, post_w, qkv_w, qkv_b, q_norm_w, k_norm_w, o_w, mlp, keys, values, pos, cos, sin,
                valid, eps: float, split: tuple[int, int, int], head_dim: int, scaling: float,
-               routing: tuple[int, bool] | None, as_sum: bool = False, kernels: bool = False):
+               routing: tuple[int, bool] | None, as_sum: bool = False, kernels: bool = False,
+               attend: bool = False):
     """One decoder layer for n tokens. Pure function of tensors: what `torch.compile` fuses. `as_sum`:
-    the projections as reductions (`linear`); `kernels`: as runtime/kernels.py's launches."""
+    the projections as reductions (`linear`); `kernels`: as runtime/kernels.py's launches; `attend`: a
+    one-token attention block as its one launch (`kernels.attend`)."""
     hidden = attention(hidden, in_w, qkv_w, qkv_b, q_norm_w, k_norm_w, o_w, keys, values, pos, cos, sin, valid,
-                       eps, split, head_dim, scaling, as_sum, kernels)
+                       eps, split, head_dim, scaling, as_sum, kernels, attend)
     if routing is None:
         gate_up_w, down_w = mlp
         if kernels:  # the norm inside gate/up's launch, the gate and the residual inside down's
@@ -254,11 +266,12 @@ def layer_step(hidden, in_w, post_w, qkv_w, qkv_b, q_norm_w, k_norm_w, o_w, mlp,
 
 def routed_attention(hidden, in_w, post_w, qkv_w, qkv_b, q_norm_w, k_norm_w, o_w, mlp, keys, values, pos, cos,
                      sin, valid, eps: float, split: tuple[int, int, int], head_dim: int, scaling: float,
-                     routing: tuple[int, bool], as_sum: bool = False, kernels: bool = False):
+                     routing: tuple[int, bool], as_sum: bool = False, kernels: bool = False,
+                     attend: bool = False):
     """A mixture-of-experts layer's first part (`layer_step`'s arguments): attention, the MLP's norm and
     the routing; returns (hidden, normed x, weights, expert ids) for `routed_experts`."""
     hidden = attention(hidden, in_w, qkv_w, qkv_b, q_norm_w, k_norm_w, o_w, keys, values, pos, cos, sin, valid,
-                       eps, split, head_dim, scaling, as_sum, kernels)
+                       eps, split, head_dim, scaling, as_sum, kernels, attend)
     x = rms_norm(hidden, post_w, eps)
     return (hidden, x, *route(x, mlp[0], *routing, as_sum=as_sum))
 
@@ -270,7 +283,7 @@ def routed_experts(hidden, x, weight, idx, mlp, as_sum: bool = False, kernels: b
 
 def attention(hidden, in_w, qkv_w, qkv_b, q_norm_w, k_norm_w, o_w, keys, values, pos, cos, sin, valid, eps: float,
               split: tuple[int, int, int], head_dim: int, scaling: float, as_sum: bool = False,
-              kernels: bool = False):
+              kernels: bool = False, attend: bool = False):
     """A layer's attention block with its residual: norm, q/k/v, RoPE, the cache write at `pos`, attention
     over the first `valid.shape[-1]` rows, o."""
     n = hidden.shape[1]
@@ -278,6 +291,11 @@ def attention(hidden, in_w, qkv_w, qkv_b, q_norm_w, k_norm_w, o_w, keys, values,
         qkv = _kernels.gemv(hidden, qkv_w, norm=in_w, eps=eps)
     else:
         qkv = linear(rms_norm(hidden, in_w, eps), qkv_w, qkv_b, as_sum)
+    span = valid.shape[-1]
+    if attend and n == 1 and span <= _kernels.ATTEND_MAX_SPAN:
+        att = _kernels.attend(qkv, q_norm_w, k_norm_w, cos.view(-1), sin.view(-1), keys, values, pos, span, eps,
+                              scaling, split[0] // head_dim).view(1, 1, -1)
+        return _out(hidden, att, o_w, as_sum, kernels)
     q, k, v = (t.view(1, n, -1, head_dim) for t in qkv.split(split, dim=-1))
     if q_norm_w is not None:  # Qwen3: per-head norms before RoPE (the layer's eps, as the library's)
         q = rotate(rms_norm(q, q_norm_w, eps).transpose(1, 2), cos, sin)
@@ -289,10 +307,13 @@ def attention(hidden, in_w, qkv_w, qkv_b, q_norm_w, k_norm_w, o_w, keys, values,
     v = v.transpose(1, 2)
     keys.index_copy_(2, pos, k)
     values.index_copy_(2, pos, v)
-    span = valid.shape[-1]
     att = F.scaled_dot_product_attention(q, keys[:, :, :span], values[:, :, :span], attn_mask=valid,
                                          scale=scaling, enable_gqa=True)
-    att = att.transpose(1, 2).reshape(1, n, -1)
+    return _out(hidden, att.transpose(1, 2).reshape(1, n, -1), o_w, as_sum, kernels)
+
+
+def _out(hidden, att, o_w, as_sum: bool, kernels: bool):
+    """The attention block's output projection and residual."""
     if kernels:
         return _kernels.gemv(att, o_w, residual=hidden)
     return hidden + linear(att, o_w, as_sum=as_sum)
@@ -329,6 +350,10 @@ class FusedDecoder:
         # serve the plain steps only. They add no bias.
         self.kernels = (as_sum and not compile and kernels_wanted(param.device)
                         and all(L.qkv_b is None for L in self.layers))
+        # A one-token attention block as one launch, compiled or not (kernels.attend): where inductor
+        # made four kernels and cuDNN's attention a fifth, whose one query over a few rows leaves most of
+        # the GPU idle.
+        self.attend = as_sum and attend_wanted(param.device) and all(L.head_dim & (L.head_dim - 1) == 0 for L in self.layers)  # a power of two: the kernel's blocks
         # Added to a slot's position for its RoPE angle: the delta an image prompt's 3-D positions leave
         # for what follows (0 for text and audio); a device tensor, so one captured graph serves every turn.
         self.rope_shift = torch.zeros(1, dtype=torch.long, device=param.device)
@@ -354,7 +379,7 @@ class FusedDecoder:
         for i, L in enumerate(self.layers):
             args = (hidden, L.in_norm[0], L.post_norm[0], L.qkv_w, L.qkv_b, L.q_norm[0], L.k_norm[0], L.o_w, L.mlp,
                     self.cache.keys[i], self.cache.values[i], pos, cos, sin, valid,
-                    L.in_norm[1], L.split, L.head_dim, L.scaling, L.routing, self.as_sum, self.kernels)
+                    L.in_norm[1], L.split, L.head_dim, L.scaling, L.routing, self.as_sum, self.kernels, self.attend)
             if L.routing is not None and self.moe_parts is not None:
                 attend_and_route, mix_experts = self.moe_parts
                 hidden, x, weight, idx = attend_and_route(*args)

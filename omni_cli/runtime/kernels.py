@@ -169,3 +169,114 @@ def picked_gemv(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, *, weights:
         x_stride, TOPK=top_k, PROLOGUE=GATE if gate else NONE, SUM=weights is not None,
         RESIDUAL=residual is not None, **blocks)
     return out
+
+
+# --- one-token attention ----------------------------------------------------------------------------
+
+ATTEND_MAX_SPAN = 1024  # rows one program reads in turn; a longer span takes the library's attention
+
+
+@triton.jit
+def _headed(row_ptr, w_ptr, lo, hi, eps, D: tl.constexpr, NORM: tl.constexpr):
+    """A head's two halves (float32, each value rounded as the eager ops round it), per-head RMSNorm'd
+    when NORM (Qwen3: the float32 statistic, the normed value cast back, then scaled)."""
+    dt = row_ptr.dtype.element_ty
+    x1 = tl.load(row_ptr + lo).to(tl.float32)
+    x2 = tl.load(row_ptr + hi).to(tl.float32)
+    if NORM:
+        rstd = tl.rsqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / D + eps).to(tl.float32)
+        x1 = (tl.load(w_ptr + lo).to(tl.float32) * (x1 * rstd).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+        x2 = (tl.load(w_ptr + hi).to(tl.float32) * (x2 * rstd).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+    return x1, x2
+
+
+@triton.jit
+def _rotated(x1, x2, cos_ptr, sin_ptr, lo, hi, dt: tl.constexpr):
+    """RoPE, rotate-half convention, rounded op by op as `fused.rotate`: x * cos + cat(-x2, x1) * sin."""
+    c1 = tl.load(cos_ptr + lo).to(tl.float32)
+    c2 = tl.load(cos_ptr + hi).to(tl.float32)
+    s1 = tl.load(sin_ptr + lo).to(tl.float32)
+    s2 = tl.load(sin_ptr + hi).to(tl.float32)
+    r1 = ((x1 * c1).to(dt).to(tl.float32) + (-x2 * s1).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+    r2 = ((x2 * c2).to(dt).to(tl.float32) + (x1 * s2).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+    return r1, r2
+
+
+@triton.jit
+def _attend_kernel(qkv_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, pos_ptr, out_ptr, span, eps, scale,
+                   k_head, k_row, v_head, v_row, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr,
+                   NORM: tl.constexpr, BLOCK_L: tl.constexpr):
+    h = tl.program_id(0)
+    g = h // (HEADS // KV_HEADS)  # the head's key/value head (grouped-query attention)
+    dt = qkv_ptr.dtype.element_ty
+    lo = tl.arange(0, D // 2)
+    hi = lo + D // 2
+    full = tl.arange(0, D)
+    pos = tl.load(pos_ptr)
+    q1, q2 = _headed(qkv_ptr + h * D, qn_ptr, lo, hi, eps, D, NORM)
+    q1, q2 = _rotated(q1, q2, cos_ptr, sin_ptr, lo, hi, dt)
+    k1, k2 = _headed(qkv_ptr + (HEADS + g) * D, kn_ptr, lo, hi, eps, D, NORM)
+    k1, k2 = _rotated(k1, k2, cos_ptr, sin_ptr, lo, hi, dt)
+    v = tl.load(qkv_ptr + (HEADS + KV_HEADS + g) * D + full).to(tl.float32)
+    k_base = k_ptr + g * k_head
+    v_base = v_ptr + g * v_head
+    if h % (HEADS // KV_HEADS) == 0:  # one program of the group writes the new row; the others use it from registers
+        tl.store(k_base + pos * k_row + lo, k1.to(dt))
+        tl.store(k_base + pos * k_row + hi, k2.to(dt))
+        tl.store(v_base + pos * v_row + full, v.to(dt))
+    # Online softmax over rows 0..pos (float32 scores, as the library's attention accumulates).
+    m = tl.full([1], float("-inf"), tl.float32)
+    total = tl.zeros([1], dtype=tl.float32)
+    acc = tl.zeros([D], dtype=tl.float32)
+    end = tl.minimum(pos + 1, span)
+    for start in range(0, end, BLOCK_L):
+        rows = start + tl.arange(0, BLOCK_L)
+        old = (rows < end) & (rows != pos)  # rows written by earlier steps; row `pos` is this step's
+        new = (rows == pos)[:, None]
+        K1 = tl.load(k_base + rows[:, None] * k_row + lo[None, :], mask=old[:, None], other=0.0).to(tl.float32)
+        K2 = tl.load(k_base + rows[:, None] * k_row + hi[None, :], mask=old[:, None], other=0.0).to(tl.float32)
+        K1 = tl.where(new, k1[None, :], K1)
+        K2 = tl.where(new, k2[None, :], K2)
+        # float32 throughout (compiled, inductor passes `scale` as a double, which would widen the scores)
+        s = ((tl.sum(K1 * q1[None, :], axis=1) + tl.sum(K2 * q2[None, :], axis=1)) * scale).to(tl.float32)
+        s = tl.where(rows < end, s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=0))
+        p = tl.exp(s - m_new)
+        shrink = tl.exp(m - m_new)
+        V = tl.load(v_base + rows[:, None] * v_row + full[None, :], mask=old[:, None], other=0.0).to(tl.float32)
+        V = tl.where(new, v[None, :], V)
+        acc = acc * shrink + tl.sum(p[:, None] * V, axis=0)
+        total = total * shrink + tl.sum(p, axis=0)
+        m = m_new
+    tl.store(out_ptr + h * D + full, (acc / total).to(dt))
+
+
+ATTEND_BLOCKS = None  # (rows a block, warps) for every span: a developer's override (scripts/attend_bench.py)
+
+
+def _attend_blocks(span: int) -> tuple[int, int]:
+    if ATTEND_BLOCKS is not None:
+        return ATTEND_BLOCKS
+    # H200, bfloat16 (scripts/attend_bench.py): the code predictor's 16 rows in one block of one warp, 2.8
+    # µs against 3.5 with four; the thinker's 256-row span in blocks of 128, 5.4 µs against 5.8 in 64s.
+    return min(128, max(16, triton.next_power_of_2(span))), 1 if span <= 16 else 4
+
+
+@torch.library.triton_op("omni_cli::attend", mutates_args={"keys", "values"})
+def attend(qkv: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, cos: torch.Tensor,
+           sin: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos: torch.Tensor, span: int, eps: float,
+           scale: float, heads: int) -> torch.Tensor:
+    """One token's attention block after its q/k/v product, in one launch: the per-head norms (when
+    given), RoPE, the new key and value written to the cache at `pos`, and softmax attention over the
+    cache's rows 0..pos. qkv [.., (heads + 2 kv) * D] (one row), cos/sin [D] (the row of `pos`), keys and
+    values [1, kv, L, D] with rows of D contiguous; returns [heads * D]. A program per query head reads
+    its key/value head's rows in turn (few: a decode step's span is at most ATTEND_MAX_SPAN). A
+    `torch.library` op, so that a compiled step launches it as it is (inductor sees the cache writes)."""
+    kv, D = keys.shape[1], keys.shape[-1]
+    out = torch.empty(heads * D, device=qkv.device, dtype=qkv.dtype)
+    block, warps = _attend_blocks(span)
+    torch.library.wrap_triton(_attend_kernel)[(heads,)](
+        qkv, q_norm if q_norm is not None else qkv, k_norm if k_norm is not None else qkv, cos, sin, keys, values,
+        pos, out, span, eps, scale, keys.stride(1), keys.stride(2), values.stride(1), values.stride(2),
+        HEADS=heads, KV_HEADS=kv, D=D, NORM=q_norm is not None, BLOCK_L=block, num_warps=warps)
+    return out
