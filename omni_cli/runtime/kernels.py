@@ -1,5 +1,6 @@
-"""Triton kernels for the uncompiled one-token decode on CUDA: matrix-vector products that read a weight
-once, with what sits around them done in the same launch.
+"""Triton kernels for the one-token decode on CUDA: matrix-vector products that read a weight once, with
+what sits around them done in the same launch (uncompiled steps), and a one-token attention block as one
+launch (compiled steps too).
 
 At batch 1 a decode step is matrix-vector products, each a read of its weight. Uncompiled, each is a
 cuBLAS call with its norm, gate and residual as separate kernels (an RMSNorm alone is one to seven), and
@@ -11,17 +12,22 @@ residual after it; the experts' kernel reads the picked rows in place.
 - `gemv(x, w, norm=, eps=, gate=, residual=)`: rows x [..., K] times w [N, K].T.
 - `picked_gemv(x, w, idx, weights=, gate=, residual=)`: the same over the experts `idx` picks from
   w [E, N, K]; with `weights` the picks are scaled and summed in top-k order.
+- `attend(qkv, q_norm, k_norm, cos, sin, keys, values, pos, span, ...)`: after the q/k/v product, the
+  per-head norms, RoPE, the cache write and softmax attention over rows 0..pos, where inductor made four
+  kernels and cuDNN's attention a fifth that keeps most of the GPU idle for one query (H200,
+  Qwen3-Omni-30B-A3B compiled: a frame 4.45 -> 4.05 ms, a thinker step 5.9 -> 5.2 ms beside the talker).
+  It is a `torch.library` op, so compiled steps launch it as it is.
 
-They serve the plain graphs the commands run by default (`runtime/fused.py` uses them where a stack's
-matrices are small, not compiled): H200, Qwen3-Omni-30B-A3B, a frame 10.9 -> 8.9 ms and a thinker step
-11.6 -> 8.4 ms (docs/benchmarks.md). Compiled, inductor's own fused reductions are as fast in a step's
-graph (a frame's four projections 21 µs a layer against these kernels' 23), so compiled steps do not
-use them.
+The products serve the plain graphs the commands run by default (`runtime/fused.py` uses them where a
+stack's matrices are small, not compiled): H200, Qwen3-Omni-30B-A3B, a frame 10.9 -> 8.9 ms and a thinker
+step 11.6 -> 8.4 ms (docs/benchmarks.md); with `attend` too, 6.1 and 6.2 ms. Compiled, inductor's own
+fused reductions are as fast in a step's graph (a frame's four projections 21 µs a layer against these
+kernels' 23), so compiled steps use `attend` only.
 
 Rounding follows the library's eager modules (the normed input and the gate rounded to the
 activations' dtype before the product, float32 accumulation, the residual added in the activations'
 dtype); the summation order differs from cuBLAS's, so a result can differ in the last bit. The block
-shapes were chosen on an H200 (`_blocks`). Arithmetic on half-precision values is written
+shapes were chosen on an H200 (`_blocks`, `_attend_blocks`). Arithmetic on half-precision values is written
 as float32 with explicit casts (the same rounding, and Triton's CPU interpreter, which the tests use,
 computes bfloat16 products wrongly). It knows nothing of models; importing it needs triton.
 """
