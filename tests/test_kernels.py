@@ -169,6 +169,35 @@ def test_qwen3_steps_with_the_kernels_equal_the_steps_without(kernels, monkeypat
         assert ulps(both[name], want) <= 64, name  # and close to the library's (a wrong kernel is far off)
 
 
+def test_a_span_longer_than_the_attention_kernels_takes_the_library_attention(kernels, monkeypatch):
+    """Past `ATTEND_MAX_SPAN` rows a step attends through the library's attention: its result is then that
+    of the step without the kernel, bit for bit, where within the limit it is not."""
+    import qwen3_reference as ref
+    from omni_cli.runtime.kv_cache import StaticKVCache
+
+    model = copy.deepcopy(ref.model("tiny")).to(DT)
+    stack, config = model.talker.code_predictor.model, model.config.talker_config.code_predictor_config
+
+    def forced(device):
+        fused._kernels = kernels
+        return True
+
+    def run(attend: bool, limit: int):
+        monkeypatch.setattr(fused, "attend_wanted", forced if attend else (lambda device: False))
+        monkeypatch.setattr(kernels, "ATTEND_MAX_SPAN", limit)
+        dec = fused.FusedDecoder(stack, StaticKVCache.for_config(config, 8, device="cpu", dtype=DT), mrope=False,
+                                 as_sum=True)
+        torch.manual_seed(4)
+        with torch.no_grad():
+            steps = [dec.step(torch.randn(1, 2, config.hidden_size, dtype=DT), torch.tensor([0, 1]), 8)]
+            steps += [dec.step(torch.randn(1, 1, config.hidden_size, dtype=DT), torch.tensor([p]), 8) for p in (2, 3)]
+        return torch.cat(steps, dim=1)
+
+    library = run(False, 1024)
+    assert torch.equal(run(True, 4), library)  # span 8 > 4: the library's attention
+    assert not torch.equal(run(True, 8), library)  # within the limit: the kernel (rounds otherwise)
+
+
 def test_the_kernels_are_wanted_on_cuda_only_and_can_be_turned_off(kernels, monkeypatch):
     monkeypatch.delenv("OMNI_NO_KERNELS", raising=False)
     assert fused.kernels_wanted(torch.device("cuda")) is (torch.version.hip is None)
