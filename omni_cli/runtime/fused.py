@@ -352,8 +352,9 @@ class FusedDecoder:
                         and all(L.qkv_b is None for L in self.layers))
         # A one-token attention block as one launch, compiled or not (kernels.attend): where inductor
         # made four kernels and cuDNN's attention a fifth, whose one query over a few rows leaves most of
-        # the GPU idle.
-        self.attend = as_sum and attend_wanted(param.device) and all(L.head_dim & (L.head_dim - 1) == 0 for L in self.layers)  # a power of two: the kernel's blocks
+        # the GPU idle. Its blocks need a head size that is a power of two.
+        self.attend = (as_sum and attend_wanted(param.device)
+                       and all(L.head_dim & (L.head_dim - 1) == 0 for L in self.layers))
         # Added to a slot's position for its RoPE angle: the delta an image prompt's 3-D positions leave
         # for what follows (0 for text and audio); a device tensor, so one captured graph serves every turn.
         self.rope_shift = torch.zeros(1, dtype=torch.long, device=param.device)

@@ -279,6 +279,7 @@ def attend(qkv: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.Tensor 
     its key/value head's rows in turn (few: a decode step's span is at most ATTEND_MAX_SPAN). A
     `torch.library` op, so that a compiled step launches it as it is (inductor sees the cache writes)."""
     kv, D = keys.shape[1], keys.shape[-1]
+    qkv, cos, sin = qkv.contiguous(), cos.contiguous(), sin.contiguous()
     out = torch.empty(heads * D, device=qkv.device, dtype=qkv.dtype)
     block, warps = _attend_blocks(span)
     torch.library.wrap_triton(_attend_kernel)[(heads,)](
