@@ -256,6 +256,7 @@ def qwen3_engines(model, voices, tokenizer, eos, max_codes, compiles):
     """(eager: the library's layers, then per `compiles` entry the fused steps replayed as CUDA graphs,
     compiled (True: omni-bench's) or plain (False: the other commands' default), captured)."""
     from omni_cli.models.qwen3_omni.steps import Qwen3Steps
+    from omni_cli.runtime import fused
 
     eager = Engine(Qwen3Steps(model, voices, max_context=512, max_codes=max_codes, fast_decode=False), tokenizer,
                    eos_ids=eos)
@@ -266,6 +267,10 @@ def qwen3_engines(model, voices, tokenizer, eos, max_codes, compiles):
         assert graphed.steps.compile is compile
         assert graphed.steps.talker.step_graphs.graphs and graphed.steps.talker.frame_graphs.graphs
         assert graphed.steps.thinker.fused.graphs.graphs
+        # The one-launch attention (kernels.attend) in all three stacks, unless OMNI_NO_ATTEND=1 says not.
+        wanted = fused.attend_wanted(torch.device("cuda"))
+        talker = graphed.steps.talker
+        assert graphed.steps.thinker.fused.fused.attend is talker.fused.attend is talker.predictor_fused.attend is wanted
     return eager, *made
 
 
