@@ -306,13 +306,6 @@ def test_no_portaudio(run_cli, tmp_path, no_portaudio):
     assert os.listdir(tmp_path) == []
 
 
-def test_no_portaudio_is_fine_for_files(run_cli, tmp_path, no_portaudio):
-    out = tmp_path / "x.wav"
-    result = run_cli("hello", "-o", out, "--max-codes", "24", "--max-text-tokens", "3", env=no_portaudio, cwd=tmp_path)
-    assert result.returncode == 0, result.stderr
-    assert sf.info(out).frames > 0
-
-
 def test_no_audio_device(run_cli, tmp_path):
     result = run_cli("hello", "-m", tmp_path / "nope", env=cli_env(**no_alsa_device(tmp_path / "alsa")), cwd=tmp_path)
     line = assert_one_error_line(result, 1)
@@ -625,31 +618,29 @@ def test_load_failure_leaves_no_file(monkeypatch, tmp_path):
 # -- real runs with the built-in tiny model (need the engine) -----------------------------------
 
 
-def test_real_run_writes_a_whole_wav(run_cli, tmp_path, tiny_model_dir):
-    out = tmp_path / "hello.wav"
-    result = run_cli("Hello there", "-o", out, "-m", tiny_model_dir, "--seed", "0",
-                     "--max-text-tokens", "8", "--max-codes", "60", cwd=tmp_path)
-    assert result.returncode == 0, result.stderr
-    assert "Traceback" not in result.stderr
-    assert result.stdout.endswith("\n")
-    last = result.stderr.splitlines()[-1]
-    assert last.startswith(f"wrote {out} (") and last.endswith(" s audio)")
-    info = sf.info(out)
-    assert (info.format, info.samplerate, info.channels) == ("WAV", 24_000, 1)
-    assert 0 < info.frames <= 60 * 480  # 50 codes = 1 s = 24000 samples
-    data, _ = sf.read(out, dtype="float32")
-    assert np.isfinite(data).all() and np.abs(data).max() > 0
-    assert os.listdir(tmp_path) == ["hello.wav"]
-
-
-def test_real_run_same_seed_same_reply(run_cli, tmp_path, tiny_model_dir):
+def test_real_run_writes_a_whole_wav_and_the_same_seed_gives_the_same_reply(run_cli, tmp_path, tiny_model_dir,
+                                                                           no_portaudio):
+    """One command run twice, each in a process of its own: each writes a whole WAV and nothing else, and
+    the same seed gives the same reply, text and samples. The second run has no PortAudio, which writing
+    a file does not need."""
     runs = []
-    for name in ("a.wav", "b.wav"):
-        result = run_cli("Tell me a story", "-o", tmp_path / name, "-m", tiny_model_dir, "--seed", "3",
-                         "--max-text-tokens", "6", "--max-codes", "30", "-v", "Ethan", cwd=tmp_path)
+    for name, env in (("a.wav", None), ("b.wav", no_portaudio)):
+        out = tmp_path / name
+        result = run_cli("Tell me a story", "-o", out, "-m", tiny_model_dir, "--seed", "3", "--max-text-tokens", "8",
+                         "--max-codes", "60", "-v", "Ethan", env=env, cwd=tmp_path)
         assert result.returncode == 0, result.stderr
-        runs.append((result.stdout, sf.read(tmp_path / name, dtype="float32")[0]))
-    (text_a, audio_a), (text_b, audio_b) = runs
+        assert "Traceback" not in result.stderr
+        assert result.stdout.endswith("\n")
+        last = result.stderr.splitlines()[-1]
+        assert last.startswith(f"wrote {out} (") and last.endswith(" s audio)")
+        info = sf.info(out)
+        assert (info.format, info.samplerate, info.channels) == ("WAV", 24_000, 1)
+        assert 0 < info.frames <= 60 * 480  # 50 codes = 1 s = 24000 samples
+        data, _ = sf.read(out, dtype="float32")
+        assert np.isfinite(data).all() and np.abs(data).max() > 0
+        assert sorted(os.listdir(tmp_path)) == [r[0] for r in runs] + [name]  # no temp file left
+        runs.append((name, result.stdout, data))
+    (_, text_a, audio_a), (_, text_b, audio_b) = runs
     assert text_a == text_b
     np.testing.assert_array_equal(audio_a, audio_b)
 
@@ -1081,3 +1072,31 @@ def test_process_start_is_read_from_proc():
         pytest.skip("no /proc here")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True).stdout
     assert 0.5 <= float(out) < 5.0
+
+
+@pytest.mark.parametrize("module, main", [("omni_cli.cli", "say_main"), ("omni_cli.cli", "chat_main"),
+                                          ("omni_cli.serve", "serve_main")])
+def test_the_programs_leave_their_objects_to_the_exit(module, main):
+    """The programs freeze the garbage collector's objects as they end (cli.skip_the_teardown), so that the
+    interpreter's exit does not take their module graphs apart cycle by cycle; the atexit handlers, which
+    run after that, still do, and the exit code is the command's."""
+    code = ("import atexit, gc, sys\n"
+            "atexit.register(lambda: print('frozen', gc.get_freeze_count() > 0))\n"
+            f"from {module} import {main}\n"
+            "sys.argv = ['omni', '--bogus']\n"
+            f"{main}()")
+    result = subprocess.run([sys.executable, "-c", code], env=cli_env(), capture_output=True, text=True, timeout=60)
+    assert (result.returncode, result.stdout) == (2, "frozen True\n"), result.stderr
+    assert result.stderr.startswith("error: no such option: --bogus")
+
+
+def test_the_first_load_imports_the_engine_with_the_gc_paused_and_leaves_it_on():
+    """cli._import_the_engine (a command's first load): torch and the engine imported, what the process holds
+    frozen, and the garbage collector on again afterwards, as it was."""
+    code = ("import gc, sys\n"
+            "from omni_cli import cli\n"
+            "assert 'torch' not in sys.modules and gc.isenabled() and gc.get_freeze_count() == 0\n"
+            "cli._import_the_engine()\n"
+            "print('omni_cli.runtime.engine' in sys.modules, gc.isenabled(), gc.get_freeze_count() > 10000)")
+    result = subprocess.run([sys.executable, "-c", code], env=cli_env(), capture_output=True, text=True, timeout=120)
+    assert (result.returncode, result.stdout) == (0, "True True True\n"), result.stderr

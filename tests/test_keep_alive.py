@@ -104,7 +104,7 @@ def place(tmp_path):
     where.stop_all()
 
 
-def test_the_next_command_uses_the_server_the_first_started(place, tmp_path):
+def test_the_next_command_uses_the_server_the_first_started_and_another_model_replaces_it(place, tmp_path):
     place.env["OMNI_API_KEY"] = "k-123"  # the background server asks for the key the commands send
     first = place.say("Hello there", "-o", tmp_path / "a.wav", "--verbose")
     assert first.returncode == 0, first.stderr
@@ -134,6 +134,12 @@ def test_the_next_command_uses_the_server_the_first_started(place, tmp_path):
     with pytest.raises(urllib.error.HTTPError) as refused:
         urllib.request.urlopen(f"http://127.0.0.1:{place.port}/v1/models", timeout=10)
     assert refused.value.code == 401
+    # A command on another model stops this server, idle now, and starts one of its own.
+    result = place.say("Hi", "-m", QWEN3, "-o", tmp_path / "q3.wav")
+    assert result.returncode == 0, result.stderr
+    assert place.wait_gone(pid, 5)
+    assert place.record["pid"] != pid and place.record["key"] == str(QWEN3.resolve())
+    assert len(sf.read(tmp_path / "q3.wav")[0]) > 0
 
 
 def test_an_idle_server_stops_itself_and_forgets_its_record(place, tmp_path):
@@ -144,16 +150,6 @@ def test_an_idle_server_stops_itself_and_forgets_its_record(place, tmp_path):
     assert place.record is None
     log = (place.cache / "omni_cli" / "serve" / f"omni-serve-{place.port}.log").read_text()
     assert "no request for 1 s, stopping" in log
-
-
-def test_another_model_replaces_an_idle_background_server(place, tmp_path):
-    assert place.say("Hi", "-o", tmp_path / "a.wav").returncode == 0
-    old = place.record["pid"]
-    result = place.say("Hi", "-m", QWEN3, "-o", tmp_path / "b.wav")
-    assert result.returncode == 0, result.stderr
-    assert place.wait_gone(old, 5)
-    assert place.record["pid"] != old and place.record["key"] == str(QWEN3.resolve())
-    assert len(sf.read(tmp_path / "b.wav")[0]) > 0
 
 
 def test_a_server_that_is_not_ours_is_left_alone(place, tmp_path):
