@@ -353,30 +353,11 @@ def _load(model, device, dtype, err, quiet: bool = False, **runtime):
         kwargs["runtime"] = RuntimeOptions(device=device, dtype=dtype, **runtime)
 
     with loading(err, model_label(model), enabled=not quiet):
-        if "torch" not in sys.modules:  # the process's first load
-            _import_the_engine()
         assistant = omni_cli.load(model, device=device, dtype=dtype, **kwargs)
     from .ui import write_bytecode_later
 
     write_bytecode_later()  # the first start's bytecode, now that torch and transformers are imported
     return assistant
-
-
-def _import_the_engine() -> None:
-    """Import torch and the engine with the cyclic garbage collector paused, then freeze what the process
-    holds (`gc.freeze`): modules live as long as the process, and the collections that walked them again
-    and again while they were being imported were ~0.5 s of each command's start on a 2-core CPU. What the
-    load makes after this (the model, its caches and steps) is collected as usual."""
-    import gc
-
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        import omni_cli.assistant  # noqa: F401 (torch and the engine)
-    finally:
-        gc.freeze()
-        if enabled:
-            gc.enable()
 
 
 def _timed_load(model, device, dtype, err, t_command: float, before: str, quiet: bool = False, **runtime):

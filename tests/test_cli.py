@@ -1088,15 +1088,3 @@ def test_the_programs_leave_their_objects_to_the_exit(module, main):
     result = subprocess.run([sys.executable, "-c", code], env=cli_env(), capture_output=True, text=True, timeout=60)
     assert (result.returncode, result.stdout) == (2, "frozen True\n"), result.stderr
     assert result.stderr.startswith("error: no such option: --bogus")
-
-
-def test_the_first_load_imports_the_engine_with_the_gc_paused_and_leaves_it_on():
-    """cli._import_the_engine (a command's first load): torch and the engine imported, what the process holds
-    frozen, and the garbage collector on again afterwards, as it was."""
-    code = ("import gc, sys\n"
-            "from omni_cli import cli\n"
-            "assert 'torch' not in sys.modules and gc.isenabled() and gc.get_freeze_count() == 0\n"
-            "cli._import_the_engine()\n"
-            "print('omni_cli.runtime.engine' in sys.modules, gc.isenabled(), gc.get_freeze_count() > 10000)")
-    result = subprocess.run([sys.executable, "-c", code], env=cli_env(), capture_output=True, text=True, timeout=120)
-    assert (result.returncode, result.stdout) == (0, "True True True\n"), result.stderr
