@@ -990,7 +990,6 @@ def _run(app, name: str) -> None:
     except SystemExit as exc:
         write_bytecode_later()  # a command that loaded no model (through a server, --help, ...)
         exit_at_once_if(lambda t: t.name.startswith("omni-"), exc)
-        skip_the_teardown()
         raise
 
 
@@ -1005,19 +1004,6 @@ def exit_at_once_if(picked, exc: SystemExit) -> None:
             with contextlib.suppress(Exception):
                 stream.flush()
         os._exit(code)
-
-
-def skip_the_teardown() -> None:
-    """A program is ending: leave what is alive now to the end of the process as it is (`gc.freeze`),
-    rather than have the interpreter's exit collect torch's and transformers' module graphs cycle by cycle.
-    That collection was most of a command's exit: omni-say with the tiny model on a 2-core CPU took
-    1.26 s from its last atexit handler to its end, 0.21 s frozen. atexit handlers, the join of the
-    threads, the flush of stdout and stderr all still run (this is no os._exit); what is left undone is
-    taking apart the reference cycles alive now, with their objects' finalizers: the commands close their
-    files and end their sinks before they return, so nothing of theirs waits on that."""
-    import gc
-
-    gc.freeze()
 
 
 def say_main() -> None:

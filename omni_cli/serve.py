@@ -27,7 +27,7 @@ from .api.protocol import DEFAULT_PORT, is_loopback
 from .cli import (
     DebugOpt, DeviceOpt, DtypeOpt, GraphsOpt, GreedyOpt, MaxCodesOpt, MaxContextOpt, MaxTextOpt, ModelOpt,
     SeedOpt, TemperatureOpt, TopKOpt, TopPOpt, VersionOpt, _err, _exit_on, _OneLineErrors, _report_library_logs,
-    _timed_load, exit_at_once_if, runtime_flags, skip_the_teardown,
+    _timed_load, exit_at_once_if, runtime_flags,
 )
 from .config import ReplyOptions
 from .errors import UsageError
@@ -213,7 +213,6 @@ def serve_main() -> None:
         sys.stdout.flush()
         # Stopped while it compiles in the background: that thread may be inside CUDA or the compiler.
         exit_at_once_if(lambda t: t.name == "omni-compile", exc)
-        skip_the_teardown()
         raise exc
 
 

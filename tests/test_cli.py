@@ -1072,19 +1072,3 @@ def test_process_start_is_read_from_proc():
         pytest.skip("no /proc here")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True).stdout
     assert 0.5 <= float(out) < 5.0
-
-
-@pytest.mark.parametrize("module, main", [("omni_cli.cli", "say_main"), ("omni_cli.cli", "chat_main"),
-                                          ("omni_cli.serve", "serve_main")])
-def test_the_programs_leave_their_objects_to_the_exit(module, main):
-    """The programs freeze the garbage collector's objects as they end (cli.skip_the_teardown), so that the
-    interpreter's exit does not take their module graphs apart cycle by cycle; the atexit handlers, which
-    run after that, still do, and the exit code is the command's."""
-    code = ("import atexit, gc, sys\n"
-            "atexit.register(lambda: print('frozen', gc.get_freeze_count() > 0))\n"
-            f"from {module} import {main}\n"
-            "sys.argv = ['omni', '--bogus']\n"
-            f"{main}()")
-    result = subprocess.run([sys.executable, "-c", code], env=cli_env(), capture_output=True, text=True, timeout=60)
-    assert (result.returncode, result.stdout) == (2, "frozen True\n"), result.stderr
-    assert result.stderr.startswith("error: no such option: --bogus")
