@@ -14,6 +14,12 @@ from dataclasses import dataclass, replace
 SAMPLE_RATE = 24_000  # both families' vocoders speak at 24 kHz mono
 
 
+def env_flag(name: str) -> bool:
+    """Whether the switch `name` is set in the environment: any value but empty or "0" (`OMNI_NO_GRAPHS=1`,
+    ...)."""
+    return os.environ.get(name, "").strip() not in ("", "0")
+
+
 def cache_folder(name: str) -> str:
     """Where omni_cli keeps the cache called `name` (compiled kernels, bytecode):
     `$XDG_CACHE_HOME/omni_cli/NAME`, else `~/.cache/omni_cli/NAME`."""

@@ -24,6 +24,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from .config import env_flag
+
 # Turns the chat's history file off when set to anything but "" or "0" (like OLLAMA_NOHISTORY).
 NO_HISTORY_ENV = "OMNI_NOHISTORY"
 
@@ -189,7 +191,7 @@ def cache_bytecode() -> str | None:
     dropped). `write_bytecode_later` then writes them on a background process, once the model is
     loaded. Returns the folder, or None when it did nothing."""
     global _bytecode_later
-    if not sys.dont_write_bytecode or os.environ.get(BYTECODE_ENV, "").strip() not in ("", "0"):
+    if not sys.dont_write_bytecode or env_flag(BYTECODE_ENV):
         return None
     if sys.pycache_prefix is None:
         from .config import cache_folder
@@ -353,7 +355,7 @@ def data_dir() -> Path:
 
 
 def history_disabled_by_env() -> bool:
-    return os.environ.get(NO_HISTORY_ENV, "").strip() not in ("", "0")
+    return env_flag(NO_HISTORY_ENV)
 
 
 def default_history_file() -> Path:

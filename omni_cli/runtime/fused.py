@@ -27,11 +27,10 @@ differently); tests compare the tokens.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 
+from ..config import env_flag
 from .graphs import compile_fn, tracing
 from .kv_cache import StaticKVCache
 
@@ -46,7 +45,7 @@ def kernels_wanted(device: torch.device) -> bool:
     global _kernels
     if device.type != "cuda" or torch.version.hip is not None:
         return False
-    if os.environ.get("OMNI_NO_KERNELS", "").strip() not in ("", "0"):
+    if env_flag("OMNI_NO_KERNELS"):
         return False
     try:
         from . import kernels
@@ -59,7 +58,7 @@ def kernels_wanted(device: torch.device) -> bool:
 def attend_wanted(device: torch.device) -> bool:
     """`kernels.attend` for the one-token attention blocks: where the kernels are wanted, unless
     `OMNI_NO_ATTEND=1` (to measure against the library's attention)."""
-    if os.environ.get("OMNI_NO_ATTEND", "").strip() not in ("", "0"):
+    if env_flag("OMNI_NO_ATTEND"):
         return False
     return kernels_wanted(device)
 

@@ -23,11 +23,13 @@ from typing import Callable
 
 import torch
 
+from ..config import env_flag
+
 SPAN_BUCKET = 256  # attention-span granularity: a new graph every 256 positions
 
 
 def graphs_wanted(enabled: bool, device: torch.device) -> bool:
-    if os.environ.get("OMNI_NO_GRAPHS", "").strip() not in ("", "0"):
+    if env_flag("OMNI_NO_GRAPHS"):
         return False
     return enabled and device.type == "cuda"
 
@@ -35,7 +37,7 @@ def graphs_wanted(enabled: bool, device: torch.device) -> bool:
 def compile_wanted(enabled: bool, device: torch.device) -> bool:
     """torch.compile for the decode layers: on CUDA with the graph switch on (`OMNI_NO_COMPILE=1` alone
     turns compilation off, e.g. to look at eager kernels under the profiler)."""
-    if os.environ.get("OMNI_NO_COMPILE", "").strip() not in ("", "0"):
+    if env_flag("OMNI_NO_COMPILE"):
         return False
     return graphs_wanted(enabled, device)
 
