@@ -120,6 +120,23 @@ def test_attend_is_the_eager_attention_block(kernels, heads, kv, span, pos, norm
         assert ulps(got, everything.transpose(1, 2).reshape(-1)) > 8
 
 
+def _forced(kernels):
+    """A stand-in for `fused.kernels_wanted` / `attend_wanted` that says yes on the CPU."""
+    def wanted(device):
+        fused._kernels = kernels
+        return True
+    return wanted
+
+
+def _four_steps(dec, width: int, dtype, seed: int) -> torch.Tensor:
+    """A fused stack's two-row first step, then two one-token steps (positions 2 and 3), on random inputs."""
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        steps = [dec.step(torch.randn(1, 2, width).to(dtype), torch.tensor([0, 1]), 8)]
+        steps += [dec.step(torch.randn(1, 1, width).to(dtype), torch.tensor([p]), 8) for p in (2, 3)]
+    return torch.cat(steps, dim=1)
+
+
 def test_qwen3_steps_with_the_kernels_equal_the_steps_without(kernels, monkeypatch):
     """The tiny model's three stacks (MoE thinker, MoE talker with a shared expert, the dense code
     predictor with its two-row first step), in half precision: each fused step with the product kernels
@@ -133,9 +150,7 @@ def test_qwen3_steps_with_the_kernels_equal_the_steps_without(kernels, monkeypat
 
     base = ref.model("tiny")  # shared by other tests: copied before the cast
 
-    def forced(device):
-        fused._kernels = kernels
-        return True
+    forced = _forced(kernels)
 
     def run(dtype, products: bool, attend: bool):
         monkeypatch.setattr(fused, "kernels_wanted", forced if products else (lambda device: False))
@@ -150,12 +165,7 @@ def test_qwen3_steps_with_the_kernels_equal_the_steps_without(kernels, monkeypat
             cache = StaticKVCache.for_config(config, 8, device="cpu", dtype=dtype)
             dec = fused.FusedDecoder(stack, cache, mrope=mrope, as_sum=True)
             assert (dec.kernels, dec.attend) == (products, attend)
-            torch.manual_seed(2)
-            width = config.hidden_size
-            with torch.no_grad():
-                steps = [dec.step(torch.randn(1, 2, width).to(dtype), torch.tensor([0, 1]), 8)]
-                steps += [dec.step(torch.randn(1, 1, width).to(dtype), torch.tensor([p]), 8) for p in (2, 3)]
-            outs[type(stack).__name__] = torch.cat(steps, dim=1)
+            outs[type(stack).__name__] = _four_steps(dec, config.hidden_size, dtype, seed=2)
         return outs
 
     without, products, both = run(DT, False, False), run(DT, True, False), run(DT, True, True)
@@ -178,20 +188,14 @@ def test_a_span_longer_than_the_attention_kernels_takes_the_library_attention(ke
     model = copy.deepcopy(ref.model("tiny")).to(DT)
     stack, config = model.talker.code_predictor.model, model.config.talker_config.code_predictor_config
 
-    def forced(device):
-        fused._kernels = kernels
-        return True
+    forced = _forced(kernels)
 
     def run(attend: bool, limit: int):
         monkeypatch.setattr(fused, "attend_wanted", forced if attend else (lambda device: False))
         monkeypatch.setattr(kernels, "ATTEND_MAX_SPAN", limit)
         dec = fused.FusedDecoder(stack, StaticKVCache.for_config(config, 8, device="cpu", dtype=DT), mrope=False,
                                  as_sum=True)
-        torch.manual_seed(4)
-        with torch.no_grad():
-            steps = [dec.step(torch.randn(1, 2, config.hidden_size, dtype=DT), torch.tensor([0, 1]), 8)]
-            steps += [dec.step(torch.randn(1, 1, config.hidden_size, dtype=DT), torch.tensor([p]), 8) for p in (2, 3)]
-        return torch.cat(steps, dim=1)
+        return _four_steps(dec, config.hidden_size, DT, seed=4)
 
     library = run(False, 1024)
     assert torch.equal(run(True, 4), library)  # span 8 > 4: the library's attention
