@@ -78,6 +78,24 @@ class RuntimeOptions:
     # 50 codes = 1 s; Qwen3-Omni: 12.5 frames = 1 s); None = the family's default (about 82 s).
     max_codes: int | None = None
 
+    @classmethod
+    def from_env(cls, **fields) -> "RuntimeOptions":
+        """The options from flags (`fields`) and the environment's switches, read here once:
+        OMNI_NO_GRAPHS=1 turns graphs off whatever the flag says."""
+        if env_flag("OMNI_NO_GRAPHS"):
+            fields["graphs"] = False
+        return cls(**fields)
+
+    def to_argv(self) -> list[str]:
+        """The omni-serve flags that make a server run the model this way (what is at its default is left
+        out, except --no-compile: a server compiles unless told not to)."""
+        argv = ["--device", self.device, "--dtype", self.dtype]
+        argv += [] if self.graphs else ["--no-graphs"]
+        argv += ["--compile" if self.compile else "--no-compile"]
+        if self.max_context != RuntimeOptions.max_context:
+            argv += ["--max-context", str(self.max_context)]
+        return argv
+
 
 @dataclass(frozen=True)
 class ReplyOptions:

@@ -113,8 +113,7 @@ def _resolve(model: str | os.PathLike | None, notice: bool = True) -> tuple[Path
         folder = _check_folder(path)
         tiny = _is_tiny(folder)
         if tiny and notice:
-            log.info("%s is a built-in tiny model: its weights are random, so it prints gibberish and speaks noise",
-                     folder.name)
+            log.info("%s", demo_notice(text, folder.name))
         return folder, tiny, folder.name
     if _looks_like_hub_id(text):
         return _from_hub(text), False, text
@@ -575,3 +574,33 @@ def _free(device: "torch.device") -> None:
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
+
+
+# ---------------------------------------------------------------------------------------------
+# What the faces ask before anything is loaded (no torch)
+# ---------------------------------------------------------------------------------------------
+
+
+def model_name_problem(model: str | os.PathLike) -> str | None:
+    """Why `model` (as typed after -m) can name no checkpoint, found without the network or torch: a path
+    that does not exist and is not shaped like a hub id; None when it may (a folder that exists, or
+    `owner/name`, which is looked up when it is loaded)."""
+    text = os.fspath(model)
+    if not text.strip():
+        return "empty model name: pass a model folder or a hub id such as Qwen/Qwen2.5-Omni-7B"
+    if Path(text).expanduser().exists() or _looks_like_hub_id(text):
+        return None
+    return f"model folder {text} does not exist (pass a model folder or a hub id such as Qwen/Qwen2.5-Omni-7B)"
+
+
+def canonical_dtype(name: str) -> str:
+    """A --dtype as torch names it ("bf16" -> "bfloat16"); an unknown name as it is."""
+    return _DTYPES.get(name.strip().lower(), name)
+
+
+def demo_notice(model: str | os.PathLike | None, name: str) -> str:
+    """What is said of a built-in tiny model: the demo notice when no model was given, else (`-m` naming
+    one, by its folder `name`) only what it is."""
+    if model is None:
+        return DEMO_NOTICE
+    return f"{name} is a built-in tiny model: its weights are random, so it prints gibberish and speaks noise"

@@ -11,7 +11,7 @@ set -u
 out=${OUT:-/tmp/omni-gpu-check}
 mkdir -p "$out"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-bench="python3 -m omni_cli.bench --preset qwen2.5-omni-7b --runs 2 --json"
+bench="python3 -m omni_cli.faces.bench --preset qwen2.5-omni-7b --runs 2 --json"
 for step in "${@:-bench tests}"; do
   for s in $step; do
     case $s in

@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from omni_cli.bench import _BenchTokenizer, build_model
+from omni_cli.faces.bench import _BenchTokenizer, build_model
 from omni_cli.config import SamplingOptions
 from omni_cli.models.qwen2_5_omni import TALKER_SAMPLING as TALKER_DEFAULTS
 from omni_cli.models.qwen2_5_omni.steps import Qwen25Steps

@@ -15,7 +15,7 @@ import torch
 
 from profile_gpu import device_ms, kernels  # scripts/ is on sys.path when this file runs
 
-from omni_cli.bench import _BenchTokenizer
+from omni_cli.faces.bench import _BenchTokenizer
 from omni_cli.models.qwen3_omni import presets
 from omni_cli.models.qwen3_omni.code2wav import StreamingCode2Wav
 from omni_cli.models.qwen3_omni.talker import Talker

@@ -103,8 +103,8 @@ def cli_env(**extra: str) -> dict[str, str]:
 
 
 def run_omni_say(*args: str, env: dict[str, str] | None = None, timeout: float = 600, cwd=None,
-                 input: bytes | str | None = None, module: str = "omni_cli.cli", text: bool = True):
-    """Run `python -m omni_cli.cli ARGS` in a subprocess; a CompletedProcess with text stdout/stderr.
+                 input: bytes | str | None = None, module: str = "omni_cli.faces.say", text: bool = True):
+    """Run `python -m omni_cli.faces.say ARGS` in a subprocess; a CompletedProcess with text stdout/stderr.
 
     `input` is piped to stdin (else stdin is /dev/null); `text=False` keeps stdout/stderr as bytes.
     """
@@ -127,7 +127,7 @@ def run_omni_say(*args: str, env: dict[str, str] | None = None, timeout: float =
 
 def run_omni_chat(*args: str, **kwargs):
     """omni-chat in a subprocess (stdin a pipe, so it reads one message or command a line)."""
-    return run_omni_say(*args, module="omni_cli.chat", **kwargs)
+    return run_omni_say(*args, module="omni_cli.faces.chat.main", **kwargs)
 
 
 @pytest.fixture

@@ -33,6 +33,7 @@ class FakeAssistant:
         self.block_delay = block_delay
         self.stats = stats or {}
         self.calls = []
+        self.startup = {}
 
     default_voice = "Chelsie"
     speaks_only_under_default_system = True

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from conftest import run_omni_say
-from omni_cli.bench import DEFAULT_PRESET, FAMILIES, PRESETS, _median, _pick_preset, bench_app, family_of
+from omni_cli.faces.bench import DEFAULT_PRESET, FAMILIES, PRESETS, _median, _pick_preset, bench_app, family_of
 from omni_cli.models import qwen2_5_omni, qwen3_omni
 from omni_cli.models.qwen3_omni.presets import build_config, count_parameters
 
@@ -138,7 +138,7 @@ def test_no_preset_on_the_cpu_runs_tiny_says_so_once_and_nothing_else():
     """The program as a user runs it: no --preset on the CPU is the tiny preset, with one note; stderr
     holds that note and the progress lines only (no transformers config warnings); stdout is the JSON."""
     result = run_omni_say("--device", "cpu", "--text-tokens", "2", "--codes", "20", "--runs", "1", "--json",
-                          module="omni_cli.bench", timeout=300)
+                          module="omni_cli.faces.bench", timeout=300)
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["meta"]["preset"] == "tiny"
     lines = result.stderr.splitlines()
@@ -269,6 +269,6 @@ def test_each_family_gives_the_bench_the_same_names_and_its_own_presets():
         assert fam.CODES_PER_SECOND == package.CODES_PER_SECOND and fam.TITLE == package.TITLE
         assert all(family_of(name) is fam for name in fam.PRESETS)
     assert sorted(PRESETS) == sorted(n for fam in FAMILIES for n in fam.PRESETS)
-    code = "import sys, omni_cli.bench; print('torch' in sys.modules, 'transformers' in sys.modules)"
+    code = "import sys, omni_cli.faces.bench; print('torch' in sys.modules, 'transformers' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False", "False"]

@@ -1,4 +1,4 @@
-"""ui.cache_bytecode: when Python is told to write no bytecode (PYTHONDONTWRITEBYTECODE), the programs keep
+"""bytecode.cache_bytecode: when Python is told to write no bytecode (PYTHONDONTWRITEBYTECODE), the programs keep
 the bytecode of what they import under ~/.cache/omni_cli/pycache instead of compiling torch's and
 transformers' sources again at every start; never beside the sources; not with OMNI_NO_PYCACHE=1; and
 nothing changes when Python writes bytecode anyway. The first start writes none itself: a background
@@ -14,7 +14,7 @@ import pytest
 
 from conftest import REPO_ROOT, cli_env
 
-PROBE = ("import sys; from omni_cli.ui import cache_bytecode, write_bytecode_later; where = cache_bytecode(); "
+PROBE = ("import sys; from omni_cli.bytecode import cache_bytecode, write_bytecode_later; where = cache_bytecode(); "
          "sys.path.insert(0, {src!r}); import probe_mod; print(where)")
 LATER = PROBE + "; write_bytecode_later()"
 
@@ -87,8 +87,8 @@ def test_the_programs_do_it_before_their_imports(tmp_path):
 @pytest.mark.parametrize("program", ["say", "chat", "serve", "bench"])
 def test_an_installed_program_arranges_it_before_importing_its_command(tmp_path, program):
     """The entry points pyproject names (omni_cli.entry_points) set the cache before the command's module
-    is imported: with the folder there, omni_cli/cli.py itself (and typer) are written into it as they are
-    imported, so the next start reads them. (An entry point naming omni_cli.cli:say_main compiled them
+    is imported: with the folder there, omni_cli/faces/options.py itself (and typer) are written into it as
+    they are imported, so the next start reads them. (An entry point naming omni_cli.faces.say:main compiled them
     from source at every start: they were imported before say_main could set anything.)"""
     tomllib = pytest.importorskip("tomllib")  # Python 3.11 and later
 
@@ -100,6 +100,6 @@ def test_an_installed_program_arranges_it_before_importing_its_command(tmp_path,
     done = subprocess.run([sys.executable, "-c", f"from omni_cli.entry_points import {program}; {program}()", "--help"],
                           env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    written = [p for p in cache.rglob("*.pyc") if p.parent.name == "omni_cli"]
-    assert "cli" in {p.name.split(".")[0] for p in written}
+    written = [p for p in cache.rglob("*.pyc") if p.parent.name == "faces"]
+    assert "options" in {p.name.split(".")[0] for p in written}
     assert list(cache.rglob("typer/main.*.pyc"))

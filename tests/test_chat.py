@@ -30,12 +30,13 @@ from prompt_toolkit.output import DummyOutput
 from audio_device import FakeSoundDevice
 from conftest import cli_env
 from fakes import FakeAssistant
-from omni_cli.chat import ChatRepl, line_reader
+from omni_cli.faces.chat.loop import ChatRepl, line_reader
 from omni_cli.config import ReplyOptions
 from omni_cli.errors import OutputError, UsageError
 from omni_cli.prompt import DEFAULT_SYSTEM, Conversation, check_prompt, fit
 from omni_cli.audio.speaker import SpeakerSink
-from omni_cli.ui import StreamWrapper, make_console, make_history, make_session
+from omni_cli.faces.chat.history import make_history, make_session
+from omni_cli.faces.console import StreamWrapper, make_console
 
 
 class Session:
@@ -279,7 +280,7 @@ def test_history_file(tmp_path):
 
 
 def test_history_off_by_env(monkeypatch):
-    from omni_cli.ui import default_history_file, history_disabled_by_env
+    from omni_cli.faces.chat.history import default_history_file, history_disabled_by_env
 
     monkeypatch.setenv("XDG_DATA_HOME", "/somewhere")
     assert str(default_history_file()) == "/somewhere/omni-cli/chat_history"
@@ -797,8 +798,9 @@ def test_chat_bad_model_and_no_device(run_chat, tmp_path):
     from audio_device import no_alsa_device
 
     result = run_chat("-m", tmp_path / "nope", "--mute", input="")
-    assert (result.returncode, result.stdout) == (1, "")
-    assert result.stderr == f"error: model folder {tmp_path / 'nope'} does not exist\n"
+    assert (result.returncode, result.stdout) == (2, "")
+    assert result.stderr == (f"error: model folder {tmp_path / 'nope'} does not exist (pass a model folder or a hub id "
+                             "such as Qwen/Qwen2.5-Omni-7B)\n")
     result = run_chat(input="", env=cli_env(**no_alsa_device(tmp_path)))
     assert result.returncode == 1
     assert result.stderr.startswith("error: cannot play audio: no sound output device found")
@@ -807,7 +809,7 @@ def test_chat_bad_model_and_no_device(run_chat, tmp_path):
 
 def _omni_chat_piped(stdin: bytes, tmp_path, *args: str) -> subprocess.CompletedProcess:
     """`printf ... | omni-chat --mute ARGS`: real bytes on a real pipe (run_chat would encode text)."""
-    return subprocess.run([sys.executable, "-m", "omni_cli.chat", "--mute", "--max-text-tokens", "4", *args],
+    return subprocess.run([sys.executable, "-m", "omni_cli.faces.chat.main", "--mute", "--max-text-tokens", "4", *args],
                           input=stdin, capture_output=True, cwd=tmp_path, timeout=600,
                           env=cli_env(OMNI_NOHISTORY="1"))
 

@@ -51,9 +51,9 @@ def test_help_is_instant_and_exits_0(run_cli):
 
 def test_importing_the_cli_imports_no_torch():
     code = (
-        "import sys, omni_cli, omni_cli.cli, omni_cli.config, omni_cli.errors, omni_cli.audio.sinks, omni_cli.audio.speaker, "
+        "import sys, omni_cli, omni_cli.faces.say, omni_cli.config, omni_cli.errors, omni_cli.audio.sinks, omni_cli.audio.speaker, "
         "omni_cli.loader, "
-        "omni_cli.ui, omni_cli.chat\n"
+        "omni_cli.faces.console, omni_cli.faces.chat.main\n"
         f"print(','.join(sorted(m for m in {HEAVY!r} if m in sys.modules)))"
     )
     result = subprocess.run([sys.executable, "-c", code], env=cli_env(), capture_output=True, text=True, timeout=60)
@@ -66,7 +66,7 @@ def test_help_imports_no_torch():
         "import sys, runpy\n"
         "sys.argv = ['omni-say', '--help']\n"
         "try:\n"
-        "    runpy.run_module('omni_cli.cli', run_name='__main__')\n"
+        "    runpy.run_module('omni_cli.faces.say', run_name='__main__')\n"
         "except SystemExit:\n"
         "    pass\n"
         f"print('HEAVY:' + ','.join(sorted(m for m in {HEAVY!r} if m in sys.modules)))"
@@ -124,7 +124,8 @@ def _copy_of_tiny(tiny, path, **replace: bytes):
 def bad_input_cases():
     # (id, extra args builder, expected exit code, words in the message)
     return [
-        ("missing-model-folder", lambda d, tiny: ["-m", d / "nope"], 1, ["does not exist", "nope"]),
+        # a usage error found before anything starts (no server is asked, started or stopped)
+        ("missing-model-folder", lambda d, tiny: ["-m", d / "nope"], 2, ["does not exist", "nope"]),
         ("folder-without-config", lambda d, tiny: ["-m", _folder(d / "empty")], 1, ["no config.json"]),
         ("not-omni", lambda d, tiny: ["-m", _llama(d / "llama")], 1, ["llama", "not Qwen2.5-Omni", "Qwen3-Omni"]),
         ("corrupt-config", lambda d, tiny: ["-m", _copy_of_tiny(tiny, d / "c", **{"config.json": b"{not json"})], 1,
@@ -180,12 +181,12 @@ def test_stdin_that_is_not_utf8(run_cli, tmp_path):
 
 def test_closed_stdin_is_no_stdin(tmp_path):
     # `<&-`: file descriptor 0 closed (sys.stdin is None): the argument alone is the prompt.
-    cmd = f'exec "{sys.executable}" -m omni_cli.cli -o "{tmp_path / "x.wav"}" "   " <&-'
+    cmd = f'exec "{sys.executable}" -m omni_cli.faces.say -o "{tmp_path / "x.wav"}" "   " <&-'
     result = subprocess.run(["sh", "-c", cmd], env=cli_env(), capture_output=True, text=True, timeout=60,
                             cwd=str(tmp_path.parent))
     assert result.returncode == 2, result.stderr
     assert result.stderr.startswith("error: empty prompt")
-    cmd = f'exec "{sys.executable}" -m omni_cli.cli -o "{tmp_path / "x.wav"}" <&-'
+    cmd = f'exec "{sys.executable}" -m omni_cli.faces.say -o "{tmp_path / "x.wav"}" <&-'
     result = subprocess.run(["sh", "-c", cmd], env=cli_env(), capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and result.stderr.startswith("error: no prompt"), result.stderr
 
@@ -205,7 +206,8 @@ def test_prompt_longer_than_the_context(run_cli, tmp_path):
 
 def test_unwritable_output_before_loading(run_cli, tmp_path):
     # An invalid model too: the output is checked first, so this fails on the output alone and fast.
-    result = run_cli("hello", "-o", "/nonexistent/dir/x.wav", "-m", tmp_path / "nope", cwd=tmp_path)
+    # A hub id passes the check of the model's name (a path that does not exist would not): the output's is first.
+    result = run_cli("hello", "-o", "/nonexistent/dir/x.wav", "-m", "nobody/no-such-model", cwd=tmp_path)
     line = assert_one_error_line(result, 1)
     assert "/nonexistent/dir/x.wav" in line
     assert not os.path.exists("/nonexistent")
@@ -238,7 +240,7 @@ def test_default_model_says_it_is_a_demo(run_cli, tmp_path, tiny_model_dir):
 
 def _importtime_run(*args, cwd=None, input=None):
     """omni-say under `python -X importtime`: (CompletedProcess, the modules it imported, its other stderr)."""
-    result = subprocess.run([sys.executable, "-X", "importtime", "-m", "omni_cli.cli", *map(str, args)], env=cli_env(),
+    result = subprocess.run([sys.executable, "-X", "importtime", "-m", "omni_cli.faces.say", *map(str, args)], env=cli_env(),
                             cwd=cwd, capture_output=True, text=True, timeout=120,
                             stdin=subprocess.DEVNULL if input is None else None, input=input)
     imported = {line.split("|")[-1].strip() for line in result.stderr.splitlines() if line.startswith("import time:")}
@@ -277,7 +279,7 @@ def test_list_voices_imports_no_torch(tmp_path, family):
     assert not imported & {"torch", "transformers", "numpy"}  # ... without torch
 
 
-@pytest.mark.parametrize("module, name", [("omni_cli.cli", "omni-say"), ("omni_cli.chat", "omni-chat")])
+@pytest.mark.parametrize("module, name", [("omni_cli.faces.say", "omni-say"), ("omni_cli.faces.chat.main", "omni-chat")])
 def test_version_is_instant(module, name):
     import omni_cli
 
@@ -300,14 +302,14 @@ def test_version_is_instant(module, name):
 
 def test_no_portaudio(run_cli, tmp_path, no_portaudio):
     # An invalid model too: the sound device is checked before the model loads.
-    result = run_cli("hello", "-m", tmp_path / "nope", env=no_portaudio, cwd=tmp_path)
+    result = run_cli("hello", "-m", "nobody/no-such-model", env=no_portaudio, cwd=tmp_path)
     line = assert_one_error_line(result, 1)
     assert "PortAudio library is missing" in line and "apt-get install libportaudio2" in line and "-o FILE" in line
     assert os.listdir(tmp_path) == []
 
 
 def test_no_audio_device(run_cli, tmp_path):
-    result = run_cli("hello", "-m", tmp_path / "nope", env=cli_env(**no_alsa_device(tmp_path / "alsa")), cwd=tmp_path)
+    result = run_cli("hello", "-m", "nobody/no-such-model", env=cli_env(**no_alsa_device(tmp_path / "alsa")), cwd=tmp_path)
     line = assert_one_error_line(result, 1)
     assert "no sound output device" in line and "-o FILE" in line
     assert os.listdir(tmp_path) == ["alsa"]
@@ -333,9 +335,9 @@ def fake(monkeypatch):
 
     state = SimpleNamespace(assistant=FakeAssistant(), load_args=None, sd=FakeSoundDevice(speed=20.0))
 
-    def load(model=None, device="auto", dtype="auto", **kwargs):
-        state.load_args = (model, device, dtype)
-        state.runtime = kwargs.get("runtime")
+    def load(model=None, device="auto", dtype="auto", runtime=None):
+        state.runtime = runtime  # the faces give the one RuntimeOptions whole
+        state.load_args = (model, runtime.device, runtime.dtype)
         return state.assistant
 
     monkeypatch.setattr(omni_cli, "load", load)
@@ -344,7 +346,7 @@ def fake(monkeypatch):
 
 
 def invoke(*args, input=None):
-    from omni_cli.cli import say_app
+    from omni_cli.faces.say import say_app
 
     return CliRunner().invoke(say_app, [str(a) for a in args], prog_name="omni-say", input=input)
 
@@ -371,7 +373,9 @@ def test_no_graphs_reaches_the_runtime_options(fake, tmp_path):
     assert result.exit_code == 0, result.output
     assert fake.runtime is not None and fake.runtime.graphs is False and fake.runtime.device == "cuda"
     assert invoke("Hello", "-o", tmp_path / "s.wav").exit_code == 0
-    assert fake.runtime is None  # the default: graphs on, no runtime options passed
+    from omni_cli.config import RuntimeOptions
+
+    assert fake.runtime == RuntimeOptions()  # the defaults: graphs on, nothing compiled
 
 
 def test_defaults_play_through_the_speakers(fake, tmp_path):
@@ -425,7 +429,9 @@ def test_list_voices_reads_the_voices_without_loading_the_model(fake):
 def test_list_voices_of_a_missing_model_is_one_error_line(fake, tmp_path):
     result = invoke("--list-voices", "-m", tmp_path / "nowhere")
     assert result.exit_code != 0 and result.stdout == ""
-    assert result.stderr.strip().splitlines() == [f"error: model folder {tmp_path / 'nowhere'} does not exist"]
+    assert result.stderr.strip().splitlines() == [f"error: model folder {tmp_path / 'nowhere'} does not exist (pass a "
+                                                  "model folder or a hub id such as Qwen/Qwen2.5-Omni-7B)"]
+    assert result.exit_code == 2
 
 
 def test_list_audio_devices(fake):
@@ -670,7 +676,7 @@ def _run_shell(cmd: str, tmp_path, timeout=300):
                           timeout=timeout)
 
 
-OMNI_SAY = f'"{sys.executable}" -m omni_cli.cli'
+OMNI_SAY = f'"{sys.executable}" -m omni_cli.faces.say'
 
 
 def test_wav_on_stdout_redirected_to_a_file(tmp_path, run_cli):
@@ -721,7 +727,7 @@ def test_text_to_a_closed_pipe_ends_quietly_and_leaves_no_file(tmp_path):
     # closed pipe for certain; the speech file is dropped as for any interrupted reply. Seeded: unseeded,
     # the random model once ended its reply after 3 bytes ("(0\n"), before the reader had its 5 (with
     # seed 1 the reply is ~760 bytes).
-    proc = subprocess.Popen([sys.executable, "-m", "omni_cli.cli", "Tell me a long story", "-o", tmp_path / "s.wav",
+    proc = subprocess.Popen([sys.executable, "-m", "omni_cli.faces.say", "Tell me a long story", "-o", tmp_path / "s.wav",
                              "--max-text-tokens", "200", "--max-codes", "2000", "--seed", "1"],
                             env=cli_env(), cwd=tmp_path, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE)
@@ -748,7 +754,7 @@ def test_list_voices_into_a_closed_pipe(run_cli, tmp_path):
 
 
 def invoke_chat(*args, input=None):
-    from omni_cli.cli import chat_app
+    from omni_cli.faces.chat.main import chat_app
 
     return CliRunner().invoke(chat_app, [str(a) for a in args], prog_name="omni-chat", input=input)
 
@@ -917,7 +923,7 @@ def test_list_voices_refuses_code_in_spk_dict(tmp_path, tiny_model_dir):
 
 
 def test_chat_flags_become_one_reply_options_and_load_resumes(fake, monkeypatch, tmp_path):
-    from omni_cli.chat import ChatRepl
+    from omni_cli.faces.chat.loop import ChatRepl
 
     seen = []
     monkeypatch.setattr(ChatRepl, "load_transcript", lambda self, path: seen.append(("load", str(path))))
@@ -955,7 +961,7 @@ def slow_close(self):
         time.sleep(1.5)
 soundfile.SoundFile.close = slow_close
 sys.argv = ["omni-say", *sys.argv[1:]]
-from omni_cli.cli import say_main
+from omni_cli.faces.say import main as say_main
 say_main()
 """
 
@@ -1000,7 +1006,7 @@ def test_signal_leaves_no_file_or_a_whole_one(tmp_path, stage, signum):
     if stage == "closing":
         cmd = [sys.executable, "-c", SLOW_CLOSE, *map(str, args), "--max-codes", "30"]
     else:
-        cmd = [sys.executable, "-m", "omni_cli.cli", *map(str, args), "--max-codes", "3000"]
+        cmd = [sys.executable, "-m", "omni_cli.faces.say", *map(str, args), "--max-codes", "3000"]
     proc = subprocess.Popen(cmd, env=cli_env(), cwd=tmp_path, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, start_new_session=True)
     stream, marker = {"loading": (proc.stderr, b"note: no model given"),
@@ -1019,7 +1025,7 @@ def test_signal_leaves_no_file_or_a_whole_one(tmp_path, stage, signum):
 
 
 def test_omni_chat_killed_in_a_long_reply_exits_143(tmp_path):
-    proc = subprocess.Popen([sys.executable, "-m", "omni_cli.chat", "--mute", "--max-text-tokens", "3000"],
+    proc = subprocess.Popen([sys.executable, "-m", "omni_cli.faces.chat.main", "--mute", "--max-text-tokens", "3000"],
                             env=cli_env(), cwd=tmp_path, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, start_new_session=True)
 
@@ -1039,14 +1045,12 @@ def test_omni_say_wraps_streamed_words_at_the_terminal_width(monkeypatch):
     a pipe or a file gets the text unchanged."""
     import io
 
-    from omni_cli import cli
-
-    from omni_cli import ui
+    from omni_cli.faces import console
 
     text = "the quick brown fox jumps over the lazy dog and keeps on running far away"
     pieces = [text[i:i + 3] for i in range(0, len(text), 3)]  # token-like pieces that cut words
-    monkeypatch.setattr(ui, "terminal_width", lambda stream: 20)
-    out = cli._TextOut(io.StringIO())
+    monkeypatch.setattr(console, "terminal_width", lambda stream: 20)
+    out = console.TextOut(io.StringIO())
     for piece in pieces:
         out.write(piece)
     out.end()
@@ -1055,8 +1059,8 @@ def test_omni_say_wraps_streamed_words_at_the_terminal_width(monkeypatch):
     assert " ".join(lines).split() == text.split()  # every word whole, in order
     assert len(lines) > 3
 
-    monkeypatch.setattr(ui, "terminal_width", lambda stream: None)
-    plain = cli._TextOut(io.StringIO())
+    monkeypatch.setattr(console, "terminal_width", lambda stream: None)
+    plain = console.TextOut(io.StringIO())
     for piece in pieces:
         plain.write(piece)
     plain.end()
@@ -1066,7 +1070,7 @@ def test_omni_say_wraps_streamed_words_at_the_terminal_width(monkeypatch):
 def test_process_start_is_read_from_proc():
     """`--verbose` counts from the process's start: a process that slept 0.5 s before asking is at least
     that old (and not much older: /proc's clock ticks are 10 ms)."""
-    code = ("import time; time.sleep(0.5); from omni_cli.ui import process_started_at; "
+    code = ("import time; time.sleep(0.5); from omni_cli.faces.program import process_started_at; "
             "t = process_started_at(); print('none' if t is None else time.perf_counter() - t)")
     if not os.path.exists("/proc/self/stat"):
         pytest.skip("no /proc here")

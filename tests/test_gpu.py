@@ -117,7 +117,7 @@ def test_tiny_lazy_graphs_across_span_buckets_equal_eager():
 
 @pytest.fixture(scope="module")
 def big_model():
-    from omni_cli.bench import build_model
+    from omni_cli.faces.bench import build_model
 
     # float32 LLMs: in bf16 the fused step's matmuls (fused QKV, gate/up; other kernels) round
     # differently from the library's, and a random model's near-flat logits flip an argmax within a few

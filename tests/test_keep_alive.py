@@ -180,7 +180,7 @@ def test_two_commands_at_once_share_one_server(place, tmp_path):
     import sys
 
     env = {**place.env, "OMNI_LOCAL": ""}
-    procs = [subprocess.Popen([sys.executable, "-m", "omni_cli.cli", "Hi", "--seed", "1", "--max-codes", "30",
+    procs = [subprocess.Popen([sys.executable, "-m", "omni_cli.faces.say", "Hi", "--seed", "1", "--max-codes", "30",
                                "-o", str(tmp_path / f"{i}.wav")], env=env, cwd=REPO_ROOT,
                               stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
              for i in range(2)]
@@ -192,7 +192,7 @@ def test_two_commands_at_once_share_one_server(place, tmp_path):
         assert code == 0, err
     assert place.record is not None
     place.started.append(place.record["pid"])
-    servers = subprocess.run(["pgrep", "-f", f"omni_cli.serve .*--port {place.port}"], capture_output=True, text=True)
+    servers = subprocess.run(["pgrep", "-f", f"omni_cli.faces.serve .*--port {place.port}"], capture_output=True, text=True)
     place.started += [int(pid) for pid in servers.stdout.split()]
     assert len(servers.stdout.split()) == 1, servers.stdout  # the loser's server has gone
     assert all(len(sf.read(tmp_path / f"{i}.wav")[0]) > 0 for i in range(2))
@@ -260,7 +260,7 @@ def test_an_open_chat_holds_a_server_that_stops_when_idle(place, tmp_path):
     import sys
 
     place.env["OMNI_KEEP_ALIVE"] = "2"
-    proc = subprocess.Popen([sys.executable, "-m", "omni_cli.chat", "--mute", "--seed", "1", "--max-text-tokens", "8"],
+    proc = subprocess.Popen([sys.executable, "-m", "omni_cli.faces.chat.main", "--mute", "--seed", "1", "--max-text-tokens", "8"],
                             env=place.env, cwd=REPO_ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     try:

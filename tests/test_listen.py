@@ -28,7 +28,7 @@ pytestmark = pytest.mark.skipif(not have_portaudio(), reason="PortAudio is not i
 
 def chat(env: dict, script: str, tmp_path) -> subprocess.CompletedProcess:
     """omni-chat (muted: no output device is needed) reading `script` as its input."""
-    return subprocess.run([sys.executable, "-m", "omni_cli.chat", "--mute", "--seed", "1", "--input-rate", str(RATE)],
+    return subprocess.run([sys.executable, "-m", "omni_cli.faces.chat.main", "--mute", "--seed", "1", "--input-rate", str(RATE)],
                           input=script, text=True, capture_output=True, env=cli_env(**env, XDG_DATA_HOME=str(tmp_path / "data")),
                           cwd=REPO_ROOT, timeout=300)
 
@@ -61,7 +61,7 @@ def test_a_silent_microphone_is_one_line_and_the_recording_is_kept(tmp_path):
     write_wav(tmp_path / "quiet.wav", np.zeros(RATE * 2, np.float32), RATE)
     env, _ = alsa_capture_device(tmp_path / "alsa", tmp_path / "quiet.wav", pad_seconds=1.0)
     env = {**env}
-    r = subprocess.run([sys.executable, "-m", "omni_cli.chat", "--mute", "--input-rate", str(RATE)],
+    r = subprocess.run([sys.executable, "-m", "omni_cli.faces.chat.main", "--mute", "--input-rate", str(RATE)],
                        input="/listen\n", text=True, capture_output=True, timeout=300, cwd=REPO_ROOT,
                        env=cli_env(**env, XDG_DATA_HOME=str(tmp_path / "data")))
     lines = [l for l in r.stderr.splitlines() if l.startswith("error:")]

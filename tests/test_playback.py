@@ -154,7 +154,7 @@ def _popen(module, args, env, tmp_path, stdin=subprocess.PIPE):
 def test_ctrl_c_silences_omni_say_within_200_ms(tmp_path):
     env, raw = device_env(tmp_path)
     out = tmp_path / "story.wav"
-    proc = _popen("omni_cli.cli", ["Tell me a long story", "--seed", "1", "--max-codes", "1500",
+    proc = _popen("omni_cli.faces.say", ["Tell me a long story", "--seed", "1", "--max-codes", "1500",
                                    "--max-text-tokens", "300", "--verbose", "--play", "-o", str(out)], env, tmp_path,
                   stdin=subprocess.DEVNULL)
     try:
@@ -185,7 +185,7 @@ LONG_REPLY = {"qwen2.5": ["--max-codes", "1500"], "qwen3": ["-m", str(QWEN3), "-
 @pytest.mark.parametrize("family", list(LONG_REPLY))
 def test_ctrl_c_in_omni_chat_then_the_next_turn(tmp_path, family):
     env, raw = device_env(tmp_path, OMNI_NOHISTORY="1")
-    proc = _popen("omni_cli.chat", ["--seed", "1", *LONG_REPLY[family], "--max-text-tokens", "300", "--verbose"],
+    proc = _popen("omni_cli.faces.chat.main", ["--seed", "1", *LONG_REPLY[family], "--max-text-tokens", "300", "--verbose"],
                   env, tmp_path)
     try:
         proc.stdin.write(b"Tell me a long story\n")

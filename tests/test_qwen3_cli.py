@@ -45,13 +45,13 @@ def one_error_line(result, code: int) -> str:
 
 # (id, program, arguments): each is refused before the model loads, for either family.
 BAD_INPUTS = [
-    ("unknown-voice", "omni_cli.cli", ["hi", "-v", "nobody", "-o", "x.wav"]),
-    ("max-codes-0", "omni_cli.cli", ["hi", "--max-codes", "0", "-o", "x.wav"]),
-    ("empty-prompt", "omni_cli.cli", ["   ", "-o", "x.wav"]),
-    ("bad-extension", "omni_cli.cli", ["hi", "-o", "x.txt"]),
-    ("unknown-device", "omni_cli.cli", ["hi", "--device", "tpu", "-o", "x.wav"]),
-    ("chat-unknown-voice", "omni_cli.chat", ["--mute", "-v", "nobody"]),
-    ("chat-max-codes-0", "omni_cli.chat", ["--mute", "--max-codes", "0"]),
+    ("unknown-voice", "omni_cli.faces.say", ["hi", "-v", "nobody", "-o", "x.wav"]),
+    ("max-codes-0", "omni_cli.faces.say", ["hi", "--max-codes", "0", "-o", "x.wav"]),
+    ("empty-prompt", "omni_cli.faces.say", ["   ", "-o", "x.wav"]),
+    ("bad-extension", "omni_cli.faces.say", ["hi", "-o", "x.txt"]),
+    ("unknown-device", "omni_cli.faces.say", ["hi", "--device", "tpu", "-o", "x.wav"]),
+    ("chat-unknown-voice", "omni_cli.faces.chat.main", ["--mute", "-v", "nobody"]),
+    ("chat-max-codes-0", "omni_cli.faces.chat.main", ["--mute", "--max-codes", "0"]),
 ]
 
 
@@ -78,7 +78,7 @@ def test_bad_inputs_give_the_same_error_for_both_families(tmp_path, case):
 
 
 def _say(*args, cwd):
-    return subprocess.run([sys.executable, "-m", "omni_cli.cli", "-m", str(QWEN3), *map(str, args)], env=cli_env(),
+    return subprocess.run([sys.executable, "-m", "omni_cli.faces.say", "-m", str(QWEN3), *map(str, args)], env=cli_env(),
                           cwd=cwd, stdin=subprocess.DEVNULL, capture_output=True, timeout=300)
 
 
@@ -125,7 +125,7 @@ def test_chat_voice_turns_save_and_load(tmp_path):
     work = tmp_path / "work"
     work.mkdir()
     script = "/voice\n/voice chelsie\nHello\n/save talk\n/load talk\n/show\nAnd then?\n/save again\n"
-    result = subprocess.run([sys.executable, "-m", "omni_cli.chat", "-m", str(QWEN3), "--seed", "0",
+    result = subprocess.run([sys.executable, "-m", "omni_cli.faces.chat.main", "-m", str(QWEN3), "--seed", "0",
                              "--max-text-tokens", "5", "--max-codes", "10"], input=script.encode(), env=cli_env(**alsa,
                             OMNI_NOHISTORY="1"), cwd=work, capture_output=True, timeout=300)
     err = result.stderr.decode()

@@ -32,12 +32,12 @@ HELLO = [{"role": "user", "content": "Hello there"}]
 
 
 class Server:
-    """`python -m omni_cli.serve` in a subprocess; its stderr is read on a thread (the banner gives the URL)."""
+    """`python -m omni_cli.faces.serve` in a subprocess; its stderr is read on a thread (the banner gives the URL)."""
 
     def __init__(self, *args: str, python: tuple[str, ...] = ()) -> None:
         env = cli_env()
         env.pop("OMNI_LOCAL", None)
-        self.proc = subprocess.Popen([sys.executable, *python, "-m", "omni_cli.serve", "--port", "0", *args], env=env,
+        self.proc = subprocess.Popen([sys.executable, *python, "-m", "omni_cli.faces.serve", "--port", "0", *args], env=env,
                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=REPO_ROOT)
         self.lines: list[str] = []
         self.url: str | None = None
@@ -391,7 +391,7 @@ def test_no_key_means_loopback_only(tmp_path):
     t = time.monotonic()
     env = cli_env()
     env.pop("OMNI_API_KEY", None)
-    r = subprocess.run([sys.executable, "-m", "omni_cli.serve", "--host", "0.0.0.0"], env=env, capture_output=True,
+    r = subprocess.run([sys.executable, "-m", "omni_cli.faces.serve", "--host", "0.0.0.0"], env=env, capture_output=True,
                        text=True, timeout=60)
     assert r.returncode == 2 and "without --api-key" in r.stderr and "Traceback" not in r.stderr
     assert time.monotonic() - t < 10  # refused before loading the model

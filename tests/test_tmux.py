@@ -80,7 +80,7 @@ class Tmux:
 def chat_in_tmux(tmp_path: Path, args: str, env: dict[str, str]) -> Tmux:
     """`omni-chat ARGS` in a tmux session; when it ends, its exit code goes to a file (`Tmux.leave`)."""
     exit_file = tmp_path / "exit-code"
-    chat = f"{shlex.quote(sys.executable)} -m omni_cli.chat {args}"
+    chat = f"{shlex.quote(sys.executable)} -m omni_cli.faces.chat.main {args}"
     command = f"cd {shlex.quote(str(REPO_ROOT))} && {chat}; echo $? > {shlex.quote(str(exit_file))}; sleep 60"
     # bash, not sh: dash exits after a child it waited for got a Ctrl-C, even when the child handled it.
     t = Tmux(tmp_path, f"bash -c {shlex.quote(command)}", env)

@@ -97,13 +97,14 @@ def listening(url: str) -> bool:
     return True
 
 
-def health(url: str, timeout: float, hold: bool = False) -> dict:
-    """A server's `GET /health` (`hold`: as a client that holds it open: api/keep_alive.py), on a connection
-    of its own (a proxy as for the server's other requests). OSError or ValueError if it does not answer
-    200 in JSON within `timeout` seconds."""
+def health(url: str, timeout: float, hold: str | None = None, release: str | None = None) -> dict:
+    """A server's `GET /health` (`hold`: as the client of that id that holds it open, `release`: that lets it
+    go: api/keep_alive.py), on a connection of its own (a proxy as for the server's other requests).
+    OSError or ValueError if it does not answer 200 in JSON within `timeout` seconds."""
     conn = _Connection(base_url(url), {}, timeout)
+    query = "&".join(f"{k}={v}" for k, v in (("hold", hold), ("release", release)) if v)
     try:
-        response = conn.request("GET", "/health" + ("?hold=1" if hold else ""))
+        response = conn.request("GET", "/health" + (f"?{query}" if query else ""))
         body = response.read()
     except (http_client.HTTPException, ServerError) as exc:
         raise OSError(str(exc)) from exc

@@ -3,7 +3,7 @@ background, so that the next command on the same model is answered in a fraction
 `ollama run` does; measured on an H200 with a 7B folder: 0.67 s from the command to the first audio,
 against 15 s for a command that loads the model itself, its caches warm).
 
-`start_server(model, flags, keep_alive)` starts `python -m omni_cli.serve` on the default address
+`start_server(model, flags, keep_alive)` starts `python -m omni_cli.faces.serve` on the default address
 (127.0.0.1:8484) in a session of its own (the terminal's Ctrl-C and hang-up do not reach it; its output
 goes to a log file in the cache folder), waits until it serves, and returns a `RemoteAssistant` for it.
 The server stops itself after `keep_alive` seconds without a request (omni-serve `--keep-alive`).
@@ -19,6 +19,7 @@ It knows no terminal (the caller says what it does) and imports no torch.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -78,7 +79,7 @@ def _is_server(pid: int) -> bool:
     except OSError:
         return False
     try:
-        return b"omni_cli.serve" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        return b"omni_cli.faces.serve" in Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return not Path("/proc/self").exists()  # no /proc (macOS): trust the pid
 
@@ -120,7 +121,7 @@ def start_server(model: str | None, flags: list[str], keep_alive: float, api_key
         note(f"cannot keep a background server's log in {server_folder()} ({exc.strerror or exc}), so the model "
              "loads in this process")
         return None
-    command = [sys.executable, "-m", "omni_cli.serve", "--host", where.hostname, "--port", str(where.port),
+    command = [sys.executable, "-m", "omni_cli.faces.serve", "--host", where.hostname, "--port", str(where.port),
                "--keep-alive", f"{keep_alive:g}", "--no-warm-up", *(["-m", str(model)] if model else []), *flags]
     # The server asks for the key this command sends (none: none), through the environment, not the
     # command line that `ps` shows.
@@ -151,30 +152,47 @@ def start_server(model: str | None, flags: list[str], keep_alive: float, api_key
     return remote
 
 
-def hold(url: str) -> None:
-    """Keep the server at `url` from stopping while this process uses it (an open omni-chat, whose person
-    may think longer than the keep-alive): a daemon thread asks its `/health?hold=1` three times per
-    keep-alive period, which counts as a request and marks the server held (another model's command does
-    not stop it as idle). A server that does not stop when idle (or does not say) is left alone; one
-    that is gone is the next request's error."""
-    import threading
+class Hold:
+    """A server held open by this process (see `hold`): `release()` lets it go at once."""
 
-    try:
-        idle = client.health(url, 5.0, hold=True).get("keep_alive")
-    except (OSError, ValueError, AttributeError):
-        return
-    if not idle:
-        return
+    def __init__(self, url: str, holder: str, every: float) -> None:
+        import threading
 
-    def run() -> None:
-        while True:
-            time.sleep(max(0.2, float(idle) / 3))
+        self.url, self.holder = url, holder
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(every,), name="keep-alive-hold", daemon=True)
+        self._thread.start()
+
+    def _run(self, every: float) -> None:
+        while not self._stop.wait(every):
             try:
-                client.health(url, 5.0, hold=True)
+                client.health(self.url, 5.0, hold=self.holder)
             except (OSError, ValueError):
                 pass  # gone or busy: the next request says so
 
-    threading.Thread(target=run, name="keep-alive-hold", daemon=True).start()
+    def release(self) -> None:
+        """Stop holding: the server may stop when idle again, or make room for another model's command."""
+        self._stop.set()
+        with contextlib.suppress(OSError, ValueError):
+            client.health(self.url, 2.0, release=self.holder)
+
+
+def hold(url: str) -> Hold | None:
+    """Keep the server at `url` from stopping while this process uses it (an open omni-chat, whose person
+    may think longer than the keep-alive): a daemon thread asks its `/health?hold=ID` three times per
+    keep-alive period, which counts as a request and marks the server held (another model's command does
+    not stop it as idle) until `release()`. A server that does not stop when idle (or does not say) is
+    left alone (None); one that is gone is the next request's error."""
+    holder = f"{os.getpid()}-{os.urandom(4).hex()}"
+    try:
+        idle = client.health(url, 5.0, hold=holder).get("keep_alive")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if not idle:
+        with contextlib.suppress(OSError, ValueError):
+            client.health(url, 2.0, release=holder)
+        return None
+    return Hold(url, holder, max(0.2, float(idle) / 3))
 
 
 def _alive(proc: subprocess.Popen | None, pid: int | None) -> bool:
@@ -216,6 +234,31 @@ def _stop_idle(url: str, pid: int) -> bool:
         pass  # still loading, or not answering: stopping it loses nothing
     os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + STOP_TIMEOUT
+    while time.monotonic() < deadline:
+        if not _alive(None, pid):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def stop_background(wait: float = STOP_TIMEOUT, busy_too: bool = False) -> tuple[dict | None, bool]:
+    """Stop the background omni-serve this module started (`omni-say --stop`): (its record, whether it is
+    gone). One that is serving a reply or held by an open chat is left running unless `busy_too`. A
+    server it did not start is never stopped; no record: (None, True)."""
+    record = read_record()
+    if record is None:
+        return None, True
+    url = f"http://127.0.0.1:{int(record.get('port') or urlsplit(client.DEFAULT_URL).port)}"
+    pid = int(record["pid"])
+    if busy_too:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGTERM)
+        return record, _gone(pid, wait)
+    return record, _stop_idle(url, pid)
+
+
+def _gone(pid: int, wait: float) -> bool:
+    deadline = time.monotonic() + wait
     while time.monotonic() < deadline:
         if not _alive(None, pid):
             return True

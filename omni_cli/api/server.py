@@ -98,7 +98,9 @@ class EngineWorker:
         self.waiting = 0  # jobs queued or running
         self.served = 0
         self.asked = 0  # HTTP requests of any kind (a client that holds the server open pings /health)
-        self.held_at: float | None = None  # when a client last said it holds the server (/health?hold=1)
+        # When each client that holds the server (an open omni-chat: /health?hold=ID) last said so; it lets go
+        # with /health?release=ID when it ends.
+        self.holders: dict[str, float] = {}
         self.running: Job | None = None
         self.after_first_job = None  # called once, on this thread, when the first job has ended (omni-serve)
         self.thread = threading.Thread(target=self._main, name="omni-serve-worker", daemon=True)
@@ -180,9 +182,15 @@ def create_app(assistant, name: str, api_key: str | None = None, key: str | None
         # held: a client (an open omni-chat) said within that time that it holds the server, so another
         # model's command must not stop it as idle.
         keep = getattr(request.app.state, "keep_alive", None)
-        if request.query_params.get("hold"):
-            worker.held_at = time.monotonic()
-        held = worker.held_at is not None and time.monotonic() - worker.held_at < (keep or 60.0)
+        holder, released = request.query_params.get("hold"), request.query_params.get("release")
+        if holder:
+            worker.holders[holder[:64]] = time.monotonic()
+        if released:
+            worker.holders.pop(released[:64], None)
+        now = time.monotonic()
+        for old in [h for h, at in worker.holders.items() if now - at >= (keep or 60.0)]:
+            del worker.holders[old]
+        held = bool(worker.holders)
         runtime = getattr(assistant, "runtime", None) or {}
         # steps: "compiling" while omni-serve compiles in the background, then "compiled"; else "plain"
         steps = "compiling" if runtime.get("compiling") else "compiled" if runtime.get("compile") else "plain"

@@ -23,27 +23,24 @@ from typing import Annotated, Optional
 
 import typer
 
-from .api.protocol import DEFAULT_PORT, is_loopback
-from .cli import (
+from ..api.protocol import DEFAULT_PORT, is_loopback
+from ..config import ReplyOptions
+from ..errors import UsageError
+from . import connect
+from .console import make_console
+from .options import (
     DebugOpt, DeviceOpt, DtypeOpt, GraphsOpt, GreedyOpt, MaxCodesOpt, MaxContextOpt, MaxTextOpt, ModelOpt,
-    SeedOpt, TemperatureOpt, TopKOpt, TopPOpt, VersionOpt, _err, _exit_on, _OneLineErrors, _report_library_logs,
-    _timed_load, exit_at_once_if, runtime_flags,
+    OneLineErrors, SeedOpt, TemperatureOpt, TopKOpt, TopPOpt, VersionOpt, make_app, runtime_options,
 )
-from .config import ReplyOptions
-from .errors import UsageError
+from .program import end_on_signals, err_line, exit_at_once_if, exit_on, process_started_at, report_library_logs
 
-serve_app = typer.Typer(
-    name="omni-serve",
-    help="Keep a Qwen-Omni model loaded and serve it with the OpenAI-compatible chat completions API "
-    "(text and streamed speech); omni-say and omni-chat use it when it runs.",
-    add_completion=False,
-    pretty_exceptions_enable=False,
-    rich_markup_mode=None,
-    context_settings={"help_option_names": ["-h", "--help"]},
-)
+serve_app = make_app(
+    "omni-serve",
+    "Keep a Qwen-Omni model loaded and serve it with the OpenAI-compatible chat completions API "
+    "(text and streamed speech); omni-say and omni-chat use it when it runs.")
 
 
-@serve_app.command(cls=_OneLineErrors)
+@serve_app.command(cls=OneLineErrors)
 def serve(
     model: ModelOpt = None,
     host: Annotated[str, typer.Option("--host", metavar="ADDRESS", help="Address to listen on (another than loopback needs --api-key).")] = "127.0.0.1",
@@ -73,14 +70,12 @@ def serve(
     """Serve a model on http://HOST:PORT/v1 (OpenAI-compatible: /v1/chat/completions, /v1/models, /health)."""
     import time
 
-    from .ui import end_on_signals, process_started_at
-
     t_command = time.perf_counter()
     t_process = process_started_at()
     # SIGTERM (kill, the keep-alive replacing it) ends it as Ctrl-C does: uvicorn shuts down, then raises
     # the signal again, which then unwinds through `_serve`'s clean-up (the record forgotten) to exit 143.
     end_on_signals()
-    _report_library_logs()
+    report_library_logs()
     try:
         api_key = api_key or None
         if not is_loopback(host) and api_key is None:
@@ -88,16 +83,15 @@ def serve(
                              "reach it could use this machine; give a key, or keep the default 127.0.0.1")
         defaults = ReplyOptions(seed=seed, greedy=greedy, temperature=temperature, top_p=top_p, top_k=top_k,
                                 max_text_tokens=max_text_tokens, max_codes=max_codes).check()
-        from .api.keep_alive import parse_duration
+        from ..api.keep_alive import parse_duration
 
         idle = parse_duration(keep_alive) if keep_alive else None
         import socket
 
         listener = _listen(host, port, socket)  # a port in use is an error before a minute of loading
-        from .ui import make_console
-
-        assistant = _timed_load(model, device, dtype, make_console("stderr"), t_command, "before loading",
-                                max_context=max_context, **runtime_flags(graphs, compile))
+        connect.check_model(model)
+        where = connect.Where(model=model, runtime=runtime_options(device, dtype, graphs, bool(compile), max_context))
+        assistant = connect.load(where, make_console("stderr"), t_command, "before loading")
         if t_process is not None:
             assistant.startup = {"start Python, import omni-serve": t_command - t_process, **assistant.startup}
         if warm_up:
@@ -108,7 +102,7 @@ def serve(
     except BaseException as exc:  # noqa: BLE001 - every way out is reported, none with a traceback
         if isinstance(exc, (SystemExit, typer.Exit)):
             raise
-        _exit_on(exc, debug)
+        exit_on(exc, debug)
 
 
 def _listen(host: str, port: int, socket):
@@ -134,13 +128,13 @@ def _serve(assistant, model, listener, api_key, defaults: ReplyOptions, idle: fl
 
     import uvicorn
 
-    from .api.client import model_key
-    from .api.server import create_app
+    from ..api.client import model_key
+    from ..api.server import create_app
 
     app = create_app(assistant, assistant.name, api_key=api_key, key=model_key(model), defaults=defaults)
     host, port = listener.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
-    _err(f"omni-serve: {assistant.name} at http://{shown}:{port}/v1 (OpenAI-compatible chat completions)"
+    err_line(f"omni-serve: {assistant.name} at http://{shown}:{port}/v1 (OpenAI-compatible chat completions)"
          + ("" if api_key else " · loopback only, no API key") + " · Ctrl-C to stop")
     config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=1, lifespan="on",
                             access_log=bool(os.environ.get("OMNI_ACCESS_LOG")))
@@ -157,30 +151,30 @@ def _serve(assistant, model, listener, api_key, defaults: ReplyOptions, idle: fl
     try:
         server.run(sockets=[listener])
     finally:
-        from .api.keep_alive import forget
+        from ..api.keep_alive import forget
 
         forget(os.getpid())  # a background server's record goes with it
     logging.getLogger(__name__).debug("stopped")
-    _err("omni-serve: stopped")
+    err_line("omni-serve: stopped")
 
 
 def _compile_beside(assistant) -> None:
     """Start compiling the steps in the background (`Assistant.compile_beside`), saying so on stderr; a
     no-op where nothing would be compiled (a CPU, graphs off)."""
     def ready(seconds: float) -> None:
-        _err(f"omni-serve: compiled steps ready after {seconds:.0f} s; requests use them from now on")
+        err_line(f"omni-serve: compiled steps ready after {seconds:.0f} s; requests use them from now on")
 
     def failed(exc: BaseException) -> None:
-        _err(f"omni-serve: compiling in the background failed, plain CUDA graphs go on serving: {exc!r:.200}")
+        err_line(f"omni-serve: compiling in the background failed, plain CUDA graphs go on serving: {exc!r:.200}")
 
     try:
         thread = assistant.compile_beside(on_ready=ready, on_failure=failed)
     except RuntimeError as exc:
-        _err(f"omni-serve: not compiling in the background ({exc}); plain CUDA graphs serve (--compile: "
+        err_line(f"omni-serve: not compiling in the background ({exc}); plain CUDA graphs serve (--compile: "
              "compiled before serving)")
         return
     if thread is not None:
-        _err("omni-serve: compiling the steps in the background (a minute or more the first time); plain CUDA "
+        err_line("omni-serve: compiling the steps in the background (a minute or more the first time); plain CUDA "
              "graphs answer meanwhile (--no-compile: never; --compile: before serving)")
 
 
@@ -198,13 +192,13 @@ def _stop_when_idle(server, worker, idle: float) -> None:
         if worker.waiting or seen() != before:
             last, before = time.monotonic(), seen()
         elif time.monotonic() - last >= idle:
-            _err(f"omni-serve: no request for {idle:g} s, stopping")
+            err_line(f"omni-serve: no request for {idle:g} s, stopping")
             server.should_exit = True
 
 
-def serve_main() -> None:
+def main() -> None:
     """The `omni-serve` program."""
-    from .ui import cache_bytecode
+    from ..bytecode import cache_bytecode
 
     cache_bytecode()  # before torch is imported
     try:
@@ -217,4 +211,4 @@ def serve_main() -> None:
 
 
 if __name__ == "__main__":
-    serve_main()
+    main()

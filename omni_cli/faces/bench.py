@@ -28,8 +28,9 @@ from typing import Optional
 
 import typer
 
-from .cli import VersionOpt, _OneLineErrors  # imports neither torch nor numpy
-from .models import presets_modules
+from ..models import presets_modules
+from .options import OneLineErrors, VersionOpt  # imports neither torch nor numpy
+from .program import err_line
 
 # Each family's presets module (models/<family>/presets.py) says all the bench needs of it: PRESETS
 # (name -> spec: true sizes or the built-in tiny checkpoint), build_model, prompt, steps, reference, and
@@ -84,7 +85,7 @@ def _subject(model, family, voices: dict) -> _Subject:
 def _engine(subject: _Subject, prompt_ids, text_tokens, codes, **steps_options):
     """The family's steps for these lengths (`steps_options`: graphs, compile, variant) in an engine, warmed
     up: (engine, the warm-up's phases)."""
-    from .runtime.engine import Engine
+    from ..runtime.engine import Engine
 
     steps = subject.family.steps(subject.model, subject.voices, max_context=max(1024, len(prompt_ids) + text_tokens + 8),
                                  max_codes=codes, **steps_options)
@@ -151,8 +152,8 @@ def _reply(engine, subject: _Subject, prompt_ids, text_tokens, codes, device, i:
     """Run `i` (0: the warm-up) of a benchmark: one timed reply at forced lengths, seeded with `i`."""
     import torch
 
-    from .config import SamplingOptions
-    from .runtime.events import TurnRequest
+    from ..config import SamplingOptions
+    from ..runtime.events import TurnRequest
 
     thinker = SamplingOptions(do_sample=True, temperature=0.7, top_k=20, top_p=0.8, repetition_penalty=1.05)
     sink = _TimedSink()
@@ -294,7 +295,7 @@ def _pick_preset(preset: str | None, device) -> str:
     """The preset to build on `device` from the one asked for (None or a key of PRESETS), or a UsageError:
     the full sizes are refused on a CPU (in float32 they need more memory than a CPU machine has, and
     building them runs out of it after a minute)."""
-    from .errors import UsageError
+    from ..errors import UsageError
 
     if preset is None:
         if device.type != "cpu":
@@ -308,8 +309,8 @@ def _pick_preset(preset: str | None, device) -> str:
     return preset
 
 
-@app.command(cls=_OneLineErrors)
-def main(
+@app.command(cls=OneLineErrors)
+def bench(
     preset: Optional[str] = typer.Option(None, "--preset", show_default=False,
                                          help=f"{' | '.join(PRESETS)} (default: {DEFAULT_PRESET} on an accelerator, "
                                               "tiny on a CPU)"),
@@ -341,8 +342,8 @@ def main(
     """Benchmark one reply at forced lengths on random weights."""
     import torch
 
-    from .errors import UsageError
-    from .loader import pick_device, pick_dtype
+    from ..errors import UsageError
+    from ..loader import pick_device, pick_dtype
 
     if preset is not None and preset not in PRESETS:
         raise UsageError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
@@ -415,13 +416,13 @@ def bench_app(argv: list[str] | None = None) -> None:
     own included (an unknown flag, a value that is not a number), is one `error: ...` line on stderr and
     exit code 2; a failure with a known cause is one line and exit code 1; anything else is a bug and
     keeps its traceback."""
-    from .errors import OmniError, known_failure
-    from .ui import cache_bytecode
+    from ..bytecode import cache_bytecode
+    from ..errors import OmniError, known_failure
 
     cache_bytecode()  # before torch is imported
 
     try:
-        # Not standalone: the command (cli._OneLineErrors, as omni-say's) prints click's usage errors
+        # Not standalone: the command (options.OneLineErrors, as omni-say's) prints click's usage errors
         # as one line and returns their code, and our own errors come out here.
         code = app(args=argv, prog_name="omni-bench", standalone_mode=False)
     except OmniError as exc:
@@ -437,10 +438,11 @@ def bench_app(argv: list[str] | None = None) -> None:
 
 
 def _fail(message: str, code: int) -> None:
-    # Local to this face for now: omni-say's and omni-chat's equivalent lives in cli.py.
-    print(f"error: {' '.join(message.split())}", file=sys.stderr, flush=True)
+    err_line(f"error: {' '.join(message.split())}")
     raise SystemExit(code)
 
+
+main = bench_app  # the program, as the other faces name it
 
 if __name__ == "__main__":
     bench_app()
