@@ -25,6 +25,7 @@ import numpy as np
 from typing import Iterator
 
 from .config import ReplyOptions, RuntimeOptions, SamplingOptions
+from .interface import ModelInfo
 from .errors import UsageError
 from .prompt import Chat, Conversation, check_prompt, fit  # noqa: F401 - Chat re-exported
 from .runtime.engine import Engine, fresh_seed
@@ -73,6 +74,7 @@ def eos_ids(generation_config, tokenizer) -> list[int]:
 
 
 class Assistant(WarmsUp):
+    url = None  # a model loaded in this process (interface.OmniAssistant)
     keeps_media = True  # a conversation's turns keep their clips and images (the remote client's too)
 
     def __init__(self, loaded, *, max_context: int = 4096, max_codes: int | None = None, graphs: bool = True,
@@ -181,6 +183,32 @@ class Assistant(WarmsUp):
     def speaks_only_under_default_system(self) -> bool:
         """Qwen2.5-Omni's talker speaks reliably only under its default system prompt."""
         return bool(getattr(self.family, "NEEDS_DEFAULT_SYSTEM", False))
+
+    @property
+    def eos_ids(self) -> list[int]:
+        """The token ids that end a reply's text (the checkpoint's generation config)."""
+        return list(self.engine.eos_ids)
+
+    @property
+    def model_info(self) -> "ModelInfo":
+        """The model as the faces show it (interface.ModelInfo)."""
+        from .interface import ModelInfo
+
+        unit, per_second = self.speech_steps
+        base = self.thinker_sampling
+        return ModelInfo(
+            name=self.name, title=getattr(self.family, "TITLE", None), where=str(self.loaded.device),
+            is_demo=self.is_demo, has_audio=self.has_audio, voices=tuple(self.voices),
+            default_voice=self.default_voice if self.has_audio else None, default_system=self.default_system,
+            speaks_only_under_default_system=self.speaks_only_under_default_system, sample_rate=self.sample_rate,
+            step_unit=unit, steps_per_second=per_second, default_text_tokens=self.limits["text"],
+            default_steps=self.limits["codes"], max_steps=self.engine.max_codes, max_context=self.max_context,
+            text_sampling={"temperature": base.temperature, "top_p": base.top_p, "top_k": base.top_k},
+            text_samples=base.do_sample)
+
+    def interrupt(self) -> None:
+        """Stop the reply that is running (from another thread: a server whose client went away)."""
+        self.engine.interrupt()
 
     def conversation(self, system: str | None = None) -> "Chat":
         return Chat(self, Conversation(system=self.default_system if system is None else system))

@@ -23,6 +23,7 @@ class FakeAssistant:
     is_demo = False
     has_audio = True
     name = "fake"
+    url = None
     sample_rate = 24_000
 
     def __init__(self, fail: BaseException | None = None, seconds: float = 0.5, blocks: int = 2,
@@ -83,6 +84,31 @@ class FakeAssistant:
         if conversation is not None:
             conversation.add(prompt, reply.text)
         yield Done(reply)
+
+    @property
+    def model_info(self):
+        from omni_cli.interface import ModelInfo
+
+        return ModelInfo(name=self.name, is_demo=self.is_demo, has_audio=self.has_audio, voices=tuple(self.voices),
+                         default_voice=self.default_voice, default_system=self.default_system,
+                         speaks_only_under_default_system=self.speaks_only_under_default_system,
+                         sample_rate=self.sample_rate)
+
+    speech_steps = ("codes", None)
+
+    def say(self, prompt, options=None, **fields):
+        from omni_cli.assistant import Done
+
+        return next(e.reply for e in self.stream(prompt, options, **fields) if isinstance(e, Done))
+
+    def interrupt(self):
+        pass
+
+    def close(self):
+        pass
+
+    def warm_up(self, background=False):
+        return None
 
     def conversation(self, system=None):
         from omni_cli.assistant import Chat

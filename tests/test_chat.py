@@ -125,7 +125,7 @@ def test_help_lists_every_command():
 def test_unknown_command():
     s = Session()
     s.run("/frobnicate now\r\x04")
-    assert s.err == "unknown command '/frobnicate': type /? for help\n"
+    assert s.err == "error: unknown command '/frobnicate': type /? for help\n"
 
 
 def test_multi_line_input():

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
 
 from ..config import ReplyOptions
+from ..interface import ModelInfo
 from ..errors import OmniError, UsageError
 from ..prompt import Chat, Conversation
 from ..runtime.events import AudioBlock, Done, Reply, TextDelta
@@ -200,6 +201,29 @@ class RemoteAssistant(WarmsUp):
     @property
     def speaks_only_under_default_system(self) -> bool:
         return bool(self.info.get("speaks_only_under_default_system", False))
+
+    @property
+    def model_info(self) -> ModelInfo:
+        """The served model as the faces show it, from what the server says of it (an omni-serve says all;
+        another server little: then the fields are left at their defaults)."""
+        unit, per_second = self.speech_steps
+        limits = self.info.get("limits") or {}
+        sampling = self.info.get("text_sampling") or {}
+        return ModelInfo(
+            name=self.name, title=self.info.get("title"), where=self.url, is_demo=self.is_demo,
+            has_audio=self.has_audio, voices=tuple(self.voices), default_voice=self.default_voice,
+            default_system=self.default_system, speaks_only_under_default_system=self.speaks_only_under_default_system,
+            sample_rate=self.sample_rate, step_unit=unit, steps_per_second=per_second if self.info else None,
+            default_text_tokens=limits.get("text"), default_steps=limits.get("codes"),
+            max_steps=self.info.get("max_steps"), max_context=self.info.get("max_context"),
+            text_sampling={k: v for k, v in sampling.items() if k != "do_sample"},
+            text_samples=bool(sampling.get("do_sample", True)))
+
+    def interrupt(self) -> None:
+        """Stop the reply that is streaming: the connection is closed, which the server takes as its client
+        leaving (it stops generating); the next request opens a new one."""
+        self._sent = None
+        self.http.close()
 
     def conversation(self, system: str | None = None) -> Chat:
         return Chat(self, Conversation(system=self.default_system if system is None else system))

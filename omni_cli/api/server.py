@@ -119,7 +119,7 @@ class EngineWorker:
         """Stop `job`'s reply if it is the one running (under the lock: never the next job's)."""
         with self.lock:
             if self.running is job:
-                self.assistant.engine.interrupt()
+                self.assistant.interrupt()
 
     def stop(self) -> None:
         self.jobs.put(None)
@@ -153,9 +153,11 @@ def create_app(assistant, name: str, api_key: str | None = None, key: str | None
     request's own fields override."""
     worker = EngineWorker(assistant)
     defaults = defaults or ReplyOptions()
-    eos = set(assistant.engine.eos_ids)
+    eos = set(assistant.eos_ids)
     steps_name, per_second = assistant.speech_steps
-    info = {"voices": assistant.voices, "default_voice": assistant.default_voice if assistant.has_audio else None,
+    model = assistant.model_info
+    info = {"title": model.title, "max_steps": model.max_steps,
+            "text_sampling": {**model.text_sampling, "do_sample": model.text_samples},"voices": assistant.voices, "default_voice": assistant.default_voice if assistant.has_audio else None,
             "default_system": assistant.default_system, "sample_rate": assistant.sample_rate,
             "has_audio": assistant.has_audio, "speech_steps": [steps_name, per_second],
             "speaks_only_under_default_system": assistant.speaks_only_under_default_system,

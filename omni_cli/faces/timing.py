@@ -32,8 +32,9 @@ def timing_lines(stats: dict, playback: dict | None = None, played: bool = False
         ("time to first text", _fmt_seconds(stats.get("time_to_first_text"))),
         ("time to first audio", _fmt_seconds(stats.get("time_to_first_audio"))),
     ]
-    if playback and playback.get("start_delay") is not None:
-        rows.append(("time to first sound", _fmt_seconds(playback["start_delay"])))
+    # Counted from where the first text and audio are (the reply's start, or the request's through a server).
+    if playback and playback.get("first_sound_at") is not None and stats.get("started_at") is not None:
+        rows.append(("time to first sound", _fmt_seconds(playback["first_sound_at"] - stats["started_at"])))
     if playback and playback.get("start_reason"):
         # The speaker's adaptive start: how long it held the first audio back, and why.
         queued = playback.get("start_buffered")

@@ -64,7 +64,8 @@ class Commands:
             "/image": self.cmd_image,
         }
         if name not in handlers:
-            self.err.print(f"unknown command '{name}': type /? for help", style="yellow", markup=False, highlight=False)
+            self.err.print(f"error: unknown command '{name}': type /? for help", style="red", markup=False,
+                           highlight=False)
             self.failures.append(UsageError.exit_code)
             return None
         handler = handlers[name]
@@ -202,7 +203,7 @@ class Commands:
             raise UsageError(f"/set {name} needs one value, e.g. /set {name} {self._example(name)}")
         value = _parse_setting(name, words[1])
         options = replace(self.options, **{name: value}).check()  # a bad value changes nothing
-        limit = getattr(getattr(self.assistant, "engine", None), "max_codes", None)
+        limit = self.assistant.model_info.max_steps
         if name == "max_codes" and value is not None and limit is not None and value > limit:
             # The API would refuse it at the next turn; say so now, where it was typed.
             raise UsageError(f"max_codes {value} is above this session's limit of {limit}")
@@ -213,11 +214,10 @@ class Commands:
 
     def cmd_show(self, arg: str) -> None:
         a = self.assistant
-        where = getattr(getattr(a, "loaded", None), "device", None)
-        title = getattr(getattr(a, "family", None), "TITLE", None)
-        model = (f"{getattr(a, 'name', None) or 'unknown'}" + (f" ({title})" if title else "")
-                 + (f" on {where}" if where else ""))
-        if getattr(a, "is_demo", False):
+        info = a.model_info
+        model = (f"{info.name or 'unknown'}" + (f" ({info.title})" if info.title else "")
+                 + (f" on {info.where}" if info.where else ""))
+        if info.is_demo:
             model += " (the built-in demo model: random weights)"
         if not a.has_audio:
             sound = "none (this model has no talker: text only)"
@@ -254,17 +254,15 @@ class Commands:
 
     def _model_default(self, name: str) -> str | None:
         """The value the model uses when the setting is not given (None if this assistant does not say)."""
-        a = self.assistant
-        base = getattr(a, "thinker_sampling", None)  # the checkpoint's SamplingOptions
-        limits = getattr(a, "limits", None)
-        if name in ("temperature", "top_p", "top_k") and base is not None and hasattr(base, name):
-            value = getattr(base, name)
+        info = self.assistant.model_info
+        if name in info.text_sampling:
+            value = info.text_sampling[name]
             shown = f"{value:g}" if isinstance(value, float) else str(value)
-            return shown if getattr(base, "do_sample", True) else f"{shown}, but the model decodes greedily"
-        if name == "max_text_tokens" and isinstance(limits, dict) and "text" in limits:
-            return str(limits["text"])
-        if name == "max_codes" and isinstance(limits, dict) and "codes" in limits:
-            return self._speech_length(limits["codes"])
+            return shown if info.text_samples else f"{shown}, but the model decodes greedily"
+        if name == "max_text_tokens" and info.default_text_tokens is not None:
+            return str(info.default_text_tokens)
+        if name == "max_codes" and info.default_steps is not None:
+            return self._speech_length(info.default_steps)
         return None
 
     def _speech_length(self, steps: int) -> str:

@@ -94,7 +94,7 @@ def chat(
         if assistant is None:
             options = connect.voice_for(options, where)
             assistant = connect.load(where, err, t_command, "before loading")
-        if getattr(assistant, "url", None):
+        if assistant.url is not None:
             options = connect.voice_for(options, where, assistant)
             served = assistant.info.get("max_context")
             if served and served != max_context:
@@ -141,7 +141,7 @@ def _chat_in_terminal(repl, err, assistant, history_file, no_history) -> int:
 
     path = None if (no_history or history_disabled_by_env()) else (history_file or default_history_file())
     session = make_session(make_history(path, lambda m: err.print(m, style="yellow", markup=False)))
-    where = getattr(getattr(assistant, "loaded", None), "device", None) or getattr(assistant, "url", None)
+    where = assistant.model_info.where
     sound = "muted" if repl.muted else f"voice {repl.voice}"
     err.print(f"[dim]{assistant.name}{f' on {where}' if where else ''} · {sound} · /? for help · Ctrl-D to leave[/dim]")
 

@@ -36,7 +36,7 @@ class Transcripts:
         seconds = self._save_wav(wav_path) if self.speech else None
         data = {
             "format": TRANSCRIPT_FORMAT,
-            "model": getattr(self.assistant, "name", None),
+            "model": self.assistant.name,
             "voice": self.voice,
             "system": self.chat.history.system,
             "turns": self.transcript,
@@ -156,7 +156,7 @@ class Transcripts:
             self.say(f"note: the speech of those replies stays in {file.with_name(audio)}; "
                      "the next /save writes the speech of the replies from now on")
         model = data.get("model")
-        if isinstance(model, str) and model and model != getattr(self.assistant, "name", model):
+        if isinstance(model, str) and model and model != self.assistant.name:
             self.say(f"note: it was saved with the model {model}; this session runs {self.assistant.name}")
         if start:
             self.say(f"note: the model sees the last {count((len(turns) - start) // 2, 'exchange')} "
