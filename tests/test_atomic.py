@@ -325,3 +325,20 @@ def test_replacement_commits_on_success_and_discards_on_failure(tmp_path):
             os.write(rep.fd, b"half")
             raise RuntimeError("interrupted")
     assert path.read_bytes() == b"whole" and names(tmp_path) == ["a.bin"]
+
+
+def test_a_saved_conversation_is_written_whole(tmp_path, monkeypatch):
+    """Conversation.save wrote in place: a failure midway lost the old transcript."""
+    from omni_cli.prompt import Conversation
+
+    path = tmp_path / "talk.json"
+    path.write_text("old transcript")
+    (tmp_path / "link.json").symlink_to("talk.json")
+    conversation = Conversation(system="", turns=[{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}])
+    monkeypatch.setattr(atomic.os, "write", lambda fd, data: (_ for _ in ()).throw(OSError(28, "No space left on device")))
+    with pytest.raises(OutputError, match="No space left on device"):
+        conversation.save(tmp_path / "link.json")
+    assert path.read_text() == "old transcript" and names(tmp_path) == ["link.json", "talk.json"]
+    monkeypatch.undo()
+    conversation.save(tmp_path / "link.json")
+    assert (tmp_path / "link.json").is_symlink() and Conversation.load(path).turns[1]["content"] == "b"
