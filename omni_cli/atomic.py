@@ -11,7 +11,12 @@ constructor calls it, so a bad `-o` costs no model load):
 - a character device or a FIFO ("stream", e.g. /dev/null, a terminal, a named pipe): opened for
   writing as it is (no O_CREAT, no O_TRUNC) and written directly: it is not ours to replace;
 - a folder, a socket or a block device: a UsageError (exit 2) naming which. A socket is not a file
-  that open() can write, and a block device is a disk, never an audio file's place.
+  that open() can write, and a block device is a disk, never an audio file's place;
+- a name for one of this process's open descriptors (/dev/stdout, /dev/stderr, /dev/fd/N,
+  /proc/self/fd/N): that descriptor, duplicated and written as a stream ("stream"), whatever it is (a
+  pipe, a terminal, a socket, or the file a shell redirected it to, at its offset and with its O_APPEND:
+  re-opening the name instead would start a new, truncating or non-appending, description of it, and
+  renaming onto the file's name would drop what a `>>` had before).
 
 A file replaced keeps its permission bits (and its owner and group where this process may set them),
 so writing over a shared file does not quietly make it private or root's; a new file gets 0o666
@@ -25,6 +30,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import secrets
 import stat
 from dataclasses import dataclass
@@ -48,7 +54,8 @@ class Target:
     # resolved); for STREAM the path as given (opened, never replaced: the kernel follows its links).
     path: Path
     given: Path  # the path as the caller named it (for messages)
-    what: str  # "file", "new file", "character device" or "FIFO" (for messages)
+    what: str  # "file", "new file", "character device", "FIFO" or "file descriptor" (for messages)
+    fd: int | None = None  # a STREAM that is this process's descriptor fd (/dev/stdout: 1): dup'd, not opened
 
     @property
     def atomic(self) -> bool:
@@ -62,8 +69,17 @@ def output_target(path: str | os.PathLike) -> Target:
     given = Path(path)
     if str(path) in ("", "-"):  # "-" is stdout, which the faces handle before they get here
         raise UsageError(f"bad output file name '{path}'")
+    fd = _descriptor(given)
+    if fd is not None:
+        try:
+            st = os.fstat(fd)
+        except OSError:
+            raise OutputError(f"cannot write {given}: descriptor {fd} is not open") from None
+        if stat.S_ISDIR(st.st_mode):
+            raise UsageError(f"cannot write {given}: it is a folder; give a file name in it")
+        return Target(STREAM, given, given, "file descriptor", fd)
     try:
-        st = os.stat(given)  # follows links, as the kernel does (/dev/stdout -> /proc/self/fd/1 -> a pipe)
+        st = os.stat(given)  # follows links, as the kernel does
     except FileNotFoundError:
         st = None
     except OSError as exc:
@@ -98,6 +114,24 @@ def output_target(path: str | os.PathLike) -> Target:
     raise UsageError(f"cannot write {given}: it is not a file, a pipe or a character device")
 
 
+# The names Linux (and, for /dev/fd, the BSDs and macOS) give this process's own descriptors.
+_DESCRIPTOR_NAMES = {"/dev/stdin": 0, "/dev/stdout": 1, "/dev/stderr": 2}
+_DESCRIPTOR_PATH = re.compile(r"/(?:dev/fd|proc/self/fd|proc/(\d+)/fd)/(\d+)")
+
+
+def _descriptor(given: Path) -> int | None:
+    """The descriptor that `given` names as this process's own (see the module docstring), else None."""
+    if os.name != "posix":
+        return None
+    text = os.path.abspath(given)
+    if text in _DESCRIPTOR_NAMES:
+        return _DESCRIPTOR_NAMES[text]
+    match = _DESCRIPTOR_PATH.fullmatch(text)
+    if match is None or (match.group(1) is not None and int(match.group(1)) != os.getpid()):
+        return None  # another process's descriptors are files like any other, seen through /proc
+    return int(match.group(2))
+
+
 def _check_folder(given: Path, folder: Path) -> None:
     if not folder.exists():
         raise OutputError(f"cannot write {given}: folder {folder} does not exist")
@@ -130,6 +164,16 @@ def check_writable(target: Target) -> None:
     """An OutputError now, rather than at the end, when `target` cannot be written. For a file: a real
     probe file created and removed in its folder (os.access() says yes to root on a read-only file system).
     For a stream: its permission bits (opening a FIFO here would wait for its reader)."""
+    if target.fd is not None:
+        try:
+            import fcntl
+
+            readonly = fcntl.fcntl(target.fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDONLY
+        except (ImportError, OSError):
+            readonly = False
+        if readonly:
+            raise OutputError(f"cannot write {target.given}: descriptor {target.fd} is open for reading only")
+        return
     if not target.atomic:
         if not os.access(target.path, os.W_OK):
             raise OutputError(f"cannot write {target.given}: permission denied")
@@ -148,8 +192,11 @@ def check_writable(target: Target) -> None:
 
 def open_stream(target: Target) -> int:
     """Open a STREAM target for writing (a FIFO: this waits until it has a reader) and return the
-    descriptor. Neither created nor truncated: it is someone else's device or pipe."""
+    descriptor. Neither created nor truncated: it is someone else's device or pipe. A descriptor's name
+    (/dev/stdout) gives a duplicate of that descriptor."""
     try:
+        if target.fd is not None:
+            return os.dup(target.fd)
         fd = os.open(target.path, os.O_WRONLY | getattr(os, "O_BINARY", 0) | _O_EXTRA)
     except OSError as exc:
         raise OutputError(f"cannot write {target.given}: {exc.strerror or exc}") from exc

@@ -342,3 +342,24 @@ def test_a_saved_conversation_is_written_whole(tmp_path, monkeypatch):
     monkeypatch.undo()
     conversation.save(tmp_path / "link.json")
     assert (tmp_path / "link.json").is_symlink() and Conversation.load(path).turns[1]["content"] == "b"
+
+
+@posix_only
+def test_a_descriptors_name_writes_that_descriptor(tmp_path):
+    """/dev/stdout, /dev/fd/N, /proc/self/fd/N: the descriptor itself (dup'd), at its offset and with its
+    O_APPEND, never a rename onto the file a shell redirected it to (`>> all.wav` keeps what it had)."""
+    path = tmp_path / "all.wav"
+    path.write_bytes(b"earlier")
+    with open(path, "ab") as appending:
+        target = atomic.output_target(f"/dev/fd/{appending.fileno()}")
+        assert (target.kind, target.fd, target.what) == (atomic.STREAM, appending.fileno(), "file descriptor")
+        write_reply(AudioFileSink(f"/dev/fd/{appending.fileno()}"), tone(100))
+    data = path.read_bytes()
+    assert data[:7] == b"earlier" and data[7:] == fmt.wav_header(SR) + fmt.pcm16(tone(100))  # appended, sizes unknown
+    with open(path, "wb") as fresh:  # `> one.wav`: a seekable file, so the sizes are patched in
+        write_reply(AudioFileSink(f"/proc/self/fd/{fresh.fileno()}"), tone(100))
+    assert path.read_bytes() == fmt.wav_bytes(tone(100), SR) and names(tmp_path) == ["all.wav"]
+    assert atomic.output_target("/dev/stdout").fd == 1
+    with open(path, "rb") as reading:
+        with pytest.raises(OutputError, match="open for reading only"):
+            AudioFileSink(f"/dev/fd/{reading.fileno()}")

@@ -336,7 +336,8 @@ class AudioFileSink(_SinkBase):
 
 
 class WavSink(AudioFileSink):
-    """A WAV file whatever its name, which appears whole at `close()` or not at all (AudioFileSink).
+    """A WAV file whatever its name, which appears whole at `close()` or not at all (AudioFileSink; to a
+    FIFO, a device or a descriptor's name it is streamed, 16-bit).
 
     `subtype` is soundfile's sample format: "PCM_16" (default, plays everywhere; samples are clipped
     to [-1, 1]) or "FLOAT" (32-bit float, lossless).
