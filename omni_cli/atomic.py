@@ -69,7 +69,7 @@ def output_target(path: str | os.PathLike) -> Target:
     given = Path(path)
     if str(path) in ("", "-"):  # "-" is stdout, which the faces handle before they get here
         raise UsageError(f"bad output file name '{path}'")
-    fd = _descriptor(given)
+    fd = descriptor_of(given)
     if fd is not None:
         try:
             st = os.fstat(fd)
@@ -119,8 +119,9 @@ _DESCRIPTOR_NAMES = {"/dev/stdin": 0, "/dev/stdout": 1, "/dev/stderr": 2}
 _DESCRIPTOR_PATH = re.compile(r"/(?:dev/fd|proc/self/fd|proc/(\d+)/fd)/(\d+)")
 
 
-def _descriptor(given: Path) -> int | None:
-    """The descriptor that `given` names as this process's own (see the module docstring), else None."""
+def descriptor_of(given: str | os.PathLike) -> int | None:
+    """The descriptor that `given` names as this process's own (see the module docstring), else None.
+    A face can ask `descriptor_of(path) == 1` to treat `-o /dev/stdout` as `-o -`."""
     if os.name != "posix":
         return None
     text = os.path.abspath(given)

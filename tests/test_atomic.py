@@ -359,7 +359,8 @@ def test_a_descriptors_name_writes_that_descriptor(tmp_path):
     with open(path, "wb") as fresh:  # `> one.wav`: a seekable file, so the sizes are patched in
         write_reply(AudioFileSink(f"/proc/self/fd/{fresh.fileno()}"), tone(100))
     assert path.read_bytes() == fmt.wav_bytes(tone(100), SR) and names(tmp_path) == ["all.wav"]
-    assert atomic.output_target("/dev/stdout").fd == 1
+    assert atomic.output_target("/dev/stdout").fd == 1 == atomic.descriptor_of("/dev/stdout")
+    assert atomic.descriptor_of(tmp_path / "all.wav") is None and atomic.descriptor_of(f"/proc/{os.getpid()}/fd/2") == 2
     with open(path, "rb") as reading:
         with pytest.raises(OutputError, match="open for reading only"):
             AudioFileSink(f"/dev/fd/{reading.fileno()}")
