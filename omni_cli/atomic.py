@@ -89,7 +89,8 @@ def output_target(path: str | os.PathLike) -> Target:
     if st is None:
         # Nothing there: a new name, or a (chain of) dangling link(s), whose final target is created.
         resolved = Path(os.path.realpath(given))
-        _check_folder(given, resolved.parent)
+        # Messages name the folder as the caller did, unless a link led elsewhere.
+        _check_folder(given, resolved.parent, given.parent if not os.path.islink(given) else resolved.parent)
         return Target(NEW, resolved, given, "new file")
     mode = st.st_mode
     if stat.S_ISREG(mode):
@@ -133,11 +134,11 @@ def descriptor_of(given: str | os.PathLike) -> int | None:
     return int(match.group(2))
 
 
-def _check_folder(given: Path, folder: Path) -> None:
+def _check_folder(given: Path, folder: Path, named: Path) -> None:
     if not folder.exists():
-        raise OutputError(f"cannot write {given}: folder {folder} does not exist")
+        raise OutputError(f"cannot write {given}: folder {named} does not exist")
     if not folder.is_dir():
-        raise OutputError(f"cannot write {given}: {folder} is not a folder")
+        raise OutputError(f"cannot write {given}: {named} is not a folder")
 
 
 def _first_non_folder(path: Path) -> Path:

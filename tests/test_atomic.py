@@ -12,7 +12,7 @@ import os
 import socket
 import stat
 import threading
-import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -364,3 +364,11 @@ def test_a_descriptors_name_writes_that_descriptor(tmp_path):
     with open(path, "rb") as reading:
         with pytest.raises(OutputError, match="open for reading only"):
             AudioFileSink(f"/dev/fd/{reading.fileno()}")
+
+
+def test_messages_name_the_path_as_given(tmp_path, monkeypatch):
+    """omni-chat's `/save no/such/folder/x` says the folder as typed (its test checks the line)."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(OutputError, match=r"^cannot write no/such/x.json: folder no/such does not exist$"):
+        atomic.atomic_write(Path("no") / "such" / "x.json", "{}")
+    assert names(tmp_path) == []

@@ -25,7 +25,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from ..audio.format import from_pcm16, pcm16, to_int16, wav_bytes  # pcm16, from_pcm16: the API's PCM16
+from ..audio.format import from_pcm16, pcm16, to_int16, wav_bytes  # noqa: F401 (from_pcm16: the client reads it here)
 from ..config import ReplyOptions
 
 if TYPE_CHECKING:  # numpy is imported where samples are made or read: a client sends its request first
