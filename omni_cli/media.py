@@ -3,31 +3,43 @@ and resampled to the 16 kHz the models' audio encoders hear. Images: opened with
 
 Any format libsndfile reads (WAV, FLAC, Ogg, MP3, ...) at any rate; the resampler is soxr's (high
 quality). A file that is missing, empty, not audio, or holds no samples is a one-line `UsageError`.
+`AudioClip` is the one audio clip type: a file read here, a recording from the microphone
+(audio/microphone.py fills in how its turn ended) and a clip sent over the API are all one.
+
 It knows no model (the features and the prompt's audio and image tokens are the family's) and imports
-no torch.
+no torch; numpy is imported when samples are read (the microphone's module imports this one).
 """
 
 from __future__ import annotations
 
 import io
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-
-import numpy as np
+from typing import TYPE_CHECKING
 
 from .errors import UsageError
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    import numpy as np
 
 ENCODER_RATE = 16_000  # what Qwen-Omni's Whisper-style audio encoders take
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # eq=False: arrays have no single truth value to compare by
 class AudioClip:
-    """Mono float32 samples at `sample_rate`, and where they came from (for messages and transcripts)."""
+    """Mono float32 samples at `sample_rate`, where they came from (for messages and transcripts), and,
+    for a recording, how its turn ended (the other fields keep their defaults for a file's clip)."""
 
-    pcm: np.ndarray
-    sample_rate: int
-    source: str = "audio"
+    pcm: "np.ndarray"  # float32, mono, nominally in [-1, 1]
+    sample_rate: int  # its own rate (a file's, or the device's: not resampled)
+    source: str = "audio"  # a file's name, "stdin", "microphone", ...
+    # A recording's end: "silence" (speech, then the end silence), "stop" (the stop event), "limit" (the
+    # longest clip), "interrupted" (Ctrl-C), "no speech" (nothing spoken in time); None: not a recording.
+    ended_by: str | None = None
+    recorded_seconds: float | None = None  # audio taken from the device before trimming (None: not recorded)
+    speech_end: float | None = None  # where the last speech ended (seconds); None without VAD or speech
+    overflows: int = 0  # times the device dropped input because its blocks were not taken in time
 
     @property
     def seconds(self) -> float:
@@ -37,14 +49,16 @@ class AudioClip:
         """The clip resampled to `rate` (itself when it is already there)."""
         if self.sample_rate == rate:
             return self
+        import numpy as np
         import soxr
 
         pcm = soxr.resample(self.pcm, self.sample_rate, rate, quality="HQ").astype(np.float32)
-        return AudioClip(pcm, rate, self.source)
+        return replace(self, pcm=pcm, sample_rate=rate)
 
 
 def read_audio(source: str | os.PathLike | bytes, name: str | None = None) -> AudioClip:
     """An audio file (a path, or its bytes: stdin's) as a mono clip at its own rate."""
+    import numpy as np
     import soundfile
 
     if isinstance(source, bytes):

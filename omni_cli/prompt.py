@@ -91,7 +91,11 @@ class Conversation:
         return cls(system=system, turns=turns[start:])
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(self.to_json(), encoding="utf-8")
+        """Write the transcript JSON to `path`, whole or not at all (atomic.atomic_write; an OutputError
+        if it cannot be written)."""
+        from .atomic import atomic_write
+
+        atomic_write(path, self.to_json())
 
     @classmethod
     def load(cls, path: str | Path) -> "Conversation":

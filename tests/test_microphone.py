@@ -424,6 +424,31 @@ def test_find_input_device_by_default_index_and_name():
         find_input_device(None, FakeMicrophones(devices=devices, default=1))
 
 
+def test_a_recording_is_the_one_audio_clip_type():
+    """media.AudioClip is every audio input's type: a file's, a recording's (with how its turn ended)."""
+    from omni_cli.audio.microphone import _Turn
+    from omni_cli.media import AudioClip
+
+    assert Clip is AudioClip
+    turn = _Turn(RecordOptions(vad=False), 16_000, None)
+    turn.arrived.extend([np.full(800, 0.25, np.float32), np.full(800, -0.25, np.float32)])
+    turn.judge(2)
+    clip = turn.clip("stop", trim=False)
+    assert type(clip) is AudioClip and clip.source == "microphone" and clip.ended_by == "stop"
+    assert clip.recorded_seconds == pytest.approx(0.1) and clip.seconds == pytest.approx(0.1)
+    resampled = clip.at(24_000)  # for an encoder: the recording's facts go along
+    assert (resampled.sample_rate, resampled.source, resampled.ended_by) == (24_000, "microphone", "stop")
+    file_clip = AudioClip(np.zeros(10, np.float32), 8000)
+    assert (file_clip.source, file_clip.ended_by, file_clip.recorded_seconds) == ("audio", None, None)
+
+
+def test_the_clip_and_the_microphone_import_no_numpy():
+    code = ("import sys, omni_cli.media, omni_cli.audio.microphone; "
+            "print(','.join(m for m in ('numpy', 'torch', 'soundfile') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == "", done.stderr + done.stdout
+
+
 def test_silent_microphone_carries_its_clip():
     clip = Clip(pcm=np.zeros(10, np.float32), sample_rate=16_000, ended_by="stop", recorded_seconds=10 / 16_000)
     exc = SilentMicrophone("the microphone gave silence: no speech was heard in 0.0 s", clip)

@@ -191,8 +191,10 @@ def test_parent_is_a_file(tmp_path):
 
 
 def test_path_is_a_folder(tmp_path):
-    with pytest.raises(OutputError, match="is a folder"):
+    with pytest.raises(UsageError, match="is a folder") as err:
         WavSink(tmp_path)
+    assert err.value.exit_code == 2
+    assert os.listdir(tmp_path) == []
 
 
 def _writable(folder: Path) -> bool:
@@ -329,7 +331,7 @@ def test_opus_refuses_a_rate_it_cannot_carry(tmp_path):
 def test_an_interrupt_right_after_a_temp_file_is_made_leaves_nothing(tmp_path, monkeypatch):
     """Ctrl-C (or SIGTERM) can land between creating a temp file and remembering it: the names are
     chosen first, so the probe and the .part are removed all the same."""
-    import omni_cli.audio.sinks as sinks
+    import omni_cli.atomic as sinks  # where the temp files are made
 
     real = sinks._create_exclusive
 

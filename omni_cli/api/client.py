@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
 
+from ..audio.format import audio_file_kind
 from ..config import ReplyOptions
 from ..interface import ModelInfo
 from ..errors import OmniError, UsageError
@@ -446,7 +447,7 @@ def _decode_audio(raw: bytes, meta: dict) -> tuple[np.ndarray, int]:
     """Audio bytes as vLLM-Omni describes them: a WAV (or other file) or raw PCM16 / float32 samples."""
     fmt = str(meta.get("format", "")).lower()
     rate = int(meta.get("sample_rate_hz") or meta.get("sample_rate") or p.SAMPLE_RATE)
-    if raw[:4] in (b"RIFF", b"fLaC", b"OggS") or fmt in ("wav", "flac", "ogg", "mp3"):
+    if audio_file_kind(raw) is not None or fmt in ("wav", "flac", "ogg", "mp3"):
         import soundfile
 
         pcm, rate = soundfile.read(io.BytesIO(raw), dtype="float32", always_2d=True)

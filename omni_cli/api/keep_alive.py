@@ -8,8 +8,9 @@ against 15 s for a command that loads the model itself, its caches warm).
 goes to a log file in the cache folder), waits until it serves, and returns a `RemoteAssistant` for it.
 The server stops itself after `keep_alive` seconds without a request (omni-serve `--keep-alive`).
 
-A record in the cache folder (`omni-serve.json`: pid, model, port) says which server was started this
-way. The next command on the same model waits for it while it is still loading; a command on another
+A record in the cache folder (`omni-serve.json`: pid, model, port; paths.keep_alive_record()) says which
+server was started this way; it is written whole or not at all (atomic.atomic_write), so a command that
+reads it while another writes it never sees half a record. The next command on the same model waits for it while it is still loading; a command on another
 model stops it if it is idle (one model in memory at a time, as ollama swaps them) and starts its own;
 a server this module did not start (nor a process that took a recorded pid after a reboot) is never
 stopped, and if it holds the port the command loads the model itself.
@@ -30,7 +31,8 @@ import time
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from ..errors import UsageError
+from .. import atomic, paths
+from ..errors import OmniError, UsageError
 from . import client
 from .client import RemoteAssistant, ServerError, model_key
 
@@ -48,16 +50,14 @@ def parse_duration(text: str) -> float:
 
 def server_folder(make: bool = False) -> Path:
     """Where the background server's record and log are kept (`make`: create it)."""
-    from ..config import cache_folder
-
-    folder = Path(cache_folder("serve"))
+    folder = paths.server_dir()
     if make:
         folder.mkdir(parents=True, exist_ok=True)
     return folder
 
 
 def _record_file() -> Path:
-    return server_folder() / "omni-serve.json"
+    return paths.keep_alive_record()
 
 
 def read_record() -> dict | None:
@@ -132,8 +132,9 @@ def start_server(model: str | None, flags: list[str], keep_alive: float, api_key
         proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True,
                                 env=env)
     try:
-        _record_file().write_text(json.dumps({"pid": proc.pid, "key": key, "port": where.port, "log": str(log)}))
-    except OSError:
+        atomic.atomic_write(_record_file(), json.dumps({"pid": proc.pid, "key": key, "port": where.port,
+                                                        "log": str(log)}))
+    except (OSError, OmniError):
         pass  # the server works without it; only the next command cannot tell that it is ours
     minutes = f"{keep_alive / 60:g} min" if keep_alive >= 60 else f"{keep_alive:g} s"
     note(f"loading the model in a background omni-serve (pid {proc.pid}), kept for {minutes} after the last "

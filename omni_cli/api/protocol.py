@@ -25,6 +25,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from ..audio.format import from_pcm16, pcm16, to_int16, wav_bytes  # noqa: F401 (from_pcm16: the client reads it here)
 from ..config import ReplyOptions
 
 if TYPE_CHECKING:  # numpy is imported where samples are made or read: a client sends its request first
@@ -246,20 +247,6 @@ def new_ids() -> tuple[str, str, int]:
     return f"chatcmpl-{uuid.uuid4().hex}", f"audio_{uuid.uuid4().hex}", int(time.time())
 
 
-def pcm16(block: "np.ndarray") -> bytes:
-    """float32 samples in [-1, 1] -> little-endian PCM16 (x 32768, rounded, clipped: the inverse of
-    `from_pcm16`, so a round trip through a 16-bit WAV is exact)."""
-    import numpy as np
-
-    return np.clip(np.rint(np.asarray(block, dtype=np.float32) * 32768.0), -32768, 32767).astype("<i2").tobytes()
-
-
-def from_pcm16(data: bytes) -> "np.ndarray":
-    import numpy as np
-
-    return np.frombuffer(data, dtype="<i2").astype(np.float32) / 32768.0
-
-
 def b64(data: bytes) -> str:
     return base64.b64encode(data).decode("ascii")
 
@@ -280,9 +267,12 @@ def sse(data: dict | str) -> bytes:
 
 
 def audio_file(pcm: "np.ndarray", fmt: str) -> bytes:
-    """A whole reply's speech as a file in `fmt` (WAV PCM16 by default; pcm16: raw samples)."""
+    """A whole reply's speech as a file in `fmt` (WAV PCM16 by default; pcm16: raw samples). 16-bit
+    samples (pcm16, WAV, FLAC) by the one PCM16 rule (audio/format.py), as omni-say's own files have them."""
     if fmt == "pcm16":
         return pcm16(pcm)
+    if fmt == "wav":
+        return wav_bytes(pcm, SAMPLE_RATE)
     import numpy as np
     import soundfile
 
@@ -291,8 +281,9 @@ def audio_file(pcm: "np.ndarray", fmt: str) -> bytes:
     major, subtype, _ = FILE_FORMATS["ogg" if fmt == "opus" else fmt]
     if fmt == "opus":
         subtype = "OPUS"
+    samples = to_int16(pcm) if subtype == "PCM_16" else np.clip(np.asarray(pcm, dtype=np.float32), -1.0, 1.0)
     out = io.BytesIO()
-    soundfile.write(out, np.asarray(pcm, dtype=np.float32), SAMPLE_RATE, format=major, subtype=subtype)
+    soundfile.write(out, samples, SAMPLE_RATE, format=major, subtype=subtype)
     return out.getvalue()
 
 

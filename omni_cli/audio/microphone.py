@@ -9,6 +9,8 @@ clip length. Trailing silence beyond a short tail is cut off. A turn with no spe
 never louder than a floor (VAD off), raises `SilentMicrophone`, which carries the clip; Ctrl-C stops
 the stream and re-raises the KeyboardInterrupt with the clip attached as its `clip` attribute. So
 nothing recorded is lost. `save_clip` writes a clip as a 16-bit WAV that exists only when whole.
+A clip is media.py's `AudioClip` (source "microphone"), the type every audio input has; `Clip` is
+the same class under its old name here.
 
 Voice activity: WebRTC's VAD (the `webrtcvad-wheels` build of py-webrtcvad): a small C library with
 binary wheels for CPython 3.10-3.13 on Linux, macOS and Windows, no dependencies, no model file to
@@ -34,7 +36,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from ..errors import AudioDeviceError, OmniError, OutputError, UsageError
+from .. import atomic
+from ..errors import AudioDeviceError, OmniError, UsageError
+from ..media import AudioClip
+from .format import to_int16, wav_bytes
 from .sinks import _reason
 from . import speaker
 from .speaker import devices_of_kind, match_device
@@ -102,22 +107,9 @@ class RecordOptions:
             raise UsageError(f"the sample rate must be positive (got {self.sample_rate})")
 
 
-@dataclass(frozen=True, eq=False)  # eq=False: arrays have no single truth value to compare by
-class Clip:
-    """What was recorded: mono float32 samples at the device's rate, and how the turn ended."""
-
-    pcm: "np.ndarray"  # float32, mono, in [-1, 1]
-    sample_rate: int  # the rate the device recorded at (not resampled)
-    # Why recording stopped: "silence" (speech, then the end silence), "stop" (the stop event), "limit"
-    # (max_seconds), "interrupted" (Ctrl-C); for a SilentMicrophone's clip, what stopped it too.
-    ended_by: str  # also "no speech" (VAD on: nothing spoken within start_seconds)
-    recorded_seconds: float  # audio taken from the device before trimming
-    speech_end: float | None = None  # where the last speech ended (seconds); None without VAD or speech
-    overflows: int = 0  # times the device dropped input because its blocks were not taken in time
-
-    @property
-    def seconds(self) -> float:
-        return self.pcm.shape[0] / self.sample_rate
+# A recording is an AudioClip (media.py) with `ended_by`, `recorded_seconds`, `speech_end` and
+# `overflows` filled in; the old name stays importable from here.
+Clip = AudioClip
 
 
 class SilentMicrophone(OmniError):
@@ -125,7 +117,7 @@ class SilentMicrophone(OmniError):
 
     `clip` holds what was recorded (untrimmed), so a caller may still keep or save it."""
 
-    def __init__(self, message: str, clip: Clip) -> None:
+    def __init__(self, message: str, clip: AudioClip) -> None:
         super().__init__(message)
         self.clip = clip
 
@@ -249,8 +241,7 @@ class _Vad:
 
         if self._resampler is not None:
             block = self._resampler.resample_chunk(block)
-        pcm16 = np.clip(np.rint(block * 32768.0), -32768, 32767).astype(np.int16)
-        pending = np.concatenate([self._pending, pcm16])
+        pending = np.concatenate([self._pending, to_int16(block)])  # the one PCM16 rule
         whole = pending.shape[0] // self.frame * self.frame
         self._pending = pending[whole:]
         return [self._vad.is_speech(pending[i:i + self.frame].tobytes(), self.rate)
@@ -348,7 +339,7 @@ class _Turn:
                 return "no speech"  # nobody spoke: `silence()` makes it the silent-microphone error
         return ended
 
-    def clip(self, ended_by: str, trim: bool, everything: bool = False) -> Clip:
+    def clip(self, ended_by: str, trim: bool, everything: bool = False) -> AudioClip:
         """The recording: the blocks judged (`everything`: all that arrived), up to the turn's end."""
         import numpy as np
 
@@ -362,8 +353,8 @@ class _Turn:
             if sound_end is not None:
                 tail = min(self.options.tail_ms, self.options.end_silence_ms) / 1000
                 pcm = pcm[:min(pcm.shape[0], round((sound_end + tail) * self.rate))]
-        return Clip(pcm=pcm, sample_rate=self.rate, ended_by=ended_by, recorded_seconds=recorded,
-                    speech_end=speech_end, overflows=self.overflows)
+        return AudioClip(pcm=pcm, sample_rate=self.rate, source="microphone", ended_by=ended_by,
+                         recorded_seconds=recorded, speech_end=speech_end, overflows=self.overflows)
 
     def silence(self) -> str | None:
         """Why this recording counts as silent (the error's words), or None when it has sound in it."""
@@ -384,7 +375,7 @@ class _Turn:
 
 def record(options: RecordOptions | None = None, stop: threading.Event | None = None,
            on_level: Callable[[float, float], None] | None = None, *, hint: str = RECORD_HINT,
-           backend: Any = None) -> Clip:
+           backend: Any = None) -> AudioClip:
     """Record one turn from the microphone (see the module docstring) and return it, trimmed.
 
     Ends when `stop` is set, when speech was followed by `options.end_silence_ms` of silence (VAD on),
@@ -465,26 +456,8 @@ def _close(stream: Any) -> None:
         pass
 
 
-def save_clip(clip: Clip, path: str | os.PathLike) -> Path:
-    """Write `clip` as a 16-bit WAV at its own rate: to a temp file beside `path`, renamed into place,
-    so a file that exists is whole. Returns the path."""
-    import secrets
-
-    import numpy as np
-    import soundfile
-
-    path = Path(path)
-    tmp = path.parent / f".{path.name}.{secrets.token_hex(8)}.part"
-    # Full scale at most, whatever the libsndfile build does with floats beyond it (SFC_SET_CLIPPING is
-    # off by default: a conversion that does not clip wraps around, a loud click).
-    pcm = np.clip(clip.pcm, -1.0, 1.0)
-    try:
-        soundfile.write(tmp, pcm, clip.sample_rate, subtype="PCM_16", format="WAV")
-        os.replace(tmp, path)
-    except Exception as exc:
-        try:
-            tmp.unlink()
-        except OSError:
-            pass
-        raise OutputError(f"cannot write {path}: {_reason(exc)}") from exc
-    return path
+def save_clip(clip: AudioClip, path: str | os.PathLike) -> Path:
+    """Write `clip` as a 16-bit WAV at its own rate (the one PCM16 rule: full scale at most, never wrapped
+    around), through atomic.atomic_write: a file that exists is whole. Returns the path."""
+    atomic.atomic_write(path, wav_bytes(clip.pcm, clip.sample_rate))
+    return Path(path)

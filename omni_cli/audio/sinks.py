@@ -7,15 +7,21 @@ nothing partial behind). `close()` and `abort()` are idempotent, and `abort()` a
 what was finished. Every sink is also a context manager: an exception inside the block aborts it.
 
 - `AudioFileSink(path, format=None)`: an audio file (WAV, FLAC, Ogg Vorbis, Ogg Opus, MP3; by the
-  extension or `format`), written to a temp file in the same folder and renamed into place at
-  `close()`, so a file that exists is always whole. The format and whether the folder is writable are
-  checked in the constructor, before any model is loaded. `WavSink(path)`: the same, always WAV.
+  extension or `format`). What `path` names decides how (omni_cli/atomic.py): a file or a new name (a
+  symlink's target) is written to a temp file in the same folder and renamed into place at `close()`,
+  so a file that exists is always whole; a character device or a FIFO (/dev/null, a terminal, a named
+  pipe) is written directly as the audio comes, never replaced; a folder or a socket is a UsageError.
+  The format, the target and whether it is writable are checked in the constructor, before any model
+  is loaded. `WavSink(path)`: the same, always WAV.
 - `WavStreamSink(file)`: streaming WAV (16-bit) on a binary file object, e.g. stdout for `-o -`: a
   header with unknown sizes first, then the PCM as it is produced, flushed block by block. If the
   file can seek (stdout redirected to a file), the sizes are patched at `close()`.
 - `SpeakerSink(device)`: plays through a sound device (speaker.py).
 - `TeeSink(sinks)`: the same audio to several sinks (`--play -o FILE`).
 - `NullSink`: counts samples (benchmarks).
+
+16-bit samples (WAV and FLAC files, the WAV stream) are made by the one PCM16 rule of audio/format.py and
+handed to libsndfile as int16, so every 16-bit output of the same float audio holds the same samples.
 
 It knows nothing about models, torch or threads of the engine, nor sound devices (speaker.py); numpy
 and soundfile are imported when a sink is used.
@@ -24,13 +30,14 @@ and soundfile are imported when a sink is used.
 from __future__ import annotations
 
 import os
-import struct
 import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO, Protocol, Sequence, runtime_checkable
 
+from .. import atomic
 from ..config import SAMPLE_RATE
 from ..errors import OutputError, UsageError
+from .format import UNKNOWN_SIZE, pcm16, to_int16, wav_header  # wav_header, UNKNOWN_SIZE: re-exported
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     import numpy as np
@@ -159,29 +166,27 @@ def file_format(path: str | os.PathLike, format: str | None = None) -> str:
                      f"{known} (or --format {'|'.join(available)})")
 
 
-def _temp_path(path: Path, suffix: str) -> Path:
-    """A fresh hidden name beside `path` (.NAME.<random>SUFFIX). The name is known before the file
-    exists, so whoever records it first can always remove it: an interrupt that lands between creating
-    the file and remembering its name cannot leave it behind."""
-    import secrets
-
-    return path.parent / f".{path.name}.{secrets.token_hex(8)}{suffix}"
-
-
-def _create_exclusive(path: Path, mode: int) -> None:
-    """Create `path`, empty; an error if it exists. `mode` is filtered by the umask as open() does."""
-    os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode))
+# What each format can do on a STREAM target (a FIFO, a terminal, a device), which cannot seek: WAV
+# through the streaming writer (WavStreamSink; 16-bit only); Ogg Vorbis and Opus through libsndfile, whose
+# Ogg pages are written as they fill and never revisited. FLAC and MP3 are refused: libsndfile goes back
+# to finish their headers (measured with libsndfile 1.2.2 on a pipe: a FLAC that libsndfile cannot read
+# back, an MP3 that decodes to a fifth of its samples).
+_STREAMABLE = ("ogg", "opus")
 
 
 class AudioFileSink(_SinkBase):
-    """An audio file (WAV, FLAC, Ogg Vorbis, Ogg Opus, MP3: see FILE_FORMATS) that appears whole at
-    `close()` or not at all: it is written to a hidden temp file in the same folder and renamed into
-    place. The format comes from `format` (a FILE_FORMATS name), else the file's extension (none: WAV);
-    one nothing here can write is a UsageError, and an unwritable folder an OutputError, both raised by
-    the constructor, before any audio exists.
+    """An audio file (WAV, FLAC, Ogg Vorbis, Ogg Opus, MP3: see FILE_FORMATS) written to what `path`
+    names (atomic.output_target): a regular file or a new name (a symlink's target) appears whole at
+    `close()` or not at all, through a hidden temp file in the same folder renamed into place; a
+    character device or FIFO is written directly, block by block (WAV as a stream, Ogg through
+    libsndfile; FLAC and MP3 need a file). The format comes from `format` (a FILE_FORMATS name), else
+    the file's extension (none: WAV). A format nothing here can write, a folder, a socket, or a format a
+    stream cannot carry is a UsageError; an unwritable place an OutputError: all raised by the
+    constructor, before any audio exists.
 
     `subtype` overrides the format's sample encoding (soundfile's names; e.g. "FLOAT" for a lossless
-    32-bit WAV). Integer encodings are clipped to [-1, 1].
+    32-bit WAV). PCM_16 samples are made by audio/format.py's rule; other integer encodings are clipped
+    to [-1, 1] and converted by libsndfile.
 
     Calls may come from several threads (an interrupt's `abort()` while the writer is inside `write()`):
     a lock makes each call whole, so `abort()` never closes the file under a write in progress.
@@ -190,39 +195,38 @@ class AudioFileSink(_SinkBase):
     def __init__(self, path: str | os.PathLike, format: str | None = None, subtype: str | None = None) -> None:
         super().__init__()
         self.path = Path(path)
+        # What the path names: REGULAR/NEW (temp file and rename) or STREAM (written directly). First:
+        # "it is a folder" says more than a folder name's extension would.
+        self.target = atomic.output_target(self.path)
         # The FILE_FORMATS name, and libsndfile's format and subtype for it.
         self.format = file_format(self.path, format)
         self.major, default_subtype, _ = FILE_FORMATS[self.format]
         self.subtype = subtype or default_subtype
-        self._tmp: Path | None = None
-        self._file: Any = None
+        self._replacement: atomic.Replacement | None = None
+        self._fd: int | None = None  # a STREAM target's descriptor
+        self._file: Any = None  # the soundfile.SoundFile, or for a streamed WAV the WavStreamSink
         # Re-entrant: a signal handler in the writing thread may call abort() from inside write().
         self._lock = threading.RLock()
-        self._check_writable()
+        if not self.target.atomic:
+            self._check_streamable()
+        atomic.check_writable(self.target)
 
-    def _check_writable(self) -> None:
-        path = self.path
-        if str(path) in ("", "-"):
-            raise OutputError(f"bad output file name '{path}'")
-        if path.is_dir():
-            raise OutputError(f"cannot write {path}: it is a folder")
-        parent = path.parent
-        if not parent.exists():
-            raise OutputError(f"cannot write {path}: folder {parent} does not exist")
-        if not parent.is_dir():
-            raise OutputError(f"cannot write {path}: {parent} is not a folder")
-        # A real probe: os.access() says yes to root on read-only file systems and the like. The
-        # probe is removed whatever happens, an interrupt included (its name exists before it does).
-        probe = _temp_path(path, ".probe")
-        try:
-            _create_exclusive(probe, 0o600)
-        except OSError as exc:
-            raise OutputError(f"cannot write {path}: {exc.strerror or exc}") from exc
-        finally:
-            try:
-                probe.unlink()
-            except OSError:
-                pass
+    @property
+    def _wav_stream(self) -> bool:
+        """Whether this is a 16-bit WAV on a STREAM target (written by WavStreamSink, not libsndfile,
+        which refuses to write WAV where it cannot seek back to the header)."""
+        return not self.target.atomic and self.format == "wav"
+
+    def _check_streamable(self) -> None:
+        where = f"{self.path} is a {self.target.what}, written as the audio comes"
+        if self.format == "wav":
+            if self.subtype.upper() != "PCM_16":
+                raise UsageError(f"cannot write {self.subtype} WAV to {self.path}: {where}, and a streamed WAV "
+                                 "is 16-bit")
+        elif self.format not in _STREAMABLE:
+            raise UsageError(f"cannot write {self.format.upper()} to {self.path}: {where}, and a "
+                             f"{self.format.upper()} file needs seeking back to finish it; write WAV, Ogg or "
+                             "Opus there, or a file")
 
     def start(self, sample_rate: int) -> None:
         with self._lock:
@@ -234,15 +238,26 @@ class AudioFileSink(_SinkBase):
                 raise OutputError(f"cannot write {self.path}: Opus takes 8, 12, 16, 24 or 48 kHz, not "
                                   f"{self.sample_rate} Hz; write .flac, .ogg or .wav instead")
             try:
-                self._tmp = _temp_path(self.path, ".part")  # remembered before it exists: see _temp_path
-                # Made here (not by libsndfile) so that it gets the mode a plain open() would give.
-                _create_exclusive(self._tmp, 0o666)
-                self._file = soundfile.SoundFile(
-                    self._tmp, mode="w", samplerate=self.sample_rate, channels=1, format=self.major,
-                    subtype=self.subtype,
-                )
+                if self.target.atomic:
+                    # The temp file's name is remembered before it exists (atomic.temp_path), and it is
+                    # made here (not by libsndfile) with the mode a plain open() would give it, or the
+                    # mode of the file it replaces.
+                    self._replacement = atomic.Replacement(self.target)
+                    fd = self._replacement.create()
+                else:
+                    self._fd = fd = atomic.open_stream(self.target)  # a FIFO: waits here for its reader
+                if self._wav_stream:
+                    self._file = WavStreamSink(os.fdopen(fd, "wb", closefd=False), name=str(self.path))
+                    self._file.start(self.sample_rate)
+                else:
+                    self._file = soundfile.SoundFile(
+                        fd, mode="w", samplerate=self.sample_rate, channels=1, format=self.major,
+                        subtype=self.subtype, closefd=False,
+                    )
             except Exception as exc:
                 self.abort()
+                if isinstance(exc, OutputError):
+                    raise
                 raise OutputError(f"cannot write {self.path}: {_reason(exc)}") from exc
 
     def write(self, block: "np.ndarray") -> None:
@@ -251,19 +266,28 @@ class AudioFileSink(_SinkBase):
             import numpy as np
 
             arr = as_block(block)
-            if self.subtype.upper() not in ("FLOAT", "DOUBLE"):
+            if self._wav_stream:
+                data: Any = arr  # WavStreamSink applies the PCM16 rule
+            elif self.subtype.upper() == "PCM_16":
+                data = to_int16(arr)  # the one rule; libsndfile writes int16 as they are
+            elif self.subtype.upper() not in ("FLOAT", "DOUBLE"):
                 # libsndfile wraps around (not clips) out-of-range floats when converting to integers;
                 # the lossy encoders would clip anyway.
-                arr = np.clip(arr, -1.0, 1.0)
+                data = np.clip(arr, -1.0, 1.0)
+            else:
+                data = arr
             try:
-                self._file.write(arr)
+                self._file.write(data)
             except Exception as exc:
                 self.abort()
+                if isinstance(exc, OutputError):
+                    raise
                 raise OutputError(f"cannot write {self.path}: {_reason(exc)}") from exc
             self.samples += int(arr.shape[0])
 
     def close(self) -> None:
-        """Finish the file and rename it into place (an empty file if nothing was ever started)."""
+        """Finish the file: rename it into place (an empty file if nothing was ever started), or for a
+        stream, end it."""
         with self._lock:
             if self.closed or self.aborted:
                 return
@@ -272,35 +296,48 @@ class AudioFileSink(_SinkBase):
             try:
                 self._file.close()
                 self._file = None
-                os.replace(self._tmp, self.path)
+                if self._replacement is not None:
+                    self._replacement.commit()
+                    self._replacement = None
+                else:
+                    fd, self._fd = self._fd, None
+                    os.close(fd)
             except Exception as exc:
                 self.abort()
+                if isinstance(exc, OutputError):
+                    raise
                 raise OutputError(f"cannot write {self.path}: {_reason(exc)}") from exc
-            self._tmp = None
             self.closed = True
 
     def abort(self) -> None:
-        """Drop the temp file; an already finished file stays."""
+        """Drop the temp file (a stream just stops); an already finished file stays."""
         with self._lock:
             if self.closed or self.aborted:
                 return
             self.aborted = True
             if self._file is not None:
                 try:
-                    self._file.close()
+                    if isinstance(self._file, WavStreamSink):
+                        self._file.abort()
+                    else:
+                        self._file.close()
                 except Exception:
                     pass
                 self._file = None
-            if self._tmp is not None:
+            if self._replacement is not None:
+                self._replacement.discard()
+                self._replacement = None
+            if self._fd is not None:
                 try:
-                    self._tmp.unlink()
-                except OSError:  # never created, or already renamed into place
+                    os.close(self._fd)
+                except OSError:
                     pass
-                self._tmp = None
+                self._fd = None
 
 
 class WavSink(AudioFileSink):
-    """A WAV file whatever its name, which appears whole at `close()` or not at all (AudioFileSink).
+    """A WAV file whatever its name, which appears whole at `close()` or not at all (AudioFileSink; to a
+    FIFO, a device or a descriptor's name it is streamed, 16-bit).
 
     `subtype` is soundfile's sample format: "PCM_16" (default, plays everywhere; samples are clipped
     to [-1, 1]) or "FLOAT" (32-bit float, lossless).
@@ -339,26 +376,6 @@ class NullSink(_SinkBase):
 # Streaming WAV (stdout)
 # ---------------------------------------------------------------------------------------------
 
-UNKNOWN_SIZE = 0xFFFFFFFF  # what a streaming WAV header says for sizes not known yet
-
-
-def wav_header(sample_rate: int, data_bytes: int = UNKNOWN_SIZE) -> bytes:
-    """A 44-byte header of a mono 16-bit PCM WAV; `data_bytes` UNKNOWN_SIZE for a stream."""
-    riff = UNKNOWN_SIZE if data_bytes >= UNKNOWN_SIZE - 36 else 36 + data_bytes
-    data = UNKNOWN_SIZE if data_bytes >= UNKNOWN_SIZE - 36 else data_bytes
-    fmt = struct.pack("<IHHIIHH", 16, 1, 1, sample_rate, sample_rate * 2, 2, 16)
-    return b"RIFF" + struct.pack("<I", riff) + b"WAVE" + b"fmt " + fmt + b"data" + struct.pack("<I", data)
-
-
-def pcm16(block: Any) -> bytes:
-    """Little-endian 16-bit samples of a float block, converted as libsndfile 1.2 does (x * 32768, rounded
-    down, clipped), so `-o -` and `-o FILE` (WavSink) carry the same samples."""
-    import numpy as np
-
-    arr = np.floor(np.clip(as_block(block), -1.0, 1.0) * np.float32(32768))
-    return np.clip(arr, -32768, 32767).astype("<i2").tobytes()
-
-
 class WavStreamSink(_SinkBase):
     """A 16-bit WAV streamed to a binary file object (stdout for `-o -`), flushed block by block.
 
@@ -391,7 +408,7 @@ class WavStreamSink(_SinkBase):
 
     def write(self, block: "np.ndarray") -> None:
         self._check_write()
-        data = pcm16(block)
+        data = pcm16(as_block(block))
         try:
             self.file.write(data)
             self.file.flush()
