@@ -97,7 +97,7 @@ class FakeTokenizer:
 
     eos_token_id = EOS_IDS[0]
 
-    def __init__(self, steps: "FakeSteps | None" = None) -> None:
+    def __init__(self, steps: FakeSteps | None = None) -> None:
         self.steps = steps  # for the "tokenizer.decode" hook
 
     def decode(self, ids, skip_special_tokens=True):
@@ -118,7 +118,7 @@ class _Out:
 
 
 class FakeTalkerTurn:
-    def __init__(self, steps: "FakeSteps", args: dict) -> None:
+    def __init__(self, steps: FakeSteps, args: dict) -> None:
         self.s = steps
         self.args = args
         self.prompt = None
@@ -153,17 +153,19 @@ class FakeVocoder:
     device = torch.device("cpu")
     log_units_per_code = 1
 
-    def __init__(self, steps: "FakeSteps", chunk: int, codes_for_first_audio: int) -> None:
+    def __init__(self, steps: FakeSteps, chunk: int, codes_for_first_audio: int) -> None:
         self.s = steps
         self.chunk = chunk
         self.codes_for_first_audio = codes_for_first_audio
         self.chunk_log: list = []
         self.pending: list = []
+        self.pushes: list = []  # this vocoder's own (a lingering one of an earlier turn keeps its own)
+        self.finished = 0
         self.quiet_first_chunk = False
 
     def push(self, codes):
         self.s._hook("vocoder.push")
-        self.s.vocoder_pushes.append(list(codes))
+        self.pushes.append(list(codes))
         self.pending.extend(codes)
         if len(self.pending) < self.chunk:
             return []
@@ -171,7 +173,7 @@ class FakeVocoder:
 
     def finish(self):
         self.s._hook("vocoder.finish")
-        self.s.vocoder_finished += 1
+        self.finished += 1
         return self._decode() if self.pending else []
 
     def _decode(self):
@@ -223,9 +225,16 @@ class FakeSteps:
         self.talker_turns: list[FakeTalkerTurn] = []
         self.vocoders: list[FakeVocoder] = []
         self.vocoder_args: list = []
-        self.vocoder_pushes: list = []
-        self.vocoder_finished = 0
         self.first_out = None
+
+    @property
+    def vocoder_pushes(self) -> list:
+        """What this turn's vocoder was pushed (one list of codes a call)."""
+        return [p for v in self.vocoders for p in v.pushes]
+
+    @property
+    def vocoder_finished(self) -> int:
+        return sum(v.finished for v in self.vocoders)
 
     def _hook(self, name: str) -> None:
         i = self.calls.get(name, 0)
@@ -270,8 +279,8 @@ class FakeSteps:
     # -- talker and vocoder ---------------------------------------------------------------------
     def talker_turn(self, prompt_ids, voice, sampling, generator, force_audio):
         self._hook("talker_turn")
-        turn = FakeTalkerTurn(self, dict(prompt_ids=prompt_ids, voice=voice, sampling=sampling,
-                                         generator=generator, force_audio=force_audio))
+        turn = FakeTalkerTurn(self, {"prompt_ids": prompt_ids, "voice": voice, "sampling": sampling,
+                                         "generator": generator, "force_audio": force_audio})
         self.talker_turns.append(turn)
         return turn
 
@@ -292,10 +301,11 @@ def make_engine(steps: FakeSteps, max_lag: int = 4) -> Engine:
 
 
 GREEDY = SamplingOptions(do_sample=False)
+SAMPLED = SamplingOptions()
 
 
 def request(max_text_tokens: int = 64, max_codes: int = 64, *, sink=None, text_only: bool = False,
-            seed: int = 7, thinker: SamplingOptions = GREEDY, talker: SamplingOptions = SamplingOptions(),
+            seed: int = 7, thinker: SamplingOptions = GREEDY, talker: SamplingOptions = SAMPLED,
             **kw) -> TurnRequest:
     return TurnRequest(input_ids=list(PROMPT), voice="Chelsie", thinker=thinker, talker=talker,
                        max_text_tokens=max_text_tokens, max_codes=max_codes, seed=seed, text_only=text_only,
