@@ -516,3 +516,21 @@ def test_a_failure_anywhere_is_raised_to_the_caller_no_thread_survives_and_the_n
     assert turn_threads() == []
     steps.hooks.clear()
     checked_turn(steps, engine=engine, host=host)
+
+
+# -- other steps taking over (Engine.adopt) -------------------------------------------------------------
+
+def test_other_steps_take_over_between_turns_never_inside_one():
+    old, new = FakeSteps(**SCRIPT), FakeSteps(text_script(4, 2), code_script(5, 3))
+    engine = make_engine(old)
+    events = engine.stream(request())
+    next(events)
+    assert engine.adopt(new) is False and engine.steps is old  # a turn runs: from the next one on
+    *_, last = events  # to the end (the generator's end releases the turns' lock)
+    assert isinstance(last, Done)
+    reply = last.reply
+    assert reply.text_ids == [1, 2, 3, 4, EOS_IDS[0]] and new.calls == {}  # the running turn kept its steps
+    got, _ = checked_turn(new, engine=engine)
+    assert engine.steps is new and got.reply.text_ids == [1, 2, EOS_IDS[0]]
+    assert engine.adopt(old) is True and engine.steps is old  # idle: at once
+    checked_turn(old, engine=engine)
