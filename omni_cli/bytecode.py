@@ -51,9 +51,9 @@ def cache_bytecode() -> str | None:
     if not sys.dont_write_bytecode or env_flag(BYTECODE_ENV):
         return None
     if sys.pycache_prefix is None:
-        from .config import cache_folder
+        from .paths import cache_dir
 
-        sys.pycache_prefix = cache_folder("pycache")
+        sys.pycache_prefix = str(cache_dir("pycache"))
     if os.path.isdir(sys.pycache_prefix):
         sys.dont_write_bytecode = False
     else:

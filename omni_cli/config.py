@@ -21,10 +21,10 @@ def env_flag(name: str) -> bool:
 
 
 def cache_folder(name: str) -> str:
-    """Where omni_cli keeps the cache called `name` (compiled kernels, bytecode):
-    `$XDG_CACHE_HOME/omni_cli/NAME`, else `~/.cache/omni_cli/NAME`."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "omni_cli", name)
+    """Where omni_cli keeps the cache called `name` (compiled kernels, bytecode): paths.cache_dir."""
+    from .paths import cache_dir
+
+    return str(cache_dir(name))
 
 
 @dataclass(frozen=True)

@@ -788,7 +788,7 @@ def test_chat_script_on_stdin(run_chat, tmp_path):
     assert len(result.stdout.splitlines()) == 2  # two replies, nothing else on stdout
     err = result.stderr.splitlines()
     assert err[0].startswith("note: ")  # the demo model
-    assert "voice: Ethan" in err and "unknown command '/frob': type /? for help" in err
+    assert "voice: Ethan" in err and "error: unknown command '/frob': type /? for help" in err
     assert any(line.startswith("saved talk.json (2 exchanges; no speech to save)") for line in err), err
     turns = json.loads((tmp_path / "talk.json").read_text())["turns"]
     assert [t["content"] for t in turns[::2]] == ["Hello", "Two\nlines"]

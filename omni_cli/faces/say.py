@@ -125,7 +125,10 @@ def say(
         if list_voices or voice == "?":
             _print_voices(model)
             return
-        to_stdout = output is not None and str(output) == "-"
+        from ..atomic import descriptor_of
+
+        # -o - (and -o /dev/stdout, the same descriptor): the WAV is stdout, so the text goes to stderr
+        to_stdout = output is not None and (str(output) == "-" or descriptor_of(output) == 1)
         if text_only and (output is not None or play):
             raise UsageError("--text-only makes no speech: leave out -o and --play")
         if format is not None and output is None:

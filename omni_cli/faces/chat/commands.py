@@ -124,7 +124,6 @@ class Commands:
         or at the length limit) and send it as the user's message. A recording that ends in an error is
         kept in a file whose name is said."""
         from ...audio.microphone import RecordOptions, SilentMicrophone, record
-        from ...media import AudioClip
 
         meter = Meter(self.err, interactive=not self.piped)
         self.say("listening: speak now" + ("; Enter ends the turn" if meter.interactive else ""))
@@ -141,15 +140,15 @@ class Commands:
             return
         meter.done()
         self.say(f"heard {clip.seconds:.1f} s")
-        self.attached.append(AudioClip(clip.pcm, clip.sample_rate, "microphone"))
+        self.attached.append(clip)  # the microphone's clip, source "microphone"
         self.turn("")
 
     def _keep(self, clip) -> Path:
         """Save a recording that could not be sent (a file under the data folder) and return its path."""
         from ...audio.microphone import save_clip
-        from .history import data_dir
+        from ...paths import recordings_dir
 
-        path = data_dir() / "recordings" / time.strftime("listen-%Y%m%d-%H%M%S.wav")
+        path = recordings_dir() / time.strftime("listen-%Y%m%d-%H%M%S.wav")
         path.parent.mkdir(parents=True, exist_ok=True)
         return save_clip(clip, path)
 

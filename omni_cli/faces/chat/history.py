@@ -7,34 +7,18 @@ prompt_toolkit is imported when a session is made.
 
 from __future__ import annotations
 
-import os
-import sys
 from pathlib import Path
 from typing import Callable
 
 from ...config import env_flag
+from ...paths import default_history_file  # noqa: F401 - the faces find it here
 
 # Turns the chat's history file off when set to anything but "" or "0" (like OLLAMA_NOHISTORY).
 NO_HISTORY_ENV = "OMNI_NOHISTORY"
 
 
-def data_dir() -> Path:
-    """The user's data folder for omni-cli (XDG on Linux, Application Support on macOS, APPDATA on Windows)."""
-    if sys.platform == "win32":
-        base = Path(os.environ.get("APPDATA") or Path.home() / "AppData" / "Roaming")
-    elif sys.platform == "darwin":
-        base = Path.home() / "Library" / "Application Support"
-    else:
-        base = Path(os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share")
-    return base / "omni-cli"
-
-
 def history_disabled_by_env() -> bool:
     return env_flag(NO_HISTORY_ENV)
-
-
-def default_history_file() -> Path:
-    return data_dir() / "chat_history"
 
 
 def make_history(path: Path | None, warn: Callable[[str], None]):

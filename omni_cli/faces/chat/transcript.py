@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from pathlib import Path
 
-from ...errors import OmniError, OutputError, UsageError
+from ...atomic import atomic_write
+from ...errors import OmniError, UsageError
 from ...prompt import TRANSCRIPT_FORMAT
 from .commands import count
 
@@ -46,7 +46,7 @@ class Transcripts:
             # Audio said with a message: {"turn": index, "audio": [files]} (recordings written beside).
             "attachments": self._save_attachments(base),
         }
-        write_text_atomic(json_path, json.dumps(data, ensure_ascii=False, indent=2) + "\n")
+        atomic_write(json_path, json.dumps(data, ensure_ascii=False, indent=2) + "\n")
         if seconds is None:
             self.say(f"saved {json_path} ({count(len(self.transcript) // 2, 'exchange')}; no speech to save)")
         else:
@@ -55,7 +55,7 @@ class Transcripts:
     def _save_attachments(self, base: Path) -> list[dict]:
         """The attachments as the transcript names them: a file's path, or for a recording (/listen) the
         name of a WAV written beside the transcript (BASE.listen-N.wav)."""
-        from ...audio.microphone import Clip, save_clip
+        from ...audio.microphone import save_clip
 
         out, n = [], 0
         for entry in self.attachments:
@@ -66,7 +66,7 @@ class Transcripts:
                     continue
                 n += 1
                 path = base.with_name(f"{base.name}.listen-{n}.wav")
-                save_clip(Clip(clip.pcm, clip.sample_rate, "saved", clip.seconds), path)
+                save_clip(clip, path)
                 names.append(path.name)
             saved = {"turn": entry["turn"], "audio": names}
             if entry.get("images"):
@@ -212,24 +212,3 @@ def _loaded_attachments(entries, folder: Path, turns: int) -> list[dict]:
             out.append({"turn": turn, "names": [str(folder / n) if "/" not in n else n for n in names],
                         "images": list(images)})
     return out
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    parent = path.parent
-    if not parent.is_dir():
-        raise OutputError(f"cannot write {path}: folder {parent} does not exist")
-    try:
-        fd, tmp = tempfile.mkstemp(dir=parent, prefix=f".{path.name}.", suffix=".part")
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
-        os.replace(tmp, path)
-    except OSError as exc:
-        try:
-            os.unlink(tmp)
-        except (OSError, UnboundLocalError):
-            pass
-        raise OutputError(f"cannot write {path}: {exc.strerror or exc}") from exc
-
