@@ -236,3 +236,26 @@ def test_chat_quiet_and_the_unknown_command_line(monkeypatch):
     assert result.exit_code == 2
     assert "note:" not in result.stderr
     assert "error: unknown command '/nosuch': type /? for help" in result.stderr
+
+
+def test_v1_models_shows_no_path_of_the_servers_machine(tmp_path):
+    """The key by which the commands recognise a served model is a digest, not the folder's path."""
+    from starlette.testclient import TestClient
+
+    from omni_cli.api.client import model_key
+    from omni_cli.api.server import create_app
+
+    folder = tmp_path / "secret-folder" / "my-model"
+    folder.mkdir(parents=True)
+    key = model_key(folder)
+    assert key == model_key(str(folder) + "/") and key != model_key(tmp_path)  # the same folder, however typed
+    with TestClient(create_app(ServedFake(), "my-model", key=key)) as http:
+        body = http.get("/v1/models").text
+    assert "secret-folder" not in body and str(tmp_path) not in body and key in body
+
+
+def test_the_readmes_out_of_range_message_is_the_one_printed():
+    readme = (REPO_ROOT / "README.md").read_text()
+    shown = readme.split('$ omni-say "Hello" --max-codes -5\n', 1)[1].split("\n", 1)[0]
+    result = say("Hello", "--max-codes", "-5")
+    assert (result.exit_code, result.stderr.strip()) == (2, shown)

@@ -19,6 +19,7 @@ import soundfile as sf
 
 from conftest import REPO_ROOT, cli_env, run_omni_say
 
+from omni_cli.api.client import model_key
 from omni_cli.api.keep_alive import parse_duration
 from omni_cli.errors import UsageError
 
@@ -138,7 +139,7 @@ def test_the_next_command_uses_the_server_the_first_started_and_another_model_re
     result = place.say("Hi", "-m", QWEN3, "-o", tmp_path / "q3.wav")
     assert result.returncode == 0, result.stderr
     assert place.wait_gone(pid, 5)
-    assert place.record["pid"] != pid and place.record["key"] == str(QWEN3.resolve())
+    assert place.record["pid"] != pid and place.record["key"] == model_key(QWEN3) and place.record["model"] == str(QWEN3)
     assert len(sf.read(tmp_path / "q3.wav")[0]) > 0
 
 

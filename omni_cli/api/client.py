@@ -52,14 +52,19 @@ class ServerError(OmniError):
 
 
 def model_key(model: str | os.PathLike | None) -> str:
-    """What names a model the same way on both sides without loading or downloading it: a folder's
-    resolved path, else the text (a hub id); None: $OMNI_MODEL, else the built-in tiny model."""
+    """What names a model the same way on both sides without loading or downloading it: a digest of a
+    folder's resolved path, else of the text (a hub id); None: $OMNI_MODEL, else the built-in tiny model.
+    A digest, not the path: a server's /v1/models is read by whoever can reach it, and the folders of the
+    machine it runs on are none of their business."""
+    import hashlib
+
     from ..loader import MODEL_ENV, TINY_MODEL_DIR
 
     if model is None:
         model = os.environ.get(MODEL_ENV, "").strip() or TINY_MODEL_DIR
     path = Path(os.fspath(model)).expanduser()
-    return str(path.resolve()) if path.exists() else os.fspath(model)
+    named = str(path.resolve()) if path.exists() else os.fspath(model)
+    return "sha256:" + hashlib.sha256(named.encode("utf-8", "surrogateescape")).hexdigest()[:32]
 
 
 def base_url(url: str) -> str:

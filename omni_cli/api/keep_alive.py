@@ -132,8 +132,9 @@ def start_server(model: str | None, flags: list[str], keep_alive: float, api_key
         proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True,
                                 env=env)
     try:
-        atomic.atomic_write(_record_file(), json.dumps({"pid": proc.pid, "key": key, "port": where.port,
-                                                        "log": str(log)}))
+        record = {"pid": proc.pid, "key": key, "model": str(model or "the default model"), "port": where.port,
+                  "log": str(log)}
+        atomic.atomic_write(_record_file(), json.dumps(record))
     except (OSError, OmniError):
         pass  # the server works without it; only the next command cannot tell that it is ours
     minutes = f"{keep_alive / 60:g} min" if keep_alive >= 60 else f"{keep_alive:g} s"

@@ -39,5 +39,5 @@ def show_or_stop(stop: bool) -> None:
     state = ("busy" if health.get("queued") else "held by a chat" if health.get("held") else "idle") \
         if health else "loading"
     keep = health.get("keep_alive")
-    print(f"pid {record['pid']}  {record.get('key', '?')}  {url}  {state}"
+    print(f"pid {record['pid']}  {record.get('model', '?')}  {url}  {state}"
           + (f"  (stops after {keep:g} s idle)" if keep else ""), flush=True)

@@ -50,6 +50,7 @@ class OneLineErrors(TyperCommand):
             message = " ".join(exc.format_message().split()).rstrip(".")
             # "Invalid value for '--seed': Input should be..." -> our lower-case style, sentence by clause.
             message = re.sub(r"(^|: )([A-Z])(?=[a-z])", lambda m: m.group(1) + m.group(2).lower(), message)
+            message = _range_in_words(message)
             with contextlib.suppress(OSError):
                 err_line(f"error: {message} (see {name} --help)")
             code = exc.exit_code
@@ -59,6 +60,26 @@ class OneLineErrors(TyperCommand):
         if standalone_mode:
             sys.exit(code)
         return code
+
+
+# click's and pydantic's (typer 0.29) wordings of a number out of its range, each said one way here, so that
+# the message is the same whichever typer is installed: "--max-codes must be at least 1 (got -5)".
+_RANGES = [
+    (re.compile(r"'(?P<flag>[^']+)': (?P<got>\S+) is not in the range x>=(?P<low>[^ ,]+)"), "{flag} must be at least {low} (got {got})"),
+    (re.compile(r"'(?P<flag>[^']+)': (?P<got>\S+) is not in the range x<=(?P<high>[^ ,]+)"), "{flag} must be at most {high} (got {got})"),
+    (re.compile(r"'(?P<flag>[^']+)': (?P<got>\S+) is not in the range (?P<low>[^<]+)<=x<=(?P<high>[^ ,]+)"),
+     "{flag} must be from {low} to {high} (got {got})"),
+    (re.compile(r"'(?P<flag>[^']+)': input should be greater than or equal to (?P<low>[^ ,]+)"), "{flag} must be at least {low}"),
+    (re.compile(r"'(?P<flag>[^']+)': input should be less than or equal to (?P<high>[^ ,]+)"), "{flag} must be at most {high}"),
+]
+
+
+def _range_in_words(message: str) -> str:
+    for pattern, words in _RANGES:
+        found = pattern.search(message)
+        if found is not None:
+            return words.format(**found.groupdict())
+    return message
 
 
 def _show_version(ctx: typer.Context, value: bool) -> None:
