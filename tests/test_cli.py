@@ -760,8 +760,8 @@ def invoke_chat(*args, input=None):
 
 
 USAGE_ERRORS = [
-    (["--max-codes", "-5"], "error: invalid value for '--max-codes': "),
-    (["--max-codes", "0"], "error: invalid value for '--max-codes': "),
+    (["--max-codes", "-5"], "error: --max-codes must be at least 1 (got -5) "),
+    (["--max-codes", "0"], "error: --max-codes must be at least 1 (got 0) "),
     (["--seed", "abc"], "error: invalid value for '--seed': "),
     (["--temperature", "warm"], "error: invalid value for '--temperature': "),
     (["--bogus"], "error: no such option: --bogus"),

@@ -148,6 +148,8 @@ class RemoteAssistant(WarmsUp):
         self.is_demo = bool(self.info.get("is_demo", False))
         self.http = http
         self._sent: tuple[str, float] | None = None  # the prompt `send` sent, and when, for `stream`
+        # Where a command's wait went before the reply (`--verbose`): the faces fill it.
+        self.startup: dict[str, float] = {}
 
     @classmethod
     def connect(cls, url: str, api_key: str | None = None, timeout: float = 10.0, transport=None) -> "RemoteAssistant":

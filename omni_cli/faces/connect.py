@@ -70,6 +70,7 @@ def find_server(where: Where) -> Any | None:
     from ..api.client import RemoteAssistant, find_local_server, model_key
 
     model = where.model
+    remote: Any | None
     if where.server:
         remote = RemoteAssistant.connect(where.server, where.api_key)
         if model is not None and remote.info.get("key") not in (None, model_key(model)) and model != remote.name:

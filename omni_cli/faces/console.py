@@ -46,10 +46,10 @@ def make_console(stream: str = "stdout", file: Any = None, force_terminal: bool 
 def safe_text_streams() -> None:
     """Random-weight models decode to odd characters: never let printing them fail."""
     for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.reconfigure(errors="replace")
-        except (AttributeError, ValueError):
-            pass
+        reconfigure = getattr(stream, "reconfigure", None)  # not on a test's StringIO
+        if reconfigure is not None:
+            with contextlib.suppress(ValueError):
+                reconfigure(errors="replace")
 
 
 @contextlib.contextmanager

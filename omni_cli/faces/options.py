@@ -20,7 +20,7 @@ try:  # typer >= 0.24 carries its own copy of click; older ones use click itself
     from typer._click.exceptions import ClickException
     from typer.exceptions import Abort
 except ImportError:  # pragma: no cover - older typer
-    from click.exceptions import Abort, ClickException
+    from click.exceptions import Abort, ClickException  # type: ignore[assignment]
 
 from .program import err_line, stop_reporting_library_logs
 

@@ -106,11 +106,12 @@ def _stdout_went_away(exc: BaseException) -> bool:
     """Did `exc` come from writing to a stdout whose reader is gone (EPIPE), directly or as the cause
     of a sink's OutputError (the WAV stream on `-o -`), however far down the chain?"""
     seen = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        if isinstance(exc, (StdoutClosed, BrokenPipeError)):
+    link: BaseException | None = exc
+    while link is not None and id(link) not in seen:
+        seen.add(id(link))
+        if isinstance(link, (StdoutClosed, BrokenPipeError)):
             return True
-        exc = exc.__cause__ or exc.__context__
+        link = link.__cause__ or link.__context__
     return False
 
 

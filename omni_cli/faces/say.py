@@ -25,7 +25,7 @@ from typing import Annotated, Any, Optional
 import typer
 
 from ..config import ReplyOptions
-from ..errors import OutputError, UsageError
+from ..errors import OmniError, OutputError, UsageError
 from . import connect
 from .console import TextOut, consoles, print_audio_devices, safe_text_streams
 from .inputs import gather_prompt, read_clips, read_images
@@ -303,6 +303,8 @@ def _say_once(assistant, text: str, options, outputs: _Outputs, wav_file, text_o
     text_out.end()  # a reader gone by now is still a closed pipe (141), as for any other write
     if sink is not None:
         sink.close()  # a no-op if the engine closed it already
+    if reply is None:  # a stream ends with Done, or raises: anything else is a bug of the assistant's
+        raise OmniError("the reply ended without its end (no Done event)")
     reply.stats = clock.stats(reply.stats)
     return reply
 

@@ -15,9 +15,9 @@ from pathlib import Path
 
 from ...errors import OmniError, UsageError
 from ...prompt import check_text
-from ..program import Terminated
 from ..timing import print_timing
 from .meter import Meter
+from .state import SessionState
 
 HELP = [
     ("/help, /?", "this help"),
@@ -40,44 +40,10 @@ HELP = [
 
 
 
-class Commands:
-    """The slash commands of `ChatRepl` (which sets every attribute they use)."""
+class Commands(SessionState):
+    """The slash commands of `ChatRepl` (which sets every attribute they use; it dispatches to them)."""
 
     # -- slash commands --------------------------------------------------------------------------
-    def command(self, line: str) -> str | None:
-        name, _, arg = line.partition(" ")
-        name, arg = name.lower(), arg.strip()
-        handlers = {
-            "/help": self.cmd_help, "/?": self.cmd_help,
-            "/bye": None, "/exit": None,
-            "/clear": self.cmd_clear,
-            "/voice": self.cmd_voice,
-            "/mute": self.cmd_mute, "/unmute": self.cmd_unmute,
-            "/system": self.cmd_system,
-            "/set": self.cmd_set,
-            "/show": self.cmd_show,
-            "/save": self.cmd_save,
-            "/load": self.cmd_load,
-            "/stats": self.cmd_stats,
-            "/audio": self.cmd_audio,
-            "/listen": self.cmd_listen,
-            "/image": self.cmd_image,
-        }
-        if name not in handlers:
-            self.err.print(f"error: unknown command '{name}': type /? for help", style="red", markup=False,
-                           highlight=False)
-            self.failures.append(UsageError.exit_code)
-            return None
-        handler = handlers[name]
-        if handler is None:
-            return "bye"
-        try:
-            handler(arg)
-        except Terminated:
-            raise
-        except Exception as exc:  # noqa: BLE001 - an OmniError, or a bug: one line either way, the session goes on
-            self.error(exc)
-        return None
 
     def cmd_help(self, arg: str) -> None:
         width = max(len(c) for c, _ in HELP)
@@ -134,8 +100,8 @@ class Commands:
             raise OmniError(f"{exc}; the recording is kept in {self._keep(exc.clip)}") from None
         except KeyboardInterrupt as exc:
             meter.done()
-            clip = getattr(exc, "clip", None)
-            kept = f": the recording is kept in {self._keep(clip)}" if clip is not None and clip.seconds else ""
+            heard = getattr(exc, "clip", None)  # what the microphone had when Ctrl-C came (if anything)
+            kept = f": the recording is kept in {self._keep(heard)}" if heard is not None and heard.seconds else ""
             self.say(f"stopped listening{kept}")
             return
         meter.done()

@@ -125,10 +125,6 @@ class ChatRepl(Commands, Transcripts):
         # "frames", 12.5), for /set, /show and the timing block.
         self._steps = speech_steps(assistant)
 
-    @property
-    def voice(self) -> str | None:
-        return self.options.voice
-
     # -- the loop --------------------------------------------------------------------------------
     def run(self, read: Callable[[str], str]) -> int:
         """Read, answer, repeat; the exit code once the user leaves (see the module's docstring).
@@ -232,6 +228,9 @@ class ChatRepl(Commands, Transcripts):
             if sink is not None:
                 sink.abort()  # a no-op after a normal close(); silence after anything else
         self._end_reply(wrapper, True)
+        if reply is None:  # a stream ends with Done, or raises: anything else is a bug of the assistant's
+            self.error(OmniError("the reply ended without its end (no Done event)"))
+            return
         self._record(text, reply, sink, clock.stats(reply.stats))
 
     def _wrapper(self) -> StreamWrapper | None:
@@ -292,6 +291,41 @@ class ChatRepl(Commands, Transcripts):
             message = f"error: internal error: {type(exc).__name__}: {detail}"
             self.failures.append(1)
         self.err.print(message, style="red", markup=False, highlight=False)
+
+    def command(self, line: str) -> str | None:
+        name, _, arg = line.partition(" ")
+        name, arg = name.lower(), arg.strip()
+        handlers = {
+            "/help": self.cmd_help, "/?": self.cmd_help,
+            "/bye": None, "/exit": None,
+            "/clear": self.cmd_clear,
+            "/voice": self.cmd_voice,
+            "/mute": self.cmd_mute, "/unmute": self.cmd_unmute,
+            "/system": self.cmd_system,
+            "/set": self.cmd_set,
+            "/show": self.cmd_show,
+            "/save": self.cmd_save,
+            "/load": self.cmd_load,
+            "/stats": self.cmd_stats,
+            "/audio": self.cmd_audio,
+            "/listen": self.cmd_listen,
+            "/image": self.cmd_image,
+        }
+        if name not in handlers:
+            self.err.print(f"error: unknown command '{name}': type /? for help", style="red", markup=False,
+                           highlight=False)
+            self.failures.append(UsageError.exit_code)
+            return None
+        handler = handlers[name]
+        if handler is None:
+            return "bye"
+        try:
+            handler(arg)
+        except Terminated:
+            raise
+        except Exception as exc:  # noqa: BLE001 - an OmniError, or a bug: one line either way, the session goes on
+            self.error(exc)
+        return None
 
     def say(self, message: str) -> None:
         self.err.print(message, markup=False, highlight=False)

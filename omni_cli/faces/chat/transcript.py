@@ -16,13 +16,14 @@ from ...atomic import atomic_write
 from ...errors import OmniError, UsageError
 from ...prompt import TRANSCRIPT_FORMAT
 from .commands import count
+from .state import SessionState
 
 # Seconds of silence between two replies in the WAV that /save writes.
 SAVE_GAP = 0.5
 
 
 
-class Transcripts:
+class Transcripts(SessionState):
     """Saving and resuming of `ChatRepl` (which sets every attribute they use)."""
 
     def cmd_save(self, arg: str) -> None:
@@ -96,7 +97,7 @@ class Transcripts:
             turn = entry["turn"] - start
             if not 0 <= turn < len(history):
                 continue  # dropped from the model's history before the save
-            media = {"audio": [], "images": []}
+            media: dict[str, list] = {"audio": [], "images": []}
             for kind, names, read in (("audio", entry["names"], lambda n: read_audio(n).at()),
                                       ("images", entry["images"], read_image)):
                 for name in names:
@@ -141,21 +142,22 @@ class Transcripts:
             system, turns, start = read_transcript(data)
         except TranscriptError as exc:
             raise TranscriptError(f"cannot load {file}: {exc}") from None
+        saved: dict = data if isinstance(data, dict) else {}  # read_transcript checked it is one
         replaced = len(self.transcript) // 2
         self.chat.history.system = system
         self.chat.history.turns[:] = [dict(t) for t in turns[start:]]
         self.transcript = [dict(t) for t in turns]
         self.speech = []  # indexes into the transcript: the loaded turns have no audio in this session
-        self.attachments = _loaded_attachments(data.get("attachments"), file.parent, len(turns))
+        self.attachments = _loaded_attachments(saved.get("attachments"), file.parent, len(turns))
         self._restore_media(start)
         self.loaded_from = file
         self.say(f"loaded {file} ({count(len(turns) // 2, 'exchange')})"
                  + (f"; it replaces this session's {count(replaced, 'exchange')}" if replaced else ""))
-        audio = data.get("audio")
+        audio = saved.get("audio")
         if isinstance(audio, str) and audio:
             self.say(f"note: the speech of those replies stays in {file.with_name(audio)}; "
                      "the next /save writes the speech of the replies from now on")
-        model = data.get("model")
+        model = saved.get("model")
         if isinstance(model, str) and model and model != self.assistant.name:
             self.say(f"note: it was saved with the model {model}; this session runs {self.assistant.name}")
         if start:
@@ -208,7 +210,8 @@ def _loaded_attachments(entries, folder: Path, turns: int) -> list[dict]:
         names = entry.get("audio", []) if isinstance(entry, dict) else None
         images = entry.get("images", []) if isinstance(entry, dict) else None
         if isinstance(turn, int) and not isinstance(turn, bool) and 0 <= turn < turns and turn % 2 == 0 \
-                and all(isinstance(x, list) and all(isinstance(n, str) for n in x) for x in (names, images)):
+                and isinstance(names, list) and isinstance(images, list) \
+                and all(isinstance(n, str) for n in [*names, *images]):
             out.append({"turn": turn, "names": [str(folder / n) if "/" not in n else n for n in names],
                         "images": list(images)})
     return out
