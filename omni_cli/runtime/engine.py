@@ -19,6 +19,7 @@ from typing import Iterator
 import torch
 
 from .events import AudioBlock, Done, Reply, TextDelta, TurnRequest  # noqa: F401 - re-exported
+from .graphs import Policy
 from .turn import Turn
 
 
@@ -124,20 +125,20 @@ def configure_cuda(float32_llm: bool = False) -> None:
         torch.backends.cuda.matmul.allow_tf32 = True
 
 
-def enable_fast_steps(steps, dtype, graphs: bool, compile: bool, fast_decode: bool | None) -> None:
+def enable_fast_steps(steps, dtype, policy: Policy, fast_decode: bool | None) -> None:
     """What every family's steps do once their stacks exist: the CUDA settings (`configure_cuda`), then,
-    unless `fast_decode` is False, the fused decode steps of the thinker and the talker, compiled where
-    `compile` says, graphs are on and the device allows. Sets `steps.fast_decode` and `steps.compile`."""
+    unless `fast_decode` is False, the fused decode steps of the thinker and the talker, with the graphs and
+    compile `policy` has (runtime/graphs.py). Sets `steps.fast_decode`, `steps.policy` (as built: without
+    fused steps nothing is compiled) and `steps.compile`."""
     if steps.device.type == "cuda":
         configure_cuda(float32_llm=dtype == torch.float32)
     steps.fast_decode = True if fast_decode is None else fast_decode
+    steps.policy = policy if steps.fast_decode else policy.without_compile()
+    steps.compile = steps.policy.compile_on
     if steps.fast_decode:
-        from .graphs import compile_wanted
-
-        steps.compile = compile_wanted(compile and graphs, steps.device)  # compiled steps exist to be captured
-        steps.thinker.enable_fast_decode(graphs, steps.compile)
+        steps.thinker.enable_fast_decode(steps.policy)
         if steps.has_talker:
-            steps.talker.enable_fast_decode(graphs, steps.compile)
+            steps.talker.enable_fast_decode(steps.policy)
 
 
 def fresh_seed() -> int:

@@ -58,10 +58,12 @@ def load(path: Path, device, dtype, name: str, early=None):
 READS_WEIGHTS_EARLY = True
 
 
-def build_steps(model, voices: dict, *, max_context: int, max_codes: int, graphs: bool, compile: bool = False):
+def build_steps(model, voices: dict, runtime=None):
+    """The runtime's `ModelSteps` over a loaded model, under `runtime` (a `RuntimeOptions`: cache sizes,
+    graphs, compile; None = the defaults)."""
     from .steps import Qwen25Steps
 
-    return Qwen25Steps(model, voices, max_context=max_context, max_codes=max_codes, graphs=graphs, compile=compile)
+    return Qwen25Steps(model, voices, runtime)
 
 
 # The reference's talker settings (transformers' Qwen2_5OmniForConditionalGeneration.generate).

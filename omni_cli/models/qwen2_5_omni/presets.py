@@ -145,13 +145,21 @@ def prompt(model, prompt_tokens: int) -> list[int]:
     return torch.randint(0, min(vocab, 150000), (prompt_tokens,), generator=g).tolist()
 
 
-def steps(model, voices: dict, *, max_context: int, max_codes: int, graphs: bool, variant: str | None = None,
-          compile: bool = True):
-    """The engine's steps: `graphs` and `compile` as asked, or one of VARIANTS."""
+def steps(model, voices: dict, *, max_context: int, max_codes: int, graphs: bool = True, variant: str | None = None,
+          compile: bool = True, runtime=None):
+    """The engine's steps: `runtime` (omni-bench's RuntimeOptions; else `graphs` and `compile`) with these
+    cache sizes, or one of VARIANTS over it."""
+    from dataclasses import replace
+
+    from ...config import RuntimeOptions
     from .steps import Qwen25Steps
 
-    options = VARIANTS[variant] if variant else dict(graphs=graphs, compile=compile and graphs)
-    return Qwen25Steps(model, voices, max_context=max_context, max_codes=max_codes, **options)
+    runtime = runtime or RuntimeOptions(graphs=graphs, compile=compile)
+    options = dict(VARIANTS[variant]) if variant else dict(fast_decode=None, graphs=runtime.graphs,
+                                                           compile=runtime.compile and runtime.graphs)
+    fast_decode = options.pop("fast_decode")
+    runtime = replace(runtime, max_context=max_context, max_codes=max_codes, **options)
+    return Qwen25Steps(model, voices, runtime, fast_decode=fast_decode)
 
 
 def use_schedule(steps, name: str) -> None:

@@ -65,10 +65,12 @@ def load(path: Path, device, dtype, name: str):
     return _load(path, device, dtype, name)
 
 
-def build_steps(model, voices: dict, *, max_context: int, max_codes: int, graphs: bool, compile: bool = False):
+def build_steps(model, voices: dict, runtime=None):
+    """The runtime's `ModelSteps` over a loaded model, under `runtime` (a `RuntimeOptions`: cache sizes,
+    graphs, compile; None = the defaults)."""
     from .steps import Qwen3Steps
 
-    return Qwen3Steps(model, voices, max_context=max_context, max_codes=max_codes, graphs=graphs, compile=compile)
+    return Qwen3Steps(model, voices, runtime)
 
 
 def talker_sampling(generation_config=None) -> SamplingOptions:

@@ -187,13 +187,18 @@ def prompt(model, prompt_tokens: int) -> list[int]:
     return [start, cfg.user_token_id, nl] + body + [end, nl, start, cfg.assistant_token_id, nl]
 
 
-def steps(model, voices: dict, *, max_context: int, max_codes: int, graphs: bool, variant: str | None = None,
-          compile: bool = True):
-    """The engine's steps (`max_codes`: frames); the one variant."""
+def steps(model, voices: dict, *, max_context: int, max_codes: int, graphs: bool = True, variant: str | None = None,
+          compile: bool = True, runtime=None):
+    """The engine's steps (`max_codes`: frames) under `runtime` (omni-bench's RuntimeOptions; else `graphs`
+    and `compile`) with these cache sizes; the one variant."""
+    from dataclasses import replace
+
+    from ...config import RuntimeOptions
     from .steps import Qwen3Steps
 
-    return Qwen3Steps(model, voices, max_context=max_context, max_codes=max_codes, graphs=graphs,
-                      compile=compile and graphs)
+    runtime = runtime or RuntimeOptions(graphs=graphs, compile=compile)
+    runtime = replace(runtime, max_context=max_context, max_codes=max_codes, compile=runtime.compile and runtime.graphs)
+    return Qwen3Steps(model, voices, runtime)
 
 
 def reference(model, prompt_ids, text_tokens: int, frames: int, device, progress=lambda message: None) -> dict:

@@ -58,19 +58,17 @@ class Thinker:
         self.cache = cache
         self.accept_layer = accept_hidden_layer
 
-    def enable_fast_decode(self, graphs: bool, compile: bool = False) -> None:
-        """Decode through the fused fixed-shape step (`runtime/fused.py`), replayed as CUDA graphs when possible."""
+    def enable_fast_decode(self, policy) -> None:
+        """Decode through the fused fixed-shape step (`runtime/fused.py`), replayed as CUDA graphs where
+        `policy` (runtime/graphs.py) has them."""
         from ...runtime.fused import TokenDecoder
 
-        from ...runtime.graphs import PrefillGraphs
-
-        self.fused = TokenDecoder(self.model, self.cache, self.embed, self.lm_head, graphs=graphs, compile=compile,
-                                  as_sum=True)
+        self.fused = TokenDecoder(self.model, self.cache, self.embed, self.lm_head, policy=policy, as_sum=True)
         weight = self.embed_tokens.weight
         # The library's experts are graph-safe in bfloat16 only (in float32 its grouped matmul copies from
         # the host): float32 prompts run eagerly.
-        self.prefill_graphs = PrefillGraphs(self.model, self.cache, weight.shape[1], weight.dtype, weight.device,
-                                            graphs and weight.dtype == torch.bfloat16, keep=self.accept_layer)
+        self.prefill_graphs = policy.prefill_graphs(self.model, self.cache, weight.shape[1], weight.dtype,
+                                                    keep=self.accept_layer, allowed=weight.dtype == torch.bfloat16)
 
     def capture_graphs(self) -> None:
         if self.fused is not None:
