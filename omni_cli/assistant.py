@@ -191,7 +191,7 @@ class Assistant(WarmsUp):
     @property
     def speaks_only_under_default_system(self) -> bool:
         """Qwen2.5-Omni's talker speaks reliably only under its default system prompt."""
-        return bool(getattr(self.family, "NEEDS_DEFAULT_SYSTEM", False))
+        return self.family.NEEDS_DEFAULT_SYSTEM
 
     def conversation(self, system: str | None = None) -> "Chat":
         return Chat(self, Conversation(system=self.default_system if system is None else system))
@@ -298,7 +298,7 @@ class Assistant(WarmsUp):
         from .media import AudioClip, read_audio
 
         items = audio if isinstance(audio, (list, tuple)) and not _is_pair(audio) else [audio]
-        if items and not hasattr(self.family, "audio_inputs"):
+        if items and not self.family.HEARS_AUDIO:
             raise UsageError(f"audio input for {self.family.TITLE} is not supported yet")
         clips = []
         for item in items:
@@ -317,7 +317,7 @@ class Assistant(WarmsUp):
         from .media import read_image
 
         items = images if isinstance(images, (list, tuple)) else [images]
-        if items and not hasattr(self.family, "image_inputs"):
+        if items and not self.family.SEES_IMAGES:
             raise UsageError(f"image input for {self.family.TITLE} is not supported yet")
         return [read_image(item) if isinstance(item, (str, os.PathLike)) else item.convert("RGB") for item in items]
 

@@ -25,13 +25,14 @@ import re
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType
 from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
 from .errors import ModelError, OmniError, UsageError
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     import torch
+
+    from .models.base import Family
 
 log = logging.getLogger(__name__)
 
@@ -137,7 +138,7 @@ class IncompleteModel(ModelError):
     """A model folder that lacks weights, tokenizer or voices (a partial download, say)."""
 
 
-def missing_parts(folder: Path, family: ModuleType | None = None) -> list[str]:
+def missing_parts(folder: Path, family: Family | None = None) -> list[str]:
     """What a model folder lacks of weights, tokenizer and what its family needs beside them
     (config.json is checked apart)."""
     missing = []
@@ -174,14 +175,14 @@ def _check_folder(path: Path, label: str | None = None) -> Path:
     return path.resolve()
 
 
-def family_of(config: Any, label: str) -> ModuleType:
-    """The family package (omni_cli/models/) of a decoded config.json."""
+def family_of(config: Any, label: str) -> Family:
+    """The family (omni_cli/models/<family>/, its `FAMILY`) of a decoded config.json."""
     from .models import family
 
     return family(config.get("model_type") if isinstance(config, dict) else None, label)
 
 
-def read_family(folder: Path) -> ModuleType:
+def read_family(folder: Path) -> Family:
     """The family of a folder `_check_folder` accepted."""
     return family_of(json.loads((folder / "config.json").read_text(encoding="utf-8")), str(folder))
 
@@ -369,8 +370,8 @@ class LoadedModel:
     is_demo: bool
     # Short display name: the hub id, or the folder's name.
     name: str
-    # The family package (omni_cli/models/<family>/).
-    family: Any = None
+    # The family (omni_cli/models/<family>/: its `FAMILY`, a models.base.Family).
+    family: "Family | None" = None
     # Seconds each loading phase took ("weights", "tokenizer", ...), for `--verbose`.
     timings: dict | None = None
 
@@ -431,7 +432,7 @@ def load_model(model: str | os.PathLike | None = None, device: str = "auto", dty
     path, is_demo, name = _resolve(model)
     fam = read_family(path)
     early = None
-    if torch_device.type == "cuda" and getattr(fam, "READS_WEIGHTS_EARLY", False):
+    if torch_device.type == "cuda" and fam.READS_WEIGHTS_EARLY:
         from .early_weights import EarlyWeights
 
         early = EarlyWeights.start(path, torch_device, torch_dtype)  # during the import below

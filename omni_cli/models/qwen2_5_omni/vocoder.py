@@ -43,6 +43,8 @@ AUDIO_CODES = 8192  # talker ids below this are audio; the rest (pad, bos, eos, 
 class StreamingVocoder:
     """Chunked token2wav over one utterance; `push` codes, get back PCM blocks that are final."""
 
+    quiet_first_chunk = False  # the engine need not hold its steps for the first block on an accelerator
+
     def __init__(
         self,
         token2wav,
