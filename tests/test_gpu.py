@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from omni_cli.config import RuntimeOptions, SamplingOptions
-from omni_cli.models.qwen2_5_omni import TALKER_SAMPLING as TALKER_DEFAULTS
+from omni_cli.models.qwen2_5_omni import DEFAULT_SYSTEM, TALKER_SAMPLING as TALKER_DEFAULTS
 from omni_cli.models.qwen2_5_omni.steps import Qwen25Steps
 from omni_cli.runtime.engine import Done, Engine, TurnRequest, configure_cuda
 
@@ -67,7 +67,7 @@ def test_tiny_graphed_equals_eager_equals_transformers():
     tok = tiny.make_tokenizer()
     from omni_cli.prompt import Conversation, build_ids
 
-    ids = build_ids(tok, Conversation().messages("Hello there, how are you today?"))
+    ids = build_ids(tok, Conversation(DEFAULT_SYSTEM).messages("Hello there, how are you today?"))
     ref_text, ref_codes = reference(model, ids, 16, 200, eos)
     eager, graphed, uncompiled = engines(model, eos, 256)
     a = run(eager, ids, 16, 200)

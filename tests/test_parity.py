@@ -68,7 +68,7 @@ def reference(assistant: Assistant, ids: list[int], voice: str) -> tuple[list[in
 @pytest.mark.parametrize("voice", ["Chelsie", "Ethan"])
 def test_greedy_reply_matches_transformers(assistant, voice):
     prompt = "Hello there! What is the weather like today?"
-    ids = build_ids(assistant.loaded.tokenizer, Conversation().messages(prompt))
+    ids = build_ids(assistant.loaded.tokenizer, Conversation(qwen2_5_omni.DEFAULT_SYSTEM).messages(prompt))
     ref_text, ref_codes = reference(assistant, ids, voice)
     reply = assistant.say(prompt, voice=voice, greedy=True, max_text_tokens=N_TEXT, max_codes=N_CODES)
     assert reply.text_ids == ref_text
@@ -107,7 +107,8 @@ def test_thinker_to_talker_proj_is_a_plain_linear_on_the_critical_path(assistant
         reply = assistant.say("Hello there!", greedy=True, max_text_tokens=4, max_codes=6)
     finally:
         handle.remove()
-    prompt_len = len(build_ids(assistant.loaded.tokenizer, Conversation().messages("Hello there!")))
+    system = Conversation(qwen2_5_omni.DEFAULT_SYSTEM)
+    prompt_len = len(build_ids(assistant.loaded.tokenizer, system.messages("Hello there!")))
     assert widths[0] == prompt_len + 2
     assert widths[1:] == [1] * (len(widths) - 1)
     assert len(widths) == reply.stats["talker_steps"] >= len(reply.codes) >= 1  # one call a talker step
