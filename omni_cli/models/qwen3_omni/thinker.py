@@ -117,7 +117,7 @@ class Thinker:
         multiscale features added at those positions after the first layers, as the reference adds them)."""
         embeds, positions, out = encoders.with_images(self.module, input_ids, embeds, media, self.image_token)
         mask = positions[0, :, 0]
-        levels = [f.to(embeds.dtype) for f in compat.deepstack_levels(out.deepstack_features)]
+        levels = [f.to(embeds.dtype) for f in deepstack_levels(out.deepstack_features)]
 
         def deepstack(i: int, hidden: torch.Tensor) -> torch.Tensor:
             if i >= len(levels):
@@ -134,3 +134,9 @@ class Thinker:
         if self.fused is None:
             return self._forward(self.embed(token.view(1, 1)))
         return ThinkerOut(*self.fused(token))
+
+
+def deepstack_levels(features) -> list:
+    """Qwen3-Omni's deepstack image features, one tensor per level over all images: 5.17 returns them so;
+    5.24 splits each level per image (a tuple), which the model then joins back (transformers 5.17 ... 5.24)."""
+    return [f if isinstance(f, torch.Tensor) else torch.cat(list(f), dim=0) for f in features]
