@@ -36,10 +36,11 @@ __all__ = ["Assistant", "Chat", "Reply", "ReplyOptions", "TextDelta", "AudioBloc
 
 log = logging.getLogger(__name__)
 
-# Reply limits when the caller gives none, in seconds of audio for the talker (a family's codes per
-# second turn them into steps). The demo model never stops by itself (random weights), so it gets
-# short ones: a whole demo reply takes seconds on one CPU core.
-DEFAULT_LIMITS = {"text": 1024, "seconds": 4096 / 50}
+# Reply limits when the caller gives none, in seconds of audio for the talker (the family's
+# CODES_PER_SECOND turns them into steps: about 82 s, which sizes the talker's cache too). The demo model
+# never stops by itself (random weights), so it gets short ones: a whole demo reply takes seconds on one
+# CPU core.
+DEFAULT_LIMITS = {"text": 1024, "seconds": 81.92}
 DEMO_LIMITS = {"text": 24, "seconds": 3.0}
 # GPU memory that must be free to compile the steps beside the serving ones (`compile_beside`): a second set
 # of caches and graphs, and the compiler's own work. Measured on an H200 with Qwen2.5-Omni-7B: 21.6 GiB in
