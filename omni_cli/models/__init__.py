@@ -13,10 +13,16 @@ family.
 from __future__ import annotations
 
 import importlib
+from pathlib import Path
 from types import ModuleType
 
 from ..errors import ModelError
 from .base import Family
+
+# The built-in random-weight model; present in a source checkout / `pip install -e .`.
+TINY_MODEL_DIR = Path(__file__).resolve().parent.parent.parent / "assets" / "tiny-qwen2.5-omni"
+# Every built-in random-weight model (the Qwen3-Omni one is named with -m assets/tiny-qwen3-omni).
+BUILTIN_TINY_DIRS = (TINY_MODEL_DIR, TINY_MODEL_DIR.parent / "tiny-qwen3-omni")
 
 # model_type -> the family's package (relative to this one)
 FAMILIES = {

@@ -93,7 +93,7 @@ def _mrope() -> dict:
 
 
 def _asset_folder(name: str):
-    from ...loader import BUILTIN_TINY_DIRS
+    from .. import BUILTIN_TINY_DIRS
 
     return next(d for d in BUILTIN_TINY_DIRS if d.name == PRESETS[name]["asset"])
 
@@ -102,9 +102,9 @@ def build_model(name: str, device, dtype, progress=lambda message: None):
     """(model, voices): random weights allocated and initialised on the device with one random voice,
     Chelsie (the tiny preset: its checkpoint, in float32 whatever `dtype` says). transformers' config
     warnings stay quiet: nothing a user can act on."""
-    from ...loader import _quiet_transformers
+    from ..weights import quiet_transformers
 
-    with _quiet_transformers():
+    with quiet_transformers():
         return _build_model(name, device, dtype)
 
 

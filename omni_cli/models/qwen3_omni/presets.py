@@ -51,7 +51,7 @@ def build_config(name: str):
 
 
 def _asset_folder(name: str):
-    from ...loader import BUILTIN_TINY_DIRS
+    from .. import BUILTIN_TINY_DIRS
 
     return next(d for d in BUILTIN_TINY_DIRS if d.name == PRESETS[name]["asset"])
 
@@ -111,9 +111,9 @@ def count_parameters(config) -> int:
     import torch
     from transformers import Qwen3OmniMoeForConditionalGeneration
 
-    from ...loader import _quiet_transformers
+    from ..weights import quiet_transformers
 
-    with _quiet_transformers(), torch.device("meta"):
+    with quiet_transformers(), torch.device("meta"):
         model = Qwen3OmniMoeForConditionalGeneration._from_config(config, dtype=torch.bfloat16)
     return sum(p.numel() for p in model.parameters())
 
@@ -123,9 +123,9 @@ def build_model(name: str, device, dtype, progress=lambda message: None):
     config (name -> codec id); the parameter count is checked first on the meta device (the tiny preset:
     its checkpoint, in float32 whatever `dtype` says). transformers' config warnings stay quiet (the
     special ids lie outside the talker's codec vocabulary, as in the real checkpoint)."""
-    from ...loader import _quiet_transformers
+    from ..weights import quiet_transformers
 
-    with _quiet_transformers():
+    with quiet_transformers():
         return _build_model(name, device, dtype, progress)
 
 
