@@ -16,8 +16,10 @@ def load(model: str | None = None, device: str = "auto", dtype: str = "auto", ru
     """Load a Qwen2.5-Omni or Qwen3-Omni checkpoint (folder, hub id, or None for $OMNI_MODEL / the built-in tiny
     Qwen2.5-Omni model; the family is read from its config.json).
 
-    `runtime`: an `omni_cli.config.RuntimeOptions` (graphs on/off, cache sizes); its device and dtype
-    win over the two arguments.
+    `runtime`: an `omni_cli.config.RuntimeOptions` (graphs on/off, compile, kernels, cache sizes), taken as
+    it is; its device and dtype win over the two arguments. Without it: `device`, `dtype` and the
+    environment's switches (`RuntimeOptions.from_env`: OMNI_NO_GRAPHS=1, ...). The assistant's `runtime`
+    is then the options as built (device "cuda:0", dtype "bfloat16", graphs as they really are).
     """
     from .assistant import Assistant
 

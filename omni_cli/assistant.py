@@ -20,9 +20,10 @@ from __future__ import annotations
 import logging
 import os
 import time
+from dataclasses import replace
+from typing import Iterator
 
 import numpy as np
-from typing import Iterator
 
 from .config import ReplyOptions, RuntimeOptions, SamplingOptions
 from .interface import ModelInfo
@@ -36,10 +37,11 @@ __all__ = ["Assistant", "Chat", "Reply", "ReplyOptions", "TextDelta", "AudioBloc
 
 log = logging.getLogger(__name__)
 
-# Reply limits when the caller gives none, in seconds of audio for the talker (a family's codes per
-# second turn them into steps). The demo model never stops by itself (random weights), so it gets
-# short ones: a whole demo reply takes seconds on one CPU core.
-DEFAULT_LIMITS = {"text": 1024, "seconds": 4096 / 50}
+# Reply limits when the caller gives none, in seconds of audio for the talker (the family's
+# CODES_PER_SECOND turns them into steps: about 82 s, which sizes the talker's cache too). The demo model
+# never stops by itself (random weights), so it gets short ones: a whole demo reply takes seconds on one
+# CPU core.
+DEFAULT_LIMITS = {"text": 1024, "seconds": 81.92}
 DEMO_LIMITS = {"text": 24, "seconds": 3.0}
 # GPU memory that must be free to compile the steps beside the serving ones (`compile_beside`): a second set
 # of caches and graphs, and the compiler's own work. Measured on an H200 with Qwen2.5-Omni-7B: 21.6 GiB in
@@ -77,8 +79,13 @@ class Assistant(WarmsUp):
     url = None  # a model loaded in this process (interface.OmniAssistant)
     keeps_media = True  # a conversation's turns keep their clips and images (the remote client's too)
 
-    def __init__(self, loaded, *, max_context: int = 4096, max_codes: int | None = None, graphs: bool = True,
-                 compile: bool = False) -> None:
+    # True while `compile_beside` compiles a second set of steps (omni-serve's /health says "compiling").
+    compiling = False
+
+    def __init__(self, loaded, runtime: RuntimeOptions | None = None) -> None:
+        """`runtime`: how the steps are built (cache sizes, graphs, compile; None = the defaults), as the
+        face read it from its flags and the environment (`RuntimeOptions.from_env`); nothing is read here."""
+        runtime = runtime or RuntimeOptions()
         self.loaded = loaded
         self.family = loaded.family
         self.is_demo = loaded.is_demo
@@ -88,20 +95,15 @@ class Assistant(WarmsUp):
         self.limits = {"text": limits["text"], "codes": round(limits["seconds"] * per_second)}
         self.thinker_sampling = thinker_sampling(loaded.generation_config)
         self.talker_sampling = self.family.talker_sampling(loaded.generation_config)
-        self.max_context = max_context
+        self.max_context = runtime.max_context
         t = time.perf_counter()
-        # How the steps are built (`compile_beside` builds them again, compiled).
-        self._steps_args = dict(max_context=max_context, graphs=graphs,
-                                max_codes=max_codes or round(DEFAULT_LIMITS["seconds"] * per_second))
-        steps = self.family.build_steps(loaded.model, loaded.speakers, compile=compile, **self._steps_args)
+        # How the steps are asked for (`compile_beside` builds them again, compiled).
+        self.asked = replace(runtime, max_codes=runtime.max_codes or round(DEFAULT_LIMITS["seconds"] * per_second))
+        steps = self.family.build_steps(loaded.model, loaded.speakers, runtime=self.asked)
         self.sample_rate = steps.sample_rate
-        # How the model runs, as built (omni-serve tells its clients, which compare it with their flags).
-        from .runtime.graphs import graphs_wanted
-
-        dtype = next(loaded.model.thinker.parameters()).dtype  # the talker's too (token2wav runs in float32)
-        self.runtime = {"device": str(steps.device), "dtype": str(dtype).removeprefix("torch."),
-                        "graphs": graphs_wanted(graphs, steps.device),
-                        "compile": bool(getattr(steps, "compile", False))}
+        # How the model runs, as built (omni-serve tells its clients, which compare it with their flags): a
+        # frozen RuntimeOptions, replaced (never changed) when compiled steps take over.
+        self.runtime = self._built(steps)
         self.engine = Engine(steps, loaded.tokenizer, eos_ids=eos_ids(loaded.generation_config, loaded.tokenizer))
         # Where start-up time went (`--verbose`): the loader's phases, then ours.
         self.startup = dict(getattr(loaded, "timings", None) or {})
@@ -112,28 +114,34 @@ class Assistant(WarmsUp):
         self.startup.update(phases or {"warm-up": time.perf_counter() - t})
         self.ready_at = time.perf_counter()  # when a request can start (perf_counter)
 
+    def _built(self, steps) -> RuntimeOptions:
+        """`self.asked` as `steps` were built: the device and dtype they run on, graphs and compile as they are."""
+        dtype = next(self.loaded.model.thinker.parameters()).dtype  # the talker's too (token2wav runs in float32)
+        return steps.policy.to_runtime(replace(self.asked, max_codes=steps.max_codes),
+                                       str(dtype).removeprefix("torch."))
+
     @classmethod
     def load(cls, model: str | None = None, device: str = "auto", dtype: str = "auto",
              runtime: RuntimeOptions | None = None) -> "Assistant":
-        """Load a checkpoint; `runtime` overrides device/dtype and sets graphs and cache sizes."""
+        """Load a checkpoint; `runtime` overrides device/dtype and sets graphs and cache sizes. Without it,
+        the options are `device`, `dtype` and the environment's switches (`RuntimeOptions.from_env`:
+        OMNI_NO_GRAPHS=1, ...), as a face would read them."""
         from .loader import load_model
 
-        rt = runtime or RuntimeOptions(device=device, dtype=dtype)
-        return cls(load_model(model, device=rt.device, dtype=rt.dtype), max_context=rt.max_context,
-                   max_codes=rt.max_codes, graphs=rt.graphs, compile=rt.compile)
+        rt = runtime or RuntimeOptions.from_env(device=device, dtype=dtype)
+        return cls(load_model(model, device=rt.device, dtype=rt.dtype), rt)
 
     def compile_beside(self, on_ready=None, on_failure=None):
         """Compile the steps on a thread of their own while the plain ones go on serving (runtime/beside.py);
-        the engine takes the compiled ones between two turns, and `runtime["compile"]` says so. `on_ready`
-        gets the seconds it took, `on_failure` the exception. Returns the thread, or None where nothing would
-        be compiled: a CPU, graphs off, steps compiled already, `OMNI_NO_COMPILE=1`. A RuntimeError where the
-        GPU has too little memory free for a second set of steps beside the first (`BESIDE_FREE_GIB`)."""
+        the engine takes the compiled ones between two turns, and `runtime` (replaced) says so; `compiling` is
+        True meanwhile. `on_ready` gets the seconds it took, `on_failure` the exception. Returns the thread, or
+        None where nothing would be compiled: a CPU, graphs off, steps compiled already. A RuntimeError where
+        the GPU has too little memory free for a second set of steps beside the first (`BESIDE_FREE_GIB`)."""
         from .runtime.beside import compile_beside
-        from .runtime.graphs import compile_wanted
 
         steps = self.engine.steps
-        wanted = getattr(steps, "fast_decode", False) and not getattr(steps, "compile", False)
-        if not (wanted and compile_wanted(self._steps_args["graphs"], steps.device)):
+        wanted = getattr(steps, "fast_decode", False) and not steps.policy.compile_on
+        if not (wanted and steps.policy.compiling().compile_on):
             return None
         import torch
 
@@ -142,21 +150,25 @@ class Assistant(WarmsUp):
             raise RuntimeError(f"{free / 2**30:.1f} GiB of GPU memory free, {BESIDE_FREE_GIB} GiB wanted beside "
                                "the steps that serve")
 
+        built = {}
+
         def build():
-            return self.family.build_steps(self.loaded.model, self.loaded.speakers, compile=True, **self._steps_args)
+            built["steps"] = self.family.build_steps(self.loaded.model, self.loaded.speakers,
+                                                     runtime=replace(self.asked, compile=True))
+            return built["steps"]
 
         def ready(seconds: float) -> None:
-            self.runtime["compile"] = True
-            self.runtime.pop("compiling", None)
+            self.runtime = self._built(built["steps"])
+            self.compiling = False
             if on_ready is not None:
                 on_ready(seconds)
 
         def failed(exc: BaseException) -> None:
-            self.runtime.pop("compiling", None)
+            self.compiling = False
             if on_failure is not None:
                 on_failure(exc)
 
-        self.runtime["compiling"] = True
+        self.compiling = True
         return compile_beside(self.engine, build, ready, failed)
 
     @property
@@ -182,7 +194,7 @@ class Assistant(WarmsUp):
     @property
     def speaks_only_under_default_system(self) -> bool:
         """Qwen2.5-Omni's talker speaks reliably only under its default system prompt."""
-        return bool(getattr(self.family, "NEEDS_DEFAULT_SYSTEM", False))
+        return self.family.NEEDS_DEFAULT_SYSTEM
 
     @property
     def eos_ids(self) -> list[int]:
@@ -315,7 +327,7 @@ class Assistant(WarmsUp):
         from .media import AudioClip, read_audio
 
         items = audio if isinstance(audio, (list, tuple)) and not _is_pair(audio) else [audio]
-        if items and not hasattr(self.family, "audio_inputs"):
+        if items and not self.family.HEARS_AUDIO:
             raise UsageError(f"audio input for {self.family.TITLE} is not supported yet")
         clips = []
         for item in items:
@@ -334,7 +346,7 @@ class Assistant(WarmsUp):
         from .media import read_image
 
         items = images if isinstance(images, (list, tuple)) else [images]
-        if items and not hasattr(self.family, "image_inputs"):
+        if items and not self.family.SEES_IMAGES:
             raise UsageError(f"image input for {self.family.TITLE} is not supported yet")
         return [read_image(item) if isinstance(item, (str, os.PathLike)) else item.convert("RGB") for item in items]
 

@@ -1,6 +1,8 @@
-"""Frozen option dataclasses: what a reply is asked to do, separate from how it is done.
+"""Frozen option dataclasses: what a reply is asked to do (`ReplyOptions`, `SamplingOptions`), separate
+from how it is done (`RuntimeOptions`: device, dtype, graphs, compile, kernels, cache sizes; the only reader
+of the runtime switches in the environment, OMNI_NO_GRAPHS=1 and the like).
 
-The CLI maps flags onto these; the engine reads them. Nothing here imports torch, so `--help`
+The CLI maps flags onto these; the engine reads them. It knows no model family and no device. Nothing here imports torch, so `--help`
 stays instant. Defaults that depend on the checkpoint (the thinker's sampling settings come from its
 `generation_config.json`) are resolved by the loader, not here. Also where the programs keep their
 caches (`cache_folder`).
@@ -9,15 +11,15 @@ caches (`cache_folder`).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 
 SAMPLE_RATE = 24_000  # both families' vocoders speak at 24 kHz mono
 
 
 def env_flag(name: str) -> bool:
-    """Whether the switch `name` is set in the environment: any value but empty or "0" (`OMNI_NO_GRAPHS=1`,
-    ...)."""
-    return os.environ.get(name, "").strip() not in ("", "0")
+    """Whether the switch `name` is set in the environment: any value but empty or "0" (OMNI_NO_PYCACHE=1,
+    ...). Runtime switches (OMNI_NO_GRAPHS, ...) are read by `RuntimeOptions.from_env` only."""
+    return _switch_on(os.environ, name)
 
 
 def cache_folder(name: str) -> str:
@@ -56,45 +58,99 @@ def talker_overrides(base: SamplingOptions, generation_config) -> SamplingOption
     return replace(base, **changes)
 
 
+# RuntimeOptions fields an environment switch turns off (`RuntimeOptions.from_env`), for runs where a flag
+# cannot be passed (tests, profilers, a server started by another program).
+RUNTIME_SWITCHES = {
+    "graphs": "OMNI_NO_GRAPHS",
+    "compile": "OMNI_NO_COMPILE",
+    "kernels": "OMNI_NO_KERNELS",
+    "attention_kernel": "OMNI_NO_ATTEND",
+}
+DEFAULT_MAX_CONTEXT = 4096
+
+
 @dataclass(frozen=True)
 class RuntimeOptions:
-    """How the engine runs on the device."""
+    """How the engine runs on the device: the one runtime-settings object.
 
-    # "auto" = CUDA, then NPU, then MPS, then CPU.
+    A face builds it once from its flags and the environment (`from_env`); the library reads nothing
+    from the environment after that. Asked for, its fields may say "auto" or wishes the device cannot
+    grant (graphs on a CPU); the assistant's `runtime` is the same type as built (`resolved`): the
+    device and dtype it runs on ("cuda:0", "bfloat16"), graphs and compile as they really are.
+    omni-serve tells its clients the built one (`to_json`); a background omni-serve is started with
+    `to_argv()`, which reproduces the asked one.
+    """
+
+    # "auto" = CUDA, then NPU, then MPS, then CPU. Resolved: the device the model runs on ("cuda:0").
     device: str = "auto"
-    # "auto" = bfloat16 on accelerators, float32 on CPU. token2wav always runs in float32.
+    # "auto" = bfloat16 on accelerators, float32 on CPU (token2wav always runs in float32). Resolved: the
+    # thinker's dtype ("bfloat16").
     dtype: str = "auto"
-    # CUDA graphs of the decode steps and the vocoder (a no-op on CPU); OMNI_NO_GRAPHS=1 also turns them off.
+    # CUDA graphs of the decode steps and the vocoder (a no-op on CPU); `--no-graphs`, or OMNI_NO_GRAPHS=1
+    # through `from_env`, turns them off.
     graphs: bool = True
     # torch.compile of the decode layers and the vocoder's DiT, before the first reply (with graphs, on a
     # GPU). Off, the default, so that a first reply never waits on a compiler: the graphs replay the plain
     # steps, captured in seconds (H200: Qwen2.5-Omni-7B RTF 0.28, Qwen3-Omni-30B-A3B 0.25). On: faster
     # steady decoding (0.19, 0.095) after a compile of a minute or more the first time, kept in a persistent
-    # cache (runtime/graphs.py) for the next start. omni-bench compiles unless told not to.
+    # cache (runtime/graphs.py) for the next start. omni-bench compiles unless told not to. OMNI_NO_COMPILE=1
+    # (`from_env`) turns it off.
     compile: bool = False
+    # runtime/kernels.py's one-launch matrix-vector products for the small projections (CUDA with triton,
+    # uncompiled steps); OMNI_NO_KERNELS=1 (`from_env`) turns them off.
+    kernels: bool = True
+    # kernels.attend, the one-launch attention block of a one-token step (where the kernels may run);
+    # OMNI_NO_ATTEND=1 (`from_env`) turns it off, to measure against the library's attention.
+    attention_kernel: bool = True
     # Longest prompt + reply text the thinker's static KV cache is sized for (tokens).
-    max_context: int = 4096
+    max_context: int = DEFAULT_MAX_CONTEXT
     # Longest reply audio the talker's cache and the vocoder are sized for, in talker steps (Qwen2.5-Omni:
     # 50 codes = 1 s; Qwen3-Omni: 12.5 frames = 1 s); None = the family's default (about 82 s).
     max_codes: int | None = None
 
     @classmethod
-    def from_env(cls, **fields) -> "RuntimeOptions":
-        """The options from flags (`fields`) and the environment's switches, read here once:
-        OMNI_NO_GRAPHS=1 turns graphs off whatever the flag says."""
-        if env_flag("OMNI_NO_GRAPHS"):
-            fields["graphs"] = False
-        return cls(**fields)
+    def from_env(cls, environ=None, **fields) -> "RuntimeOptions":
+        """The options the flags in `fields` ask for (None = not given), with the environment's switches
+        (`RUNTIME_SWITCHES`: OMNI_NO_GRAPHS=1, ...) turning off what no flag set. The one place the
+        environment is read for runtime settings. `environ`: a mapping instead of `os.environ` (tests)."""
+        env = os.environ if environ is None else environ
+        given = {name: value for name, value in fields.items() if value is not None}
+        for name, switch in RUNTIME_SWITCHES.items():
+            if name not in given and _switch_on(env, switch):
+                given[name] = False
+        return cls(**given)
 
     def to_argv(self) -> list[str]:
-        """The omni-serve flags that make a server run the model this way (what is at its default is left
-        out, except --no-compile: a server compiles unless told not to)."""
+        """omni-serve's flags that load the model with these options (a background server's command line)."""
         argv = ["--device", self.device, "--dtype", self.dtype]
-        argv += [] if self.graphs else ["--no-graphs"]
-        argv += ["--compile" if self.compile else "--no-compile"]
-        if self.max_context != RuntimeOptions.max_context:
-            argv += ["--max-context", str(self.max_context)]
+        if not self.graphs:
+            argv.append("--no-graphs")
+        argv.append("--compile" if self.compile else "--no-compile")
+        if not self.kernels:
+            argv.append("--no-kernels")
+        if not self.attention_kernel:
+            argv.append("--no-attention-kernel")
+        argv += ["--max-context", str(self.max_context)]
+        if self.max_codes is not None:
+            argv += ["--codes-capacity", str(self.max_codes)]
         return argv
+
+    def to_json(self) -> dict:
+        """The fields as a JSON object (omni-serve's model info: how it runs the model)."""
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> "RuntimeOptions":
+        """Back from `to_json` (a server's model info); unknown keys (a newer server's) are left out, a
+        missing one keeps its default. A ValueError for what is not an object."""
+        if not isinstance(data, dict):
+            raise ValueError(f"runtime options must be a JSON object, not {type(data).__name__}")
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+
+def _switch_on(env, name: str) -> bool:
+    return str(env.get(name, "")).strip() not in ("", "0")
 
 
 @dataclass(frozen=True)

@@ -17,28 +17,26 @@ WARNING: weights left random), and the faces decide what a person sees.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
 import re
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType
 from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
-from .errors import ModelError, OmniError, UsageError
+from .errors import ModelError, UsageError
+from .models.weights import from_pretrained, one_line, quiet_transformers  # noqa: F401 - re-exported
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     import torch
 
+    from .models.base import Family
+
 log = logging.getLogger(__name__)
 
-# The built-in random-weight model; present in a source checkout / `pip install -e .`.
-TINY_MODEL_DIR = Path(__file__).resolve().parent.parent / "assets" / "tiny-qwen2.5-omni"
-# Every built-in random-weight model (the Qwen3-Omni one is named with -m assets/tiny-qwen3-omni).
-BUILTIN_TINY_DIRS = (TINY_MODEL_DIR, TINY_MODEL_DIR.parent / "tiny-qwen3-omni")
+# The built-in random-weight models (models/__init__.py says where they are).
+from .models import BUILTIN_TINY_DIRS, TINY_MODEL_DIR  # noqa: E402, F401 - re-exported
 
 # The environment variable that names the default model (a folder or a hub id).
 MODEL_ENV = "OMNI_MODEL"
@@ -136,7 +134,7 @@ class IncompleteModel(ModelError):
     """A model folder that lacks weights, tokenizer or voices (a partial download, say)."""
 
 
-def missing_parts(folder: Path, family: ModuleType | None = None) -> list[str]:
+def missing_parts(folder: Path, family: Family | None = None) -> list[str]:
     """What a model folder lacks of weights, tokenizer and what its family needs beside them
     (config.json is checked apart)."""
     missing = []
@@ -173,14 +171,14 @@ def _check_folder(path: Path, label: str | None = None) -> Path:
     return path.resolve()
 
 
-def family_of(config: Any, label: str) -> ModuleType:
-    """The family package (omni_cli/models/) of a decoded config.json."""
+def family_of(config: Any, label: str) -> Family:
+    """The family (omni_cli/models/<family>/, its `FAMILY`) of a decoded config.json."""
     from .models import family
 
     return family(config.get("model_type") if isinstance(config, dict) else None, label)
 
 
-def read_family(folder: Path) -> ModuleType:
+def read_family(folder: Path) -> Family:
     """The family of a folder `_check_folder` accepted."""
     return family_of(json.loads((folder / "config.json").read_text(encoding="utf-8")), str(folder))
 
@@ -368,50 +366,14 @@ class LoadedModel:
     is_demo: bool
     # Short display name: the hub id, or the folder's name.
     name: str
-    # The family package (omni_cli/models/<family>/).
-    family: Any = None
+    # The family (omni_cli/models/<family>/: its `FAMILY`, a models.base.Family).
+    family: "Family | None" = None
     # Seconds each loading phase took ("weights", "tokenizer", ...), for `--verbose`.
     timings: dict | None = None
 
     @property
     def voices(self) -> list[str]:
         return list(self.speakers)
-
-
-@contextlib.contextmanager
-def _quiet_transformers():
-    """Keep transformers' and huggingface_hub's warnings and progress bars off stderr while loading."""
-    import transformers
-    from transformers.utils import logging as hf_logging
-
-    old_level = hf_logging.get_verbosity()
-    bars_were_on = hf_logging.is_progress_bar_enabled()
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            yield transformers
-    finally:
-        hf_logging.set_verbosity(old_level)
-        if bars_were_on:
-            hf_logging.enable_progress_bar()
-
-
-def one_line(exc: BaseException, limit: int = 300) -> str:
-    """An exception's message on one line, shortened to `limit` characters."""
-    text = " ".join(str(exc).split())
-    if len(text) > limit:
-        text = text[: limit - 3] + "..."
-    return text or type(exc).__name__
-
-
-def _is_oom(exc: BaseException) -> bool:
-    import torch
-
-    if isinstance(exc, (MemoryError, torch.OutOfMemoryError)):
-        return True
-    return isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()
 
 
 def load_model(model: str | os.PathLike | None = None, device: str = "auto", dtype: str = "auto") -> LoadedModel:
@@ -430,12 +392,12 @@ def load_model(model: str | os.PathLike | None = None, device: str = "auto", dty
     path, is_demo, name = _resolve(model)
     fam = read_family(path)
     early = None
-    if torch_device.type == "cuda" and getattr(fam, "READS_WEIGHTS_EARLY", False):
+    if torch_device.type == "cuda" and fam.READS_WEIGHTS_EARLY:
         from .early_weights import EarlyWeights
 
         early = EarlyWeights.start(path, torch_device, torch_dtype)  # during the import below
 
-    with _quiet_transformers():
+    with quiet_transformers():
         from transformers import AutoTokenizer, GenerationConfig
 
         timings["import transformers, find the model" + (" (reading the weights meanwhile)" if early else "")] = (
@@ -490,73 +452,6 @@ def load_model(model: str | os.PathLike | None = None, device: str = "auto", dty
     )
 
 
-def from_pretrained(cls, path: Path, dtype, name: str, device=None, early=None):
-    """`cls.from_pretrained(path)` in `dtype` from local files, with one-line errors, and a warning for
-    weights the folder lacks (transformers' own is silenced by `_quiet_transformers`).
-
-    On an accelerator the weights are read straight onto `device` (a `device_map`): no full copy in host
-    memory first, and the reading overlaps the host-to-device copies. On a CPU, or without `accelerate`
-    (which transformers needs for a device map), they are read into host memory and moved after.
-    `early`: an `EarlyWeights` reading the folder's weights already (early_weights.py); its tensors go to
-    transformers as the `state_dict`, with the folder's config and generation config, which is what
-    loading from the folder does with the files."""
-    where = {}
-    if device is not None and getattr(device, "type", "cpu") != "cpu" and _has_accelerate():
-        where = {"device_map": {"": device}}
-    tensors = early.take() if early is not None else None
-    try:
-        if tensors is not None:
-            model, info = _from_tensors(cls, path, tensors, dtype, where)
-        else:
-            model, info = cls.from_pretrained(str(path), dtype=dtype, local_files_only=True,
-                                              output_loading_info=True, **where)
-    except KeyboardInterrupt:
-        raise
-    except Exception as exc:
-        if _is_oom(exc):
-            raise OmniError(f"out of memory loading {name}: try --dtype bfloat16 or a smaller model") from exc
-        raise ModelError(f"cannot load the weights of {name} ({path}): {one_line(exc)}") from exc
-    missing = sorted(info.get("missing_keys") or ())
-    if missing:
-        log.warning("%s lacks %d weights (first: %s): they are random", name, len(missing), missing[0])
-    return model
-
-
-def _from_tensors(cls, path: Path, tensors: dict, dtype, where: dict):
-    """`cls.from_pretrained` of the folder's config with `tensors` as the state dict (early_weights.py)."""
-    from transformers import GenerationConfig
-
-    config = cls.config_class.from_pretrained(str(path), local_files_only=True)
-    model, info = cls.from_pretrained(None, config=config, state_dict=tensors, dtype=dtype,
-                                      output_loading_info=True, **where)
-    tensors.clear()  # transformers loaded copies of them: free the originals
-    if where:  # on a GPU: give their memory back, for other programs too
-        import torch
-
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-    if (path / "generation_config.json").is_file() and getattr(model, "can_generate", lambda: False)():
-        model.generation_config = GenerationConfig.from_pretrained(str(path), local_files_only=True)
-    return model, info
-
-
-def _has_accelerate() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("accelerate") is not None
-
-
-def to_device(model, place, device, name: str) -> None:
-    """`place(model)` (moves it to `device`), with out-of-memory as a one-line error."""
-    try:
-        place(model)
-    except Exception as exc:
-        if _is_oom(exc):
-            _free(device)
-            raise OmniError(f"out of GPU memory loading {name}: try --dtype bfloat16 or a smaller model") from exc
-        raise
-
-
 def model_voices(model: str | os.PathLike | None = None, notice: bool = True) -> list[str]:
     """The voice names of a checkpoint without loading its weights or importing torch (what
     `omni-say --list-voices` prints, and what the CLI checks `-v` against before loading). Same
@@ -564,16 +459,6 @@ def model_voices(model: str | os.PathLike | None = None, notice: bool = True) ->
     follows."""
     path, _is_demo, name = _resolve(model, notice=notice)
     return read_family(path).voices(path, name)
-
-
-def _free(device: "torch.device") -> None:
-    import gc
-
-    import torch
-
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,4 +1,6 @@
-"""Conversation history and the chat template: turns in, prompt token ids out. CPU only.
+"""Conversation history and the chat template: turns in, prompt token ids out. CPU only. It knows no
+model family: a conversation's default system prompt is the family's, given by the caller
+(`Assistant.conversation()`, `read_transcript(data, default_system)`).
 
 A `Conversation` is a list of chat messages (system, user, assistant) that can be saved as JSON and
 loaded back. `build_ids` renders it with the checkpoint's own chat template and tokenizer. When the
@@ -32,15 +34,13 @@ from .errors import UsageError
 # The version of the transcript JSON this code writes; it reads this one and files without the field.
 TRANSCRIPT_FORMAT = 1
 
-# The default model's system prompt (Qwen2.5-Omni speaks only under it): what a `Conversation` made
-# without one gets, and what a transcript that names none had. A model's own default is the
-# assistant's `default_system` (its family's).
-from .models.qwen2_5_omni import DEFAULT_SYSTEM  # noqa: E402 - a constant, no torch
 
 
 @dataclass
 class Conversation:
-    system: str = DEFAULT_SYSTEM
+    # The system prompt ("" = none). It knows no model: the default a model's conversations get is its
+    # family's (`Assistant.default_system`, `Assistant.conversation()`), given here by who makes one.
+    system: str = ""
     # {"role": "user"|"assistant", "content": str}; a user turn may add "media": {"audio": [...], "images": [...]}
     turns: list[dict] = field(default_factory=list)
 
@@ -80,14 +80,15 @@ class Conversation:
         return json.dumps(data, ensure_ascii=False, indent=2)
 
     @classmethod
-    def from_json(cls, text: str) -> "Conversation":
-        """A conversation from transcript JSON (ours or omni-chat's /save); UsageError if it is not one."""
-        return cls.from_dict(parse_json(text))
+    def from_json(cls, text: str, default_system: str = "") -> "Conversation":
+        """A conversation from transcript JSON (ours or omni-chat's /save); UsageError if it is not one.
+        `default_system`: the system prompt of a transcript that names none (the model's default)."""
+        return cls.from_dict(parse_json(text), default_system)
 
     @classmethod
-    def from_dict(cls, data: object) -> "Conversation":
+    def from_dict(cls, data: object, default_system: str = "") -> "Conversation":
         """The conversation in decoded transcript JSON, checked; the model's history (`context_from` on)."""
-        system, turns, start = read_transcript(data)
+        system, turns, start = read_transcript(data, default_system)
         return cls(system=system, turns=turns[start:])
 
     def save(self, path: str | Path) -> None:
@@ -98,8 +99,8 @@ class Conversation:
         atomic_write(path, self.to_json())
 
     @classmethod
-    def load(cls, path: str | Path) -> "Conversation":
-        return cls.from_json(Path(path).read_text(encoding="utf-8"))
+    def load(cls, path: str | Path, default_system: str = "") -> "Conversation":
+        return cls.from_json(Path(path).read_text(encoding="utf-8"), default_system)
 
 
 def user_parts(text: str, images: int = 0, clips: int = 0) -> list[dict]:
@@ -128,10 +129,11 @@ def parse_json(text: str) -> object:
         raise TranscriptError(f"it is not JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})") from exc
 
 
-def read_transcript(data: object) -> tuple[str, list[dict], int]:
+def read_transcript(data: object, default_system: str = "") -> tuple[str, list[dict], int]:
     """(system prompt, every turn, index of the first turn in the model's history) of decoded transcript
     JSON. Checked here, so that a hand-edited or foreign file is one clear error at loading instead of a
-    failure inside the chat template at the next turn."""
+    failure inside the chat template at the next turn. `default_system`: the system prompt of a transcript
+    that names none (files written before the field existed: the model's default, its family's)."""
     if not isinstance(data, dict):
         raise TranscriptError(f"it is JSON but not a transcript (a {_json_type(data)}, not an object with \"turns\")")
     version = data.get("format", TRANSCRIPT_FORMAT)
@@ -153,7 +155,7 @@ def read_transcript(data: object) -> tuple[str, list[dict], int]:
         clean.append({"role": want, "content": check_text(turn["content"], f"turn {i + 1}")})
     if len(clean) % 2:
         raise TranscriptError(f"its last turn ({len(clean)}) is a user message without the assistant's reply")
-    system = data.get("system", DEFAULT_SYSTEM)
+    system = data.get("system", default_system)
     if system is None:
         system = ""
     if not isinstance(system, str):

@@ -120,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
         return fail(f"{out} is not empty: pass --force to write into it")
 
     from omni_cli.errors import OmniError
-    from omni_cli.loader import _quiet_transformers, pick_device, pick_dtype
+    from omni_cli.loader import pick_device, pick_dtype
+    from omni_cli.models.weights import quiet_transformers
 
     try:
         device = pick_device(args.device)
@@ -134,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[{time.perf_counter() - t0:6.1f} s] {message}", file=sys.stderr, flush=True)
 
     t0 = time.perf_counter()
-    with _quiet_transformers():  # config warnings and progress bars: nothing to act on here
+    with quiet_transformers():  # config warnings and progress bars: nothing to act on here
         config = make_config(args.preset)
         say(f"building {args.preset} on {device} ({str(dtype).removeprefix('torch.')}, token2wav float32) ...")
         model = make_model(config, device, dtype)

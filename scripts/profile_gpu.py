@@ -17,8 +17,8 @@ import time
 
 import torch
 
-from omni_cli.faces.bench import _BenchTokenizer, build_model
-from omni_cli.config import SamplingOptions
+from omni_cli.faces.bench import BenchTokenizer, build_model
+from omni_cli.config import RuntimeOptions, SamplingOptions
 from omni_cli.models.qwen2_5_omni import TALKER_SAMPLING as TALKER_DEFAULTS
 from omni_cli.models.qwen2_5_omni.steps import Qwen25Steps
 from omni_cli.runtime.engine import Engine
@@ -254,7 +254,7 @@ def main() -> None:
     report: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
     t = time.perf_counter()
     model = build_model("qwen2.5-omni-7b", DEV, torch.bfloat16)
-    engine = Engine(Qwen25Steps(model, model.speaker_map, max_context=1024, max_codes=768, compile=True), _BenchTokenizer(),
+    engine = Engine(Qwen25Steps(model, model.speaker_map, RuntimeOptions(max_context=1024, max_codes=768, compile=True)), BenchTokenizer(),
                     eos_ids=[151645])
     if wanted != {"prefill"}:
         engine.warmup()

@@ -15,7 +15,7 @@ import torch
 
 from profile_gpu import device_ms, kernels  # scripts/ is on sys.path when this file runs
 
-from omni_cli.faces.bench import _BenchTokenizer
+from omni_cli.faces.bench import BenchTokenizer
 from omni_cli.models.qwen3_omni import presets
 from omni_cli.models.qwen3_omni.code2wav import StreamingCode2Wav
 from omni_cli.models.qwen3_omni.talker import Talker
@@ -53,7 +53,7 @@ def main() -> None:
     t = time.perf_counter()
     steps.talker.capture_graphs()
     report["capture_talker_s"] = time.perf_counter() - t
-    engine = Engine(steps, _BenchTokenizer(), eos_ids=[model.config.im_end_token_id])
+    engine = Engine(steps, BenchTokenizer(), eos_ids=[model.config.im_end_token_id])
     req = TurnRequest(ids, "Ethan", presets_thinker(), Talker.default_sampling()[0], 16, 32, seed=0,
                       force_lengths=True)
     reply = next(e.reply for e in engine.stream(req) if isinstance(e, Done))

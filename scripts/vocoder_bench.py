@@ -50,7 +50,7 @@ def main() -> int:
     ap.add_argument("--device", default="cuda", help="cuda, or cpu for a quick check of the script (slow)")
     args = ap.parse_args()
 
-    from omni_cli.loader import _quiet_transformers
+    from omni_cli.models.weights import quiet_transformers
     from omni_cli.models.qwen2_5_omni.vocoder import StreamingVocoder, capture_windows
     from omni_cli.runtime.engine import configure_cuda
 
@@ -58,7 +58,7 @@ def main() -> int:
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     configure_cuda()  # TF32 matmuls for the float32 vocoder, as the engine sets them
     t = time.perf_counter()
-    with _quiet_transformers():  # the config's text-side ids it checks against the codec vocabulary
+    with quiet_transformers():  # the config's text-side ids it checks against the codec vocabulary
         model, voice = build_token2wav(dev)
     built = time.perf_counter() - t
 

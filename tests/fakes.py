@@ -11,7 +11,7 @@ import numpy as np
 
 from omni_cli.audio.sinks import _SinkBase as SinkBase, as_block
 from omni_cli.errors import UsageError
-from omni_cli.prompt import DEFAULT_SYSTEM
+from omni_cli.models.qwen2_5_omni import DEFAULT_SYSTEM
 
 
 class FakeAssistant:

@@ -3,6 +3,9 @@ the reply's text ids and the talker's codes before its stop code."""
 
 from __future__ import annotations
 
+import contextlib
+import functools
+
 import torch
 
 from omni_cli.runtime import compat
@@ -37,7 +40,7 @@ def reference_generate(model, ids: list[int], *, voice: str = "Chelsie", n_text:
 
     model.talker.generate = capture
     try:
-        with torch.no_grad(), compat.qwen2_5_talker_keeps_its_mask(model):
+        with torch.no_grad(), qwen2_5_talker_keeps_its_mask(model):
             device = next(model.parameters()).device
             given = inputs if inputs is not None else {"input_ids": torch.tensor([ids], device=device)}
             ids = given["input_ids"][0].tolist()
@@ -54,3 +57,35 @@ def reference_generate(model, ids: list[int], *, voice: str = "Chelsie", n_text:
             break
         codes.append(code)
     return sequences[0, len(ids):].tolist(), codes
+
+
+# transformers 5.18 on: `generate` drops an all-ones `attention_mask`; Qwen2.5's talker `forward` adds the codec
+# pad/BOS embeddings to its prompt (and sets its rope deltas) only when it gets a mask, so transformers' own
+# generate on an unpadded prompt speaks from another talker prompt than 5.17's (and ours).
+@contextlib.contextmanager
+def qwen2_5_talker_keeps_its_mask(model):
+    """Within the block, `model.talker` (Qwen2.5-Omni) gets the all-ones attention mask that `generate` drops
+    from 5.18 on, so its prompt has the codec pad/BOS embeddings as on 5.17 (a no-op where a mask is passed)."""
+    talker = model.talker
+    own = talker.__dict__.get("forward")
+    forward = talker.forward
+    name = compat.cache_kwarg_name(talker)
+
+    @functools.wraps(forward)  # generate checks its model kwargs against the forward's signature
+    def with_mask(*args, attention_mask=None, **kwargs):
+        if attention_mask is None:
+            tokens = kwargs.get("inputs_embeds")
+            tokens = kwargs["input_ids"] if tokens is None else tokens
+            cache = kwargs.get(name)
+            past = cache.get_seq_length() if cache is not None else 0
+            attention_mask = torch.ones(tokens.shape[0], past + tokens.shape[1], dtype=torch.long, device=tokens.device)
+        return forward(*args, attention_mask=attention_mask, **kwargs)
+
+    talker.forward = with_mask
+    try:
+        yield
+    finally:
+        if own is None:
+            del talker.forward
+        else:
+            talker.forward = own

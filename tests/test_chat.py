@@ -33,7 +33,8 @@ from fakes import FakeAssistant
 from omni_cli.faces.chat.loop import ChatRepl, line_reader
 from omni_cli.config import ReplyOptions
 from omni_cli.errors import OutputError, UsageError
-from omni_cli.prompt import DEFAULT_SYSTEM, Conversation, check_prompt, fit
+from omni_cli.models.qwen2_5_omni import DEFAULT_SYSTEM
+from omni_cli.prompt import Conversation, check_prompt, fit
 from omni_cli.audio.speaker import SpeakerSink
 from omni_cli.faces.chat.history import make_history, make_session
 from omni_cli.faces.console import StreamWrapper, make_console

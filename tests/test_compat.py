@@ -16,6 +16,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from omni_cli.runtime import compat  # noqa: E402
+from hf_reference import qwen2_5_talker_keeps_its_mask  # noqa: E402  (tests/ is on sys.path)
 from omni_cli.runtime.kv_cache import StaticKVCache  # noqa: E402
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
@@ -280,7 +281,7 @@ def _talker_prompt_last_rows(model, keep_mask: bool):
     hook = model.talker.model.layers[0].register_forward_pre_hook(
         lambda _m, args, kwargs: seen.append((args[0] if args else kwargs["hidden_states"]).clone()), with_kwargs=True)
     model.talker.rope_deltas = None  # set by the talker's forward only when it gets a mask
-    ctx = compat.qwen2_5_talker_keeps_its_mask(model) if keep_mask else contextlib.nullcontext()
+    ctx = qwen2_5_talker_keeps_its_mask(model) if keep_mask else contextlib.nullcontext()
     try:
         with torch.no_grad(), ctx:
             model.generate(torch.tensor([[1, 2, 3, 4, 5]]), speaker="Chelsie", thinker_max_new_tokens=2,

@@ -274,12 +274,14 @@ def test_warm_up_in_the_background_leaves_no_trace_in_the_next_reply(assistant, 
 def test_without_graphs_nothing_is_compiled():
     """--no-graphs turns compiling off too (compiled steps exist to be captured), as the docs say; on a
     GPU device --compile with graphs compiles both stacks."""
+    from omni_cli.config import RuntimeOptions
     from omni_cli.runtime.engine import enable_fast_steps
+    from omni_cli.runtime.graphs import Policy
 
     tf32 = torch.backends.cuda.matmul.allow_tf32  # configure_cuda sets it for a bfloat16 "GPU"
     class Stack:
-        def enable_fast_decode(self, graphs, compile):
-            self.args = (graphs, compile)
+        def enable_fast_decode(self, policy):
+            self.args = (policy.graphs_on, policy.compile_on)
 
     class Steps:
         device = torch.device("cuda")  # a device object only: nothing runs on it
@@ -289,7 +291,8 @@ def test_without_graphs_nothing_is_compiled():
         for graphs, compile, compiled in ((True, True, True), (False, True, False), (True, False, False)):
             steps = Steps()
             steps.thinker, steps.talker = Stack(), Stack()
-            enable_fast_steps(steps, torch.bfloat16, graphs, compile, None)
+            policy = Policy.of(RuntimeOptions(graphs=graphs, compile=compile), steps.device)
+            enable_fast_steps(steps, torch.bfloat16, policy, None)
             assert steps.compile is compiled
             assert steps.thinker.args == steps.talker.args == (graphs, compiled)
     finally:
@@ -299,8 +302,7 @@ def test_without_graphs_nothing_is_compiled():
 def _second_steps(assistant):
     """Another set of steps over the assistant's model, built as `compile_beside` builds them (uncompiled
     here: a CPU)."""
-    return assistant.family.build_steps(assistant.loaded.model, assistant.loaded.speakers, compile=False,
-                                        **assistant._steps_args)
+    return assistant.family.build_steps(assistant.loaded.model, assistant.loaded.speakers, runtime=assistant.asked)
 
 
 def test_other_steps_take_over_between_turns_never_inside_one(assistant):
@@ -341,7 +343,7 @@ def test_compile_beside_hands_the_engine_its_steps_or_leaves_them_on_a_failure(a
     from omni_cli.runtime.beside import compile_beside
 
     engine, old = assistant.engine, assistant.engine.steps
-    assert assistant.compile_beside() is None and "compiling" not in assistant.runtime
+    assert assistant.compile_beside() is None and not assistant.compiling
     interval = sys.getswitchinterval()
     new, warmed, ready = _second_steps(assistant), [], []
     new.warmup = lambda: warmed.append(sys.getswitchinterval())

@@ -20,11 +20,28 @@ TINY3 = ROOT / "assets" / "tiny-qwen3-omni"
 
 
 def test_family_is_read_from_model_type():
-    assert family("qwen2_5_omni") is qwen2_5_omni
-    assert family("qwen3_omni_moe") is qwen3_omni
+    assert family("qwen2_5_omni") is qwen2_5_omni.FAMILY
+    assert family("qwen3_omni_moe") is qwen3_omni.FAMILY
     assert sorted(FAMILIES) == ["qwen2_5_omni", "qwen3_omni_moe"]
     for fam in (qwen2_5_omni, qwen3_omni):
         assert FAMILIES[fam.MODEL_TYPE] == fam.__name__.rsplit(".", 1)[1]
+
+
+def test_each_family_states_every_capability_of_the_base():
+    """Both families subclass `models.base.Family`, whose every attribute has a value in each (nothing for
+    a face to probe with getattr), and carry their package's constants."""
+    from omni_cli.models.base import Family
+
+    names = [n for n in dir(Family) if not n.startswith("_")]
+    for package in (qwen2_5_omni, qwen3_omni):
+        fam = package.FAMILY
+        assert isinstance(fam, Family) and type(fam) is not Family
+        assert all(hasattr(fam, n) for n in names)
+        assert (fam.MODEL_TYPE, fam.TITLE, fam.CODES_PER_SECOND, fam.DEFAULT_SYSTEM) == (
+            package.MODEL_TYPE, package.TITLE, package.CODES_PER_SECOND, package.DEFAULT_SYSTEM)
+        assert fam.talker_sampling() == package.TALKER_SAMPLING and fam.HEARS_AUDIO and fam.SEES_IMAGES
+    assert qwen2_5_omni.FAMILY.NEEDS_DEFAULT_SYSTEM and not qwen3_omni.FAMILY.NEEDS_DEFAULT_SYSTEM
+    assert qwen2_5_omni.FAMILY.READS_WEIGHTS_EARLY and not qwen3_omni.FAMILY.READS_WEIGHTS_EARLY
 
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen2_5_omni_thinker", "", None])

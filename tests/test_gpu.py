@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from omni_cli.config import SamplingOptions
-from omni_cli.models.qwen2_5_omni import TALKER_SAMPLING as TALKER_DEFAULTS
+from omni_cli.config import RuntimeOptions, SamplingOptions
+from omni_cli.models.qwen2_5_omni import DEFAULT_SYSTEM, TALKER_SAMPLING as TALKER_DEFAULTS
 from omni_cli.models.qwen2_5_omni.steps import Qwen25Steps
 from omni_cli.runtime.engine import Done, Engine, TurnRequest, configure_cuda
 
@@ -41,10 +41,11 @@ def reference(model, ids, n_text, n_codes, eos, forced=False):
 
 def engines(model, eos, max_codes):
     """(eager, graphed and compiled (omni-bench's), graphed uncompiled (omni-say's default)) engines."""
-    eager = Engine(Qwen25Steps(model, model.speaker_map, max_context=1024, max_codes=max_codes, fast_decode=False),
+    eager = Engine(Qwen25Steps(model, model.speaker_map, RuntimeOptions(max_context=1024, max_codes=max_codes),
+                               fast_decode=False),
                    _Tok(), eos_ids=eos)
-    made = [Engine(Qwen25Steps(model, model.speaker_map, max_context=1024, max_codes=max_codes, fast_decode=True,
-                               graphs=True, compile=compile), _Tok(), eos_ids=eos) for compile in (True, False)]
+    made = [Engine(Qwen25Steps(model, model.speaker_map, RuntimeOptions(max_context=1024, max_codes=max_codes, compile=compile),
+                               fast_decode=True), _Tok(), eos_ids=eos) for compile in (True, False)]
     for engine in made:
         engine.warmup()
     return eager, *made
@@ -66,7 +67,7 @@ def test_tiny_graphed_equals_eager_equals_transformers():
     tok = tiny.make_tokenizer()
     from omni_cli.prompt import Conversation, build_ids
 
-    ids = build_ids(tok, Conversation().messages("Hello there, how are you today?"))
+    ids = build_ids(tok, Conversation(DEFAULT_SYSTEM).messages("Hello there, how are you today?"))
     ref_text, ref_codes = reference(model, ids, 16, 200, eos)
     eager, graphed, uncompiled = engines(model, eos, 256)
     a = run(eager, ids, 16, 200)
@@ -95,9 +96,9 @@ def test_tiny_lazy_graphs_across_span_buckets_equal_eager():
     model = tiny.build_tiny_model(tiny.tiny_config(), seed=0).cuda().eval()
     eos = tiny.make_generation_config().eos_token_id
     ids = list(range(20, 80))
-    eager = Engine(Qwen25Steps(model, model.speaker_map, max_context=1024, max_codes=1024, fast_decode=False),
+    eager = Engine(Qwen25Steps(model, model.speaker_map, RuntimeOptions(max_context=1024, max_codes=1024), fast_decode=False),
                    _Tok(), eos_ids=eos)
-    lazy = Engine(Qwen25Steps(model, model.speaker_map, max_context=1024, max_codes=1024, graphs=True, compile=False),
+    lazy = Engine(Qwen25Steps(model, model.speaker_map, RuntimeOptions(max_context=1024, max_codes=1024, graphs=True, compile=False)),
                   _Tok(), eos_ids=eos)
     lazy.warmup()
     talker_graphs, vocoder_graphs = lazy.steps.talker.graphs, model.token2wav._omni_window_graphs
@@ -188,7 +189,7 @@ def test_talker_loop_runs_under_sync_debug_error(big_model, monkeypatch):
         self._worker_done()
 
     monkeypatch.setattr(turn_mod.Turn, "_vocoder_main", no_vocoder)
-    eng = Engine(Qwen25Steps(big_model, big_model.speaker_map, max_context=1024, max_codes=256, compile=True), _Tok(),
+    eng = Engine(Qwen25Steps(big_model, big_model.speaker_map, RuntimeOptions(max_context=1024, max_codes=256, compile=True)), _Tok(),
                  eos_ids=[151645])
     eng.warmup()
     ids = list(range(1000, 1060))
@@ -258,16 +259,16 @@ def qwen3_engines(model, voices, tokenizer, eos, max_codes, compiles):
     from omni_cli.models.qwen3_omni.steps import Qwen3Steps
     from omni_cli.runtime import fused
 
-    eager = Engine(Qwen3Steps(model, voices, max_context=512, max_codes=max_codes, fast_decode=False), tokenizer,
-                   eos_ids=eos)
-    made = [Engine(Qwen3Steps(model, voices, max_context=512, max_codes=max_codes, graphs=True, compile=compile),
+    eager = Engine(Qwen3Steps(model, voices, RuntimeOptions(max_context=512, max_codes=max_codes), fast_decode=False),
+                   tokenizer, eos_ids=eos)
+    made = [Engine(Qwen3Steps(model, voices, RuntimeOptions(max_context=512, max_codes=max_codes, compile=compile)),
                    tokenizer, eos_ids=eos) for compile in compiles]
     for graphed, compile in zip(made, compiles):
         graphed.warmup()
         assert graphed.steps.compile is compile
         assert graphed.steps.talker.step_graphs.graphs and graphed.steps.talker.frame_graphs.graphs
         assert graphed.steps.thinker.fused.graphs.graphs
-        # The one-launch attention (kernels.attend) in all three stacks, unless OMNI_NO_ATTEND=1 says not.
+        # The one-launch attention (kernels.attend) in all three stacks, where the GPU has the kernels.
         wanted = fused.attend_wanted(torch.device("cuda"))
         talker = graphed.steps.talker
         assert graphed.steps.thinker.fused.fused.attend is talker.fused.attend is talker.predictor_fused.attend is wanted
@@ -377,7 +378,7 @@ def test_qwen3_loop_runs_under_sync_debug_error(monkeypatch):
     model, voices = qwen3_true_widths(torch.bfloat16)
     from omni_cli.models.qwen3_omni import presets
 
-    eng = Engine(build_steps(model, voices, max_context=512, max_codes=256, graphs=True), _Tok(),
+    eng = Engine(build_steps(model, voices, RuntimeOptions(max_context=512, max_codes=256, graphs=True)), _Tok(),
                  eos_ids=[model.config.im_end_token_id])  # as the commands build them (not compiled)
     eng.warmup()
     reply = qwen3_run(eng, presets.prompt(model, 60), 16, 200, force_lengths=True, sync_debug=True)
@@ -441,7 +442,7 @@ def test_talker_on_its_own_stream_gives_the_reply_of_one_stream(family):
         from omni_dev import tiny_qwen2_5 as tiny
 
         model = tiny.build_tiny_model(tiny.tiny_config(), seed=0).cuda().eval()
-        engine = Engine(Qwen25Steps(model, model.speaker_map, max_context=1024, max_codes=512, graphs=True), _Tok(),
+        engine = Engine(Qwen25Steps(model, model.speaker_map, RuntimeOptions(max_context=1024, max_codes=512, graphs=True)), _Tok(),
                         eos_ids=tiny.make_generation_config().eos_token_id)
         voice, talker, ids = "Chelsie", TALKER_DEFAULTS, list(range(20, 80))
     else:
@@ -451,7 +452,7 @@ def test_talker_on_its_own_stream_gives_the_reply_of_one_stream(family):
 
         model = ref.model("tiny").cuda()
         voices = {str(n).capitalize(): int(i) for n, i in model.config.talker_config.speaker_id.items()}
-        engine = Engine(Qwen3Steps(model, voices, max_context=512, max_codes=256, graphs=True), ref.tokenizer(),
+        engine = Engine(Qwen3Steps(model, voices, RuntimeOptions(max_context=512, max_codes=256, graphs=True)), ref.tokenizer(),
                         eos_ids=[ref.im_end()])
         voice, talker = "Ethan", Talker.default_sampling()[0]
         ids = ref.prompt_ids([{"role": "user", "content": "Hello there! What is the weather like today?"}])
@@ -493,7 +494,7 @@ def test_compiled_steps_made_beside_the_plain_ones_take_over_with_the_same_repli
     before = assistant.say(prompt, **kw)
     ready, failed = [], []
     thread = assistant.compile_beside(on_ready=ready.append, on_failure=failed.append)
-    assert thread is not None and assistant.runtime.get("compiling")
+    assert thread is not None and assistant.compiling and not assistant.runtime.compile
     during = [assistant.say(prompt, **kw)]
     while thread.is_alive() and len(during) < 50:
         during.append(assistant.say(prompt, **kw))
@@ -501,8 +502,8 @@ def test_compiled_steps_made_beside_the_plain_ones_take_over_with_the_same_repli
     assert ready and not failed, failed
     after = assistant.say(prompt, **kw)
     steps = assistant.engine.steps
-    assert steps is not plain and steps.compile and assistant.runtime["compile"] is True
-    assert "compiling" not in assistant.runtime
+    assert steps is not plain and steps.compile and assistant.runtime.compile is True
+    assert not assistant.compiling
     for reply in during:  # the plain steps', while the compiler ran beside them
         assert reply.text_ids == before.text_ids and reply.codes == before.codes
         np.testing.assert_array_equal(reply.audio, before.audio)
@@ -516,3 +517,34 @@ def test_compiled_steps_made_beside_the_plain_ones_take_over_with_the_same_repli
     np.testing.assert_allclose(after.audio, compiled.say(prompt, **kw).audio, rtol=0, atol=1e-6)
     print(f"{family}: {len(during)} replies while compiling, ready after {ready[0]:.1f} s; compiled audio "
           f"vs plain: max {np.abs(after.audio - before.audio).max():.2e}")
+
+
+@pytest.mark.parametrize("family", ["qwen2.5", "qwen3"])
+def test_no_graphs_means_no_cuda_graph_anywhere_in_a_reply(family, monkeypatch):
+    """RuntimeOptions(graphs=False) (`--no-graphs`) reaches every capture: loading (warm-up included) and a
+    spoken reply capture no CUDA graph at all, the Qwen2.5-Omni vocoder's windows and Qwen3-Omni's code2wav
+    included (the vocoder once asked for graphs itself and captured its windows during replies)."""
+    import qwen3_reference as ref
+
+    import omni_cli
+    from omni_cli.loader import TINY_MODEL_DIR
+
+    captures = []
+    begin = torch.cuda.CUDAGraph.capture_begin
+
+    def counted(self, *args, **kwargs):
+        captures.append(self)
+        return begin(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "capture_begin", counted)
+    path, voice = (str(TINY_MODEL_DIR), "Chelsie") if family == "qwen2.5" else (str(ref.ASSET), "Ethan")
+    assistant = omni_cli.load(path, runtime=RuntimeOptions(device="cuda", graphs=False))
+    assert assistant.runtime.graphs is False and assistant.runtime.device.startswith("cuda")
+    for seed in (0, 1):  # the second reply: lazily captured windows would come in the first
+        reply = assistant.say("Hello there, how are you today?", voice=voice, seed=seed, max_text_tokens=16,
+                              max_codes=120)
+        assert reply.codes and len(reply.audio) > 0
+    assert captures == []
+    # The control: with graphs, the same load captures.
+    omni_cli.load(path, runtime=RuntimeOptions(device="cuda"))
+    assert captures

@@ -203,8 +203,27 @@ def test_a_span_longer_than_the_attention_kernels_takes_the_library_attention(ke
 
 
 def test_the_kernels_are_wanted_on_cuda_only_and_can_be_turned_off(kernels, monkeypatch):
-    monkeypatch.delenv("OMNI_NO_KERNELS", raising=False)
+    """The hardware says where they can run (`kernels_wanted`); the runtime options whether they are asked
+    for: `--no-kernels`, or OMNI_NO_KERNELS=1 / OMNI_NO_ATTEND=1 read once by `RuntimeOptions.from_env`. A
+    stack whose policy has them off never uses them, even where the hardware has them."""
+    import qwen3_reference as ref
+    from omni_cli.config import RuntimeOptions
+    from omni_cli.runtime.graphs import Policy
+    from omni_cli.runtime.kv_cache import StaticKVCache
+
     assert fused.kernels_wanted(torch.device("cuda")) is (torch.version.hip is None)
     assert fused.kernels_wanted(torch.device("cpu")) is False
-    monkeypatch.setenv("OMNI_NO_KERNELS", "1")
-    assert fused.kernels_wanted(torch.device("cuda")) is False
+    assert RuntimeOptions.from_env(environ={}).kernels is True
+    off = RuntimeOptions.from_env(environ={"OMNI_NO_KERNELS": "1", "OMNI_NO_ATTEND": "1"})
+    assert off.kernels is False and off.attention_kernel is False
+    assert RuntimeOptions.from_env(environ={"OMNI_NO_KERNELS": "1"}, kernels=True).kernels is True  # a flag wins
+
+    forced = _forced(kernels)
+    monkeypatch.setattr(fused, "kernels_wanted", forced)
+    monkeypatch.setattr(fused, "attend_wanted", forced)
+    model = copy.deepcopy(ref.model("tiny")).to(DT)
+    stack, config = model.talker.code_predictor.model, model.config.talker_config.code_predictor_config
+    for runtime, on in ((RuntimeOptions(), True), (off, False)):
+        cache = StaticKVCache.for_config(config, 8, device="cpu", dtype=DT)
+        dec = fused.FusedDecoder(stack, cache, policy=Policy.of(runtime, "cpu"), mrope=False, as_sum=True)
+        assert (dec.kernels, dec.attend) == (on, on)

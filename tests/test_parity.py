@@ -16,6 +16,7 @@ import torch
 
 from omni_dev import tiny_qwen2_5 as tiny
 from omni_cli.assistant import Assistant
+from omni_cli.config import RuntimeOptions
 from omni_cli.models import qwen2_5_omni
 from omni_cli.prompt import Conversation, build_ids
 
@@ -44,7 +45,7 @@ def _assistant_for(model) -> Assistant:
         model=model, tokenizer=tiny.make_tokenizer(), speakers=model.speaker_map,
         generation_config=tiny.make_generation_config(), is_demo=True, name="tiny-test", family=qwen2_5_omni,
     )
-    return Assistant(loaded, max_context=512, max_codes=512)
+    return Assistant(loaded, RuntimeOptions(max_context=512, max_codes=512))
 
 
 @pytest.fixture(scope="module", params=["builtin", *OTHER_CONFIGS])
@@ -67,7 +68,7 @@ def reference(assistant: Assistant, ids: list[int], voice: str) -> tuple[list[in
 @pytest.mark.parametrize("voice", ["Chelsie", "Ethan"])
 def test_greedy_reply_matches_transformers(assistant, voice):
     prompt = "Hello there! What is the weather like today?"
-    ids = build_ids(assistant.loaded.tokenizer, Conversation().messages(prompt))
+    ids = build_ids(assistant.loaded.tokenizer, Conversation(qwen2_5_omni.DEFAULT_SYSTEM).messages(prompt))
     ref_text, ref_codes = reference(assistant, ids, voice)
     reply = assistant.say(prompt, voice=voice, greedy=True, max_text_tokens=N_TEXT, max_codes=N_CODES)
     assert reply.text_ids == ref_text
@@ -106,7 +107,8 @@ def test_thinker_to_talker_proj_is_a_plain_linear_on_the_critical_path(assistant
         reply = assistant.say("Hello there!", greedy=True, max_text_tokens=4, max_codes=6)
     finally:
         handle.remove()
-    prompt_len = len(build_ids(assistant.loaded.tokenizer, Conversation().messages("Hello there!")))
+    system = Conversation(qwen2_5_omni.DEFAULT_SYSTEM)
+    prompt_len = len(build_ids(assistant.loaded.tokenizer, system.messages("Hello there!")))
     assert widths[0] == prompt_len + 2
     assert widths[1:] == [1] * (len(widths) - 1)
     assert len(widths) == reply.stats["talker_steps"] >= len(reply.codes) >= 1  # one call a talker step
@@ -124,8 +126,7 @@ def test_fused_decode_step_gives_the_same_tokens_and_codes(assistant):
     fused = assistant.say(prompt, greedy=True, max_text_tokens=N_TEXT, max_codes=N_CODES)
     layers = Assistant.__new__(Assistant)
     layers.__dict__.update(assistant.__dict__)
-    steps = Qwen25Steps(assistant.loaded.model, assistant.loaded.speakers, max_context=assistant.max_context,
-                        max_codes=assistant.engine.max_codes, fast_decode=False)
+    steps = Qwen25Steps(assistant.loaded.model, assistant.loaded.speakers, assistant.asked, fast_decode=False)
     layers.engine = Engine(steps, assistant.loaded.tokenizer, eos_ids=assistant.engine.eos_ids)
     assert steps.talker.fused is None and steps.thinker.fused is None
     again = layers.say(prompt, greedy=True, max_text_tokens=N_TEXT, max_codes=N_CODES)

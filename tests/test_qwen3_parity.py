@@ -30,6 +30,7 @@ pytest.importorskip("transformers")
 import qwen3_reference as ref  # noqa: E402  (tests/ is on sys.path)
 
 from omni_cli.assistant import Assistant  # noqa: E402
+from omni_cli.config import RuntimeOptions  # noqa: E402
 from omni_cli.models import qwen3_omni  # noqa: E402
 from omni_cli.prompt import Conversation, build_ids  # noqa: E402
 
@@ -55,7 +56,7 @@ def assistant(name: str) -> Assistant:
         model=model, tokenizer=ref.tokenizer(), speakers=voices, is_demo=True, name=f"tiny-qwen3-{name}",
         generation_config=GenerationConfig.from_pretrained(ref.ASSET), family=qwen3_omni,
     )
-    return Assistant(loaded, max_context=512, max_codes=128)
+    return Assistant(loaded, RuntimeOptions(max_context=512, max_codes=128))
 
 
 def reference(a: Assistant, ids: list[int], voice: str, n_text: int, n_codes: int):

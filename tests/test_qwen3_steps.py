@@ -17,7 +17,7 @@ pytest.importorskip("transformers")
 
 import qwen3_reference as ref  # noqa: E402  (tests/ is on sys.path: pytest inserts a test file's folder)
 
-from omni_cli.config import SamplingOptions  # noqa: E402
+from omni_cli.config import RuntimeOptions, SamplingOptions  # noqa: E402
 from omni_cli.runtime.kv_cache import StaticKVCache  # noqa: E402
 
 GREEDY = SamplingOptions(do_sample=False)
@@ -31,7 +31,7 @@ def engine_for(model, max_codes: int = 32, fast_decode: bool = True):
     from omni_cli.runtime.engine import Engine
 
     voices = {str(n).capitalize(): int(i) for n, i in model.config.talker_config.speaker_id.items()}
-    steps = Qwen3Steps(model, voices, max_context=256, max_codes=max_codes, fast_decode=fast_decode)
+    steps = Qwen3Steps(model, voices, RuntimeOptions(max_context=256, max_codes=max_codes), fast_decode=fast_decode)
     return Engine(steps, ref.tokenizer(), eos_ids=[ref.im_end()])
 
 

@@ -202,9 +202,11 @@ class RemoteAssistant(WarmsUp):
         return int(self.info.get("sample_rate", p.SAMPLE_RATE))
 
     @property
-    def speech_steps(self) -> tuple[str, float]:
-        name, rate = self.info.get("speech_steps") or ("codes", 50.0)
-        return str(name), float(rate)
+    def speech_steps(self) -> tuple[str, float | None]:
+        """What the server's talker steps are called and how many make a second of audio (its model info,
+        from the family's CODES_PER_SECOND); ("codes", None) from a server that does not say."""
+        name, rate = self.info.get("speech_steps") or ("codes", None)
+        return str(name), (None if rate is None else float(rate))
 
     @property
     def speaks_only_under_default_system(self) -> bool:

@@ -163,8 +163,10 @@ def create_app(assistant, name: str, api_key: str | None = None, key: str | None
             "speaks_only_under_default_system": assistant.speaks_only_under_default_system,
             "is_demo": bool(getattr(assistant, "is_demo", False)), "limits": dict(assistant.limits), "key": key,
             "max_context": getattr(assistant, "max_context", None),  # tokens of conversation a request keeps
-            # device, dtype, graphs, compile: how the model runs (the commands note where their flags differ)
-            "runtime": getattr(assistant, "runtime", None),
+            # device, dtype, graphs, compile, ...: how the model runs (`RuntimeOptions.to_json`, the commands
+            # note where their flags differ); read again at each request (`runtime_info`), as compiled steps
+            # may take over
+            "runtime": runtime_info(assistant),
             # where the server's start went (phase -> seconds, in order; omni-say --verbose shows it)
             "startup": dict(getattr(assistant, "startup", None) or {})}
 
@@ -193,15 +195,16 @@ def create_app(assistant, name: str, api_key: str | None = None, key: str | None
         for old in [h for h, at in worker.holders.items() if now - at >= (keep or 60.0)]:
             del worker.holders[old]
         held = bool(worker.holders)
-        runtime = getattr(assistant, "runtime", None) or {}
+        runtime = runtime_info(assistant) or {}
         # steps: "compiling" while omni-serve compiles in the background, then "compiled"; else "plain"
-        steps = "compiling" if runtime.get("compiling") else "compiled" if runtime.get("compile") else "plain"
+        steps = ("compiling" if getattr(assistant, "compiling", False) else "compiled" if runtime.get("compile")
+                 else "plain")
         return JSONResponse({"status": "ok", "model": name, "queued": worker.waiting, "served": worker.served,
                              "keep_alive": keep, "held": held, "steps": steps})
 
     async def models(request: Request) -> Response:
         worker.asked += 1
-        return refused(request) or JSONResponse(p.models_list(name, info))
+        return refused(request) or JSONResponse(p.models_list(name, {**info, "runtime": runtime_info(assistant)}))
 
     async def completions(request: Request) -> Response:
         worker.asked += 1
@@ -337,6 +340,15 @@ async def _next_item(job: Job, request: Request):
             if await request.is_disconnected():
                 job.cancel()
                 return None
+
+
+def runtime_info(assistant) -> dict | None:
+    """How `assistant` runs its model, as JSON (`RuntimeOptions.to_json` of `assistant.runtime`), or None
+    for one that does not say (a test's stand-in)."""
+    runtime = getattr(assistant, "runtime", None)
+    if runtime is None or isinstance(runtime, dict):
+        return runtime
+    return runtime.to_json()
 
 
 def with_defaults(options: ReplyOptions, defaults: ReplyOptions) -> ReplyOptions:

@@ -56,7 +56,7 @@ def build_model(preset: str, device, dtype):
     return family_of(preset).build_model(preset, device, dtype, progress)[0]
 
 
-class _BenchTokenizer:
+class BenchTokenizer:
     """Text for the producer thread without a vocabulary file: one character per token."""
 
     eos_token_id = None
@@ -87,9 +87,14 @@ def _engine(subject: _Subject, prompt_ids, text_tokens, codes, **steps_options):
     up: (engine, the warm-up's phases)."""
     from ..runtime.engine import Engine
 
+    from ..config import RuntimeOptions
+
+    # The one runtime object, from the flags and the environment's OMNI_NO_* switches (read once, here).
+    graphs, compile = steps_options.pop("graphs", True), steps_options.pop("compile", True)
+    runtime = RuntimeOptions.from_env(graphs=None if graphs else False, compile=True if compile else None)
     steps = subject.family.steps(subject.model, subject.voices, max_context=max(1024, len(prompt_ids) + text_tokens + 8),
-                                 max_codes=codes, **steps_options)
-    engine = Engine(steps, _BenchTokenizer(), eos_ids=subject.eos_ids)
+                                 max_codes=codes, runtime=runtime, **steps_options)
+    engine = Engine(steps, BenchTokenizer(), eos_ids=subject.eos_ids)
     return engine, engine.warmup()
 
 

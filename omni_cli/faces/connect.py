@@ -128,25 +128,27 @@ def _runtime_note(remote: Any, asked: RuntimeOptions) -> None:
     """A note when the server runs the model otherwise than this command's flags ask: they would apply to
     a model loaded here (--local). Only what differs from the defaults is compared (auto asks nothing);
     a server that does not say how it runs (an older omni-serve, vLLM-Omni) gets no note."""
+    from ..config import RuntimeOptions
     from ..loader import canonical_dtype
 
-    served = remote.info.get("runtime")
-    if not isinstance(served, dict):
+    try:
+        served = RuntimeOptions.from_json(remote.info.get("runtime"))
+    except (ValueError, TypeError):
         return
     differ = []
-    where = str(served.get("device", ""))
+    where = served.device
     device, dtype = asked.device, asked.dtype
-    if device != "auto" and where and device != (where if ":" in device else where.split(":")[0]):
+    if device != "auto" and where != "auto" and device != (where if ":" in device else where.split(":")[0]):
         differ.append(f"--device {device}")
-    if dtype != "auto" and served.get("dtype") and canonical_dtype(dtype) != served["dtype"]:
+    if dtype != "auto" and served.dtype != "auto" and canonical_dtype(dtype) != served.dtype:
         differ.append(f"--dtype {dtype}")
-    if not asked.graphs and served.get("graphs"):
+    if not asked.graphs and served.graphs:
         differ.append("--no-graphs")
-    if asked.compile and not served.get("compile"):
+    if asked.compile and not served.compile:
         differ.append("--compile")
     if differ:
-        how = f"on {where} in {served.get('dtype')}" + (
-            ", compiled" if served.get("compile") else " with plain CUDA graphs" if served.get("graphs") else ", eagerly")
+        how = f"on {where} in {served.dtype}" + (
+            ", compiled" if served.compile else " with plain CUDA graphs" if served.graphs else ", eagerly")
         err_line(f"note: the server runs the model {how}: {' '.join(differ)} would apply to a model loaded here "
                  "(--local)")
 

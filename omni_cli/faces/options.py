@@ -172,6 +172,16 @@ LocalOpt = Annotated[bool, typer.Option(
     "--local", envvar="OMNI_LOCAL", help="Load the model in this process even when an omni-serve answers (so does OMNI_LOCAL=1).")]
 
 
+KernelsOpt = Annotated[bool, typer.Option(
+    "--kernels/--no-kernels", help="The fused decode kernels on a GPU (Triton; a no-op on CPU); --no-kernels: the "
+    "library's ops, as does OMNI_NO_KERNELS=1.")]
+AttentionKernelOpt = Annotated[bool, typer.Option(
+    "--attention-kernel/--no-attention-kernel", help="One launch for each decode step's attention on a GPU "
+    "(Qwen3-Omni; a no-op elsewhere); --no-attention-kernel: the library's attention, as does OMNI_NO_ATTEND=1.")]
+CodesCapacityOpt = Annotated[Optional[int], typer.Option(
+    "--codes-capacity", min=1, metavar="N", show_default=False,
+    help="Talker steps the caches and the vocoder are sized for (the longest reply's speech; default: the "
+    "family's, about 82 s).")]
 MaxContextOpt = Annotated[int, typer.Option(
     "--max-context", min=64, metavar="N",
     help="Tokens of conversation the model keeps; older turns are dropped, with a notice.")]
@@ -184,12 +194,17 @@ KeepAliveOpt = Annotated[str, typer.Option(
     "this process, gone with the command; default: $OMNI_KEEP_ALIVE, else 5m).")]
 
 
-def runtime_options(device: str, dtype: str, graphs: bool, compile: bool, max_context: int | None = None):
-    """The one `RuntimeOptions` of a command, from its flags and the environment (read here, once)."""
+def runtime_options(device: str, dtype: str, graphs: bool, compile: bool, max_context: int | None = None,
+                    kernels: bool = True, attention_kernel: bool = True, codes_capacity: int | None = None):
+    """The one `RuntimeOptions` of a command, from its flags and the environment (read there, once): a
+    switch left at its default (graphs, kernels on; compile off) is "not given", so OMNI_NO_GRAPHS=1 and
+    the like still turn it off; one given on the command line wins."""
     from ..config import RuntimeOptions
 
-    fields = {} if max_context is None else {"max_context": max_context}
-    return RuntimeOptions.from_env(device=device, dtype=dtype, graphs=graphs, compile=compile, **fields)
+    return RuntimeOptions.from_env(device=device, dtype=dtype, graphs=None if graphs else False,
+                                   compile=True if compile else None, kernels=None if kernels else False,
+                                   attention_kernel=None if attention_kernel else False, max_context=max_context,
+                                   max_codes=codes_capacity)
 
 
 def where_from_flags(model, runtime, server, api_key, local: bool, keep_alive: str, quiet: bool):

@@ -30,7 +30,7 @@ from . import connect
 from .console import TextOut, consoles, print_audio_devices, safe_text_streams
 from .inputs import gather_prompt, read_clips, read_images
 from .options import (
-    ApiKeyOpt, AudioDeviceOpt, CompileOpt, DebugOpt, DeviceOpt, DtypeOpt, GraphsOpt, GreedyOpt, KeepAliveOpt,
+    ApiKeyOpt, AttentionKernelOpt, AudioDeviceOpt, CompileOpt, DebugOpt, DeviceOpt, DtypeOpt, GraphsOpt, GreedyOpt, KeepAliveOpt, KernelsOpt,
     ListDevicesOpt, LocalOpt, MaxCodesOpt, MaxTextOpt, ModelOpt, OneLineErrors, SeedOpt, ServerOpt, TemperatureOpt,
     TopKOpt, TopPOpt, VerboseOpt, VersionOpt, VoiceOpt, make_app, runtime_options, where_from_flags,
 )
@@ -71,6 +71,8 @@ def say(
     dtype: DtypeOpt = "auto",
     graphs: GraphsOpt = True,
     compile: CompileOpt = False,
+    kernels: KernelsOpt = True,
+    attention_kernel: AttentionKernelOpt = True,
     seed: SeedOpt = None,
     greedy: GreedyOpt = False,
     temperature: TemperatureOpt = None,
@@ -138,7 +140,7 @@ def say(
         options = ReplyOptions(voice=voice, greedy=greedy, seed=seed, max_text_tokens=max_text_tokens,
                                max_codes=max_codes, text_only=text_only, temperature=temperature, top_p=top_p,
                                top_k=top_k).check()
-        where = where_from_flags(model, runtime_options(device, dtype, graphs, compile), server, api_key, local,
+        where = where_from_flags(model, runtime_options(device, dtype, graphs, compile, kernels=kernels, attention_kernel=attention_kernel), server, api_key, local,
                                  keep_alive, quiet)
         play = not text_only and (play or output is None)
         clips = read_clips(audio or [])

@@ -29,7 +29,7 @@ from ..errors import UsageError
 from . import connect
 from .console import make_console
 from .options import (
-    DebugOpt, DeviceOpt, DtypeOpt, GraphsOpt, GreedyOpt, MaxCodesOpt, MaxContextOpt, MaxTextOpt, ModelOpt,
+    AttentionKernelOpt, CodesCapacityOpt, DebugOpt, DeviceOpt, DtypeOpt, GraphsOpt, GreedyOpt, MaxCodesOpt, KernelsOpt, MaxContextOpt, MaxTextOpt, ModelOpt,
     OneLineErrors, SeedOpt, TemperatureOpt, TopKOpt, TopPOpt, VersionOpt, make_app, runtime_options,
 )
 from .program import end_on_signals, err_line, exit_at_once_if, exit_on, process_started_at, report_library_logs
@@ -49,6 +49,9 @@ def serve(
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "auto",
     graphs: GraphsOpt = True,
+    kernels: KernelsOpt = True,
+    attention_kernel: AttentionKernelOpt = True,
+    codes_capacity: CodesCapacityOpt = None,
     compile: Annotated[Optional[bool], typer.Option(
         "--compile/--no-compile", show_default=False,
         help="--compile: torch.compile the decode steps and the vocoder before serving (a minute or more the "
@@ -90,7 +93,8 @@ def serve(
 
         listener = _listen(host, port, socket)  # a port in use is an error before a minute of loading
         connect.check_model(model)
-        where = connect.Where(model=model, runtime=runtime_options(device, dtype, graphs, bool(compile), max_context))
+        where = connect.Where(model=model, runtime=runtime_options(
+            device, dtype, graphs, bool(compile), max_context, kernels, attention_kernel, codes_capacity))
         assistant = connect.load(where, make_console("stderr"), t_command, "before loading")
         if t_process is not None:
             assistant.startup = {"start Python, import omni-serve": t_command - t_process, **assistant.startup}

@@ -17,7 +17,9 @@ R[j-1], or R[j] at once from the sampled token where `token_vector` gives it) an
 talker step k is fed R[k], or the text-EOS entry at the index of the text's end (EOS, or the last token
 when the text stops by length), or text-pad after it.
 
-It holds no code that runs: Protocols only (documentation the type checker can read).
+It holds the Protocols the runtime is typed with (`ModelSteps`, `Vocoder`, `TalkerTurn`, `ThinkerOutput`)
+and the `Family` base class, whose defaults say what a family that lacks a capability gives. It knows no
+family, and imports no torch.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
     import torch
 
     from ..config import SamplingOptions
+    from ..runtime.graphs import Policy
 
 
 class ThinkerOutput(Protocol):
@@ -45,8 +48,8 @@ class Vocoder(Protocol):
     codes_for_first_audio: int  # talker steps the first block needs
     chunk_log: list  # per decode call: (units made final, seconds); units per code: `log_units_per_code`
     log_units_per_code: int
-    # Optional: True asks the engine thread to wait (once, bounded) for the first block after the
-    # steps it needs, on accelerators too (always on a CPU).
+    # True asks the engine thread to wait (once, bounded) for the first block after the steps it needs, on
+    # accelerators too (always on a CPU).
     quiet_first_chunk: bool
 
     def push(self, codes: Sequence[Any]) -> "list[np.ndarray]": ...
@@ -64,6 +67,9 @@ class TalkerTurn(Protocol):
 
 class ModelSteps(Protocol):
     device: "torch.device"
+    policy: "Policy"  # where graphs and compile apply, as built (runtime/graphs.py)
+    compile: bool  # the decode steps compiled (`policy.compile_on`)
+    fast_decode: bool  # the fused fixed-shape decode steps (False: the library's layers)
     max_context: int  # prompt + reply tokens the thinker's cache holds
     max_codes: int  # talker steps the talker's cache and the vocoder are sized for
     has_talker: bool
@@ -98,23 +104,67 @@ class ModelSteps(Protocol):
     def warmup(self) -> "dict[str, float] | None": ...  # seconds per phase (None: nothing to do)
 
 
-class Family(Protocol):
-    """A family package's module-level names (omni_cli/models/<family>/__init__.py; no torch at import)."""
+class Family:
+    """What the loader, the API and the faces ask of a model family, every optional capability stated with
+    its default (so nobody probes with getattr). Each family's package subclasses it and exposes one
+    instance as `FAMILY` (omni_cli/models/<family>/__init__.py; no torch at import): `models.family(type)`
+    and `loaded.family` are that instance."""
 
-    MODEL_TYPE: str  # config.json's model_type
-    TITLE: str  # what people call it ("Qwen2.5-Omni")
-    EXAMPLE_HUB_ID: str  # for messages: "Qwen/Qwen2.5-Omni-7B"
-    DEFAULT_SYSTEM: str  # the system prompt a conversation gets ("" = none)
-    NEEDS_DEFAULT_SYSTEM: bool  # the talker speaks reliably only under DEFAULT_SYSTEM
-    DEFAULT_VOICE: str
-    CODES_PER_SECOND: float  # talker steps per second of audio
+    MODEL_TYPE: str = ""  # config.json's model_type
+    TITLE: str = ""  # what people call it ("Qwen2.5-Omni")
+    EXAMPLE_HUB_ID: str = ""  # for messages: "Qwen/Qwen2.5-Omni-7B"
+    # The system prompt a conversation gets when none is given ("" = none).
+    DEFAULT_SYSTEM: str = ""
+    # The talker speaks reliably only under DEFAULT_SYSTEM (a face warns when another is set).
+    NEEDS_DEFAULT_SYSTEM: bool = False
+    DEFAULT_VOICE: str = ""  # the voice a reply gets when none is asked for (where the model has it)
+    CODES_PER_SECOND: float = 0.0  # talker steps per second of audio
+    # The loader may read the folder's weights onto a GPU while transformers is imported (early_weights.py).
+    READS_WEIGHTS_EARLY: bool = False
+    HEARS_AUDIO: bool = False  # prompts may hold audio clips (`audio_inputs`, `audio_token_id`)
+    SEES_IMAGES: bool = False  # prompts may hold images (`image_processor`, `image_inputs`, `image_token_id`)
+    # The reference's talker sampling, before a checkpoint's generation_config.json (`talker_sampling`).
+    TALKER_SAMPLING: "SamplingOptions | None" = None
 
-    def missing_parts(self, folder: Path) -> list[str]: ...  # beyond weights and tokenizer
+    def missing_parts(self, folder: Path) -> list[str]:
+        """What a complete folder of this family holds beyond weights and tokenizer, where it is missing."""
+        return []
 
-    def voices(self, folder: Path, name: str) -> list[str]: ...  # no weights read, no torch
+    def voices(self, folder: Path, name: str) -> list[str]:  # no weights read, no torch
+        raise NotImplementedError
 
-    def load(self, path: Path, device, dtype, name: str) -> tuple[Any, dict]: ...  # (model, voices)
+    def load(self, path: Path, device, dtype, name: str, early=None) -> tuple[Any, dict]:  # (model, voices)
+        """`early`: the weights read during the import (only where READS_WEIGHTS_EARLY)."""
+        raise NotImplementedError
 
-    def build_steps(self, model, voices: dict, *, max_context: int, max_codes: int, graphs: bool) -> ModelSteps: ...
+    def build_steps(self, model, voices: dict, runtime=None) -> ModelSteps:
+        """The runtime's steps under `runtime` (config.RuntimeOptions: sizes, graphs, compile; None = the
+        defaults). Their graphs and compiled functions all come from one `runtime.graphs.Policy`."""
+        raise NotImplementedError
 
-    def talker_sampling(self, generation_config=None) -> "SamplingOptions": ...
+    def talker_sampling(self, generation_config=None) -> "SamplingOptions":
+        """The talker's sampling: TALKER_SAMPLING with what the checkpoint's generation_config.json says for
+        the talker (`talker_temperature`, ...) taking precedence."""
+        from ..config import SamplingOptions, talker_overrides
+
+        return talker_overrides(self.TALKER_SAMPLING or SamplingOptions(), generation_config)
+
+    # -- audio and images in prompts (HEARS_AUDIO, SEES_IMAGES) --------------------------------------------
+    def audio_inputs(self, feature_extractor, clips) -> tuple[dict, list[int]]:
+        """(encoder inputs for 16 kHz clips, audio tokens each becomes in the prompt)."""
+        raise NotImplementedError(f"{self.TITLE} does not hear audio")
+
+    def audio_token_id(self, config) -> int:
+        raise NotImplementedError(f"{self.TITLE} does not hear audio")
+
+    def image_processor(self, path: Path):
+        raise NotImplementedError(f"{self.TITLE} does not see images")
+
+    def image_inputs(self, processor, images) -> tuple[dict, list[int]]:
+        raise NotImplementedError(f"{self.TITLE} does not see images")
+
+    def image_token_id(self, config) -> int:
+        raise NotImplementedError(f"{self.TITLE} does not see images")
+
+    def __repr__(self) -> str:
+        return f"<family {self.TITLE} ({self.MODEL_TYPE})>"

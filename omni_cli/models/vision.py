@@ -17,9 +17,9 @@ def image_processor(path: Path):
     image processor, as the built-in tiny Qwen3-Omni's do under transformers 5.24)."""
     from transformers import AutoImageProcessor
 
-    from ..loader import _quiet_transformers
+    from .weights import quiet_transformers
 
-    with _quiet_transformers():
+    with quiet_transformers():
         try:
             return AutoImageProcessor.from_pretrained(str(path), local_files_only=True)
         except (ImportError, ValueError):  # no torchvision; or a config that names no image processor

@@ -32,10 +32,10 @@ blocks, each stack's `.layers` / `.norm` / `.rotary_emb(x, positions)` call, and
 (`attention_mask`, `position_embeddings`, `use_cache`). A duck-typed cache needs only `update(k, v,
 layer_idx, *args, **kwargs)` (5.24 passes `kwargs=` to it) and `get_seq_length()`.
 
-- 5.18: `generate` drops an all-ones `attention_mask`; Qwen2.5's talker `forward` adds the codec pad/BOS
-  embeddings to its prompt (and sets its rope deltas) only when it gets a mask, so transformers' own
-  `Qwen2_5OmniForConditionalGeneration.generate` on an unpadded prompt speaks from another talker prompt than
-  5.17's (and ours). `qwen2_5_talker_keeps_its_mask(model)` restores 5.17's input for a reference run.
+Family-specific changes live with the family or the tests: Qwen3-Omni's deepstack features, per image on
+5.24, are joined in models/qwen3_omni/thinker.py (`deepstack_levels`); 5.18's `generate` dropping an
+all-ones mask from Qwen2.5's talker is undone for reference runs by tests/hf_reference.py
+(`qwen2_5_talker_keeps_its_mask`). This module knows no family.
 
 Not absorbed (no call site of ours uses them): the 5.18 removal of the thinker's
 `_expand_inputs_for_generation` (num_beams / num_return_sequences > 1 in `thinker.generate`), the 5.23
@@ -46,7 +46,6 @@ transformers' own `generate` takes `cache=` on 5.24; our tests call it without e
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import inspect
 import re
@@ -188,45 +187,3 @@ def cache_capacity(cache) -> int:
     if isinstance(max_len, int):
         return max_len
     return cache.get_max_length()
-
-
-# -- transformers' own Qwen2.5 generate as a reference (5.18) -----------------------------------------------
-
-
-@contextlib.contextmanager
-def qwen2_5_talker_keeps_its_mask(model):
-    """Within the block, `model.talker` (Qwen2.5-Omni) gets the all-ones attention mask that `generate` drops
-    from 5.18 on, so its prompt has the codec pad/BOS embeddings as on 5.17 (a no-op where a mask is passed)."""
-    import torch
-
-    talker = model.talker
-    own = talker.__dict__.get("forward")
-    forward = talker.forward
-    name = cache_kwarg_name(talker)
-
-    @functools.wraps(forward)  # generate checks its model kwargs against the forward's signature
-    def with_mask(*args, attention_mask=None, **kwargs):
-        if attention_mask is None:
-            tokens = kwargs.get("inputs_embeds")
-            tokens = kwargs["input_ids"] if tokens is None else tokens
-            cache = kwargs.get(name)
-            past = cache.get_seq_length() if cache is not None else 0
-            attention_mask = torch.ones(tokens.shape[0], past + tokens.shape[1], dtype=torch.long, device=tokens.device)
-        return forward(*args, attention_mask=attention_mask, **kwargs)
-
-    talker.forward = with_mask
-    try:
-        yield
-    finally:
-        if own is None:
-            del talker.forward
-        else:
-            talker.forward = own
-
-
-def deepstack_levels(features) -> list:
-    """Qwen3-Omni's deepstack image features, one tensor per level over all images: 5.17 returns them so;
-    5.24 splits each level per image (a tuple), which the model then joins back."""
-    import torch
-
-    return [f if isinstance(f, torch.Tensor) else torch.cat(list(f), dim=0) for f in features]

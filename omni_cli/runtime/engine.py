@@ -14,16 +14,20 @@ from __future__ import annotations
 import gc
 import os
 import threading
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import torch
 
 from .events import AudioBlock, Done, Reply, TextDelta, TurnRequest  # noqa: F401 - re-exported
+from .graphs import Policy
 from .turn import Turn
+
+if TYPE_CHECKING:  # the interface the family's steps meet (models/base.py: Protocols, no family)
+    from ..models.base import ModelSteps
 
 
 class Engine:
-    def __init__(self, steps, tokenizer, *, eos_ids: list[int], max_lag: int = 4) -> None:
+    def __init__(self, steps: ModelSteps, tokenizer, *, eos_ids: list[int], max_lag: int = 4) -> None:
         self.steps = steps
         self.tokenizer = tokenizer
         self.eos_ids = list(eos_ids)
@@ -77,7 +81,7 @@ class Engine:
             self._turn = None
             self._lock.release()
 
-    def adopt(self, steps) -> bool:
+    def adopt(self, steps: ModelSteps) -> bool:
         """Run turns with `steps` from now on (the same model's steps built otherwise: compiled beside these,
         runtime/beside.py): at once if no turn is running, else from the next turn on. Returns whether they
         took over at once."""
@@ -124,20 +128,20 @@ def configure_cuda(float32_llm: bool = False) -> None:
         torch.backends.cuda.matmul.allow_tf32 = True
 
 
-def enable_fast_steps(steps, dtype, graphs: bool, compile: bool, fast_decode: bool | None) -> None:
+def enable_fast_steps(steps: ModelSteps, dtype, policy: Policy, fast_decode: bool | None) -> None:
     """What every family's steps do once their stacks exist: the CUDA settings (`configure_cuda`), then,
-    unless `fast_decode` is False, the fused decode steps of the thinker and the talker, compiled where
-    `compile` says, graphs are on and the device allows. Sets `steps.fast_decode` and `steps.compile`."""
+    unless `fast_decode` is False, the fused decode steps of the thinker and the talker, with the graphs and
+    compile `policy` has (runtime/graphs.py). Sets `steps.fast_decode`, `steps.policy` (as built: without
+    fused steps nothing is compiled) and `steps.compile`."""
     if steps.device.type == "cuda":
         configure_cuda(float32_llm=dtype == torch.float32)
     steps.fast_decode = True if fast_decode is None else fast_decode
+    steps.policy = policy if steps.fast_decode else policy.without_compile()
+    steps.compile = steps.policy.compile_on
     if steps.fast_decode:
-        from .graphs import compile_wanted
-
-        steps.compile = compile_wanted(compile and graphs, steps.device)  # compiled steps exist to be captured
-        steps.thinker.enable_fast_decode(graphs, steps.compile)
+        steps.thinker.enable_fast_decode(steps.policy)
         if steps.has_talker:
-            steps.talker.enable_fast_decode(graphs, steps.compile)
+            steps.talker.enable_fast_decode(steps.policy)
 
 
 def fresh_seed() -> int:

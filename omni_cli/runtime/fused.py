@@ -16,9 +16,10 @@ branch on a tensor value, no allocation that depends on data.
 
 Where the stack's projections are small (`as_sum`) and the step runs uncompiled on CUDA with Triton,
 each layer's projections are `runtime/kernels.py`'s one-launch matrix-vector products with their norm,
-gate and residual inside (`kernels`; `OMNI_NO_KERNELS=1` turns them off). In those stacks on CUDA, compiled
-or not, a one-token attention block (per-head norms, RoPE, the cache write, attention) is one launch too
-(`kernels.attend`; `OMNI_NO_ATTEND=1` turns it off).
+gate and residual inside (`kernels`; `RuntimeOptions.kernels`, OMNI_NO_KERNELS=1, turns them off). In those
+stacks on CUDA, compiled or not, a one-token attention block (per-head norms, RoPE, the cache write,
+attention) is one launch too (`kernels.attend`; `RuntimeOptions.attention_kernel`, OMNI_NO_ATTEND=1, turns
+it off). What is on comes from the steps' `graphs.Policy`; nothing here reads the environment.
 
 It does not know which LLM it runs, nor sampling. Its float results can differ from the library's
 layer-by-layer path in the last bits (fused matmuls and the experts' reduction order may round
@@ -30,8 +31,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..config import env_flag
-from .graphs import compile_fn, tracing
+from .graphs import Policy, compile_fn, tracing
 from .kv_cache import StaticKVCache
 
 
@@ -40,12 +40,10 @@ _kernels = None  # runtime/kernels.py once `kernels_wanted` has imported it (it 
 
 def kernels_wanted(device: torch.device) -> bool:
     """`runtime/kernels.py` for the small projections: on an NVIDIA GPU (ROCm's builds of torch call
-    theirs "cuda" too; the kernels were measured on NVIDIA's only), where triton imports, unless
-    `OMNI_NO_KERNELS=1`."""
+    theirs "cuda" too; the kernels were measured on NVIDIA's only), where triton imports. (Whether they are
+    asked for is the policy's: `RuntimeOptions.kernels`.)"""
     global _kernels
     if device.type != "cuda" or torch.version.hip is not None:
-        return False
-    if env_flag("OMNI_NO_KERNELS"):
         return False
     try:
         from . import kernels
@@ -56,10 +54,8 @@ def kernels_wanted(device: torch.device) -> bool:
 
 
 def attend_wanted(device: torch.device) -> bool:
-    """`kernels.attend` for the one-token attention blocks: where the kernels are wanted, unless
-    `OMNI_NO_ATTEND=1` (to measure against the library's attention)."""
-    if env_flag("OMNI_NO_ATTEND"):
-        return False
+    """`kernels.attend` for the one-token attention blocks: where the kernels can run. (Whether it is asked
+    for is the policy's: `RuntimeOptions.attention_kernel`.)"""
     return kernels_wanted(device)
 
 
@@ -319,16 +315,17 @@ def _out(hidden, att, o_w, as_sum: bool, kernels: bool):
 
 
 class FusedDecoder:
-    def __init__(self, model, cache: StaticKVCache, compile: bool = False, mrope: bool = True,
+    def __init__(self, model, cache: StaticKVCache, policy: Policy | None = None, mrope: bool = True,
                  whole: bool = False, as_sum: bool = False) -> None:
-        """`model`: the library's decoder stack (`.layers`, `.norm`, `.rotary_emb`); `cache`: its static cache.
+        """`model`: the library's decoder stack (`.layers`, `.norm`, `.rotary_emb`); `cache`: its static cache;
+        `policy`: what is on (None: the default runtime options on the stack's device).
 
-        `compile`: run each layer through `torch.compile` (inductor fuses the many small element-wise
+        `policy.compile_on`: run each layer through `torch.compile` (inductor fuses the many small element-wise
         kernels of a one-token step); the same compiled code serves every layer of a kind. `whole`:
         compile the whole step instead (fusion across layer boundaries too; for small stacks, whose
         compile time is short). `mrope`: the stack's rotary takes three M-RoPE rows of positions (False:
         plain RoPE). `as_sum`: the projections are small: compiled, as reductions (`linear`); uncompiled
-        on CUDA with triton, as runtime/kernels.py's launches (`kernels_wanted`).
+        on CUDA with triton, as runtime/kernels.py's launches (`policy.kernels_on`).
         """
         self.layers = [_Layer(layer) for layer in model.layers]
         for L in self.layers:  # the per-head norms share the layer's eps in every Qwen3 config
@@ -337,6 +334,8 @@ class FusedDecoder:
         self.norm = (model.norm.weight, model.norm.variance_epsilon)
         self.cache = cache
         param = next(model.parameters())
+        policy = policy or Policy.of(None, param.device)
+        compile = policy.compile_on
         positions = torch.arange(cache.max_len, device=param.device).view(1, 1, -1)
         positions = positions.expand(3, 1, -1) if mrope else positions[0]
         with torch.no_grad():
@@ -347,12 +346,12 @@ class FusedDecoder:
         self.as_sum = as_sum
         # Compiled, inductor's fused reductions are as fast in a step's graph (H200, measured): the kernels
         # serve the plain steps only. They add no bias.
-        self.kernels = (as_sum and not compile and kernels_wanted(param.device)
+        self.kernels = (as_sum and not compile and policy.kernels_on and kernels_wanted(param.device)
                         and all(L.qkv_b is None for L in self.layers))
         # A one-token attention block as one launch, compiled or not (kernels.attend): where inductor
         # made four kernels and cuDNN's attention a fifth, whose one query over a few rows leaves most of
         # the GPU idle. Its blocks need a head size that is a power of two.
-        self.attend = (as_sum and attend_wanted(param.device)
+        self.attend = (as_sum and policy.attention_kernel_on and attend_wanted(param.device)
                        and all(L.head_dim & (L.head_dim - 1) == 0 for L in self.layers))
         # Added to a slot's position for its RoPE angle: the delta an image prompt's 3-D positions leave
         # for what follows (0 for text and audio); a device tensor, so one captured graph serves every turn.
@@ -394,16 +393,13 @@ class TokenDecoder:
     as one CUDA graph per span bucket (`StepGraphs`), or run eagerly with the same math where graphs are
     off. Its outputs live in the graph's buffers until the next call: callers use them at once."""
 
-    def __init__(self, model, cache: StaticKVCache, embed, head, *, graphs: bool, compile: bool = False,
-                 as_sum: bool = False) -> None:
-        from .graphs import StepGraphs
-
+    def __init__(self, model, cache: StaticKVCache, embed, head, *, policy: Policy, as_sum: bool = False) -> None:
         dev = cache.keys[0].device
-        self.fused = FusedDecoder(model, cache, compile=compile, as_sum=as_sum)
+        self.fused = FusedDecoder(model, cache, policy=policy, as_sum=as_sum)
         self.cache, self.embed, self.head = cache, embed, head
         self.token = torch.zeros(1, dtype=torch.long, device=dev)
         self.pos = torch.zeros(1, dtype=torch.long, device=dev)
-        self.graphs = StepGraphs(self._step, dev, cache.max_len, graphs, lazy=not compile)
+        self.graphs = policy.step_graphs(self._step, cache.max_len, lazy=not policy.compile_on)
 
     def _step(self, span: int):
         embeds = self.embed(self.token.view(1, 1))

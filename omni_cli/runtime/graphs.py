@@ -1,4 +1,11 @@
-"""CUDA-graph replay for the decode steps, behind one switch.
+"""CUDA-graph replay for the decode steps, and the one policy that says where graphs and compile apply.
+
+`Policy.of(runtime, device)` (frozen) is `RuntimeOptions` met with a device: graphs where they are asked
+for and the device has them (CUDA), compile where asked for and graphs are on (compiled steps exist to
+be captured), the hand-written kernels where asked for and available. The steps builders of every
+family receive one and make their graphs and compiled functions through it (`policy.step_graphs`,
+`policy.prefill_graphs`, `policy.compile`, `policy.graphs_on`): no family decides again, and no switch of
+the environment is read here (`RuntimeOptions.from_env` did, once; only inductor's cache folder is).
 
 `StepGraphs(fn, ...)` turns `fn(span)` — a step that reads and writes only preallocated ("static")
 tensors — into graph replays, one graph per attention-span bucket (the span grows with the cache; the
@@ -9,37 +16,82 @@ a reply never waits for buckets it does not reach; compiled steps are never capt
 bucket's first run may compile). On CPU, with graphs switched off, or for a bucket without a graph,
 calling it runs `fn` eagerly with the same bucketed span, so both paths do identical math.
 
-The switch: `RuntimeOptions.graphs` (`omni_cli.load(runtime=...)`), `omni-bench --no-graphs`, or the
-environment variable `OMNI_NO_GRAPHS=1`; it also turns off `torch.compile` of the decode layers
-(`compile_wanted`), which `RuntimeOptions.compile` (`--compile`) asks for. Compiled code is kept in a
-persistent cache (`persistent_cache`). It knows nothing about models.
+Compiled code is kept in a persistent cache (`persistent_cache`). It knows nothing about models.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
 
-from ..config import env_flag
+from ..config import RuntimeOptions
 
 SPAN_BUCKET = 256  # attention-span granularity: a new graph every 256 positions
 
 
-def graphs_wanted(enabled: bool, device: torch.device) -> bool:
-    if env_flag("OMNI_NO_GRAPHS"):
-        return False
-    return enabled and device.type == "cuda"
+def graphs_possible(device: torch.device) -> bool:
+    """Whether `device` can capture and replay CUDA graphs (the one device test of the policy)."""
+    return device.type == "cuda"
 
 
-def compile_wanted(enabled: bool, device: torch.device) -> bool:
-    """torch.compile for the decode layers: on CUDA with the graph switch on (`OMNI_NO_COMPILE=1` alone
-    turns compilation off, e.g. to look at eager kernels under the profiler)."""
-    if env_flag("OMNI_NO_COMPILE"):
-        return False
-    return graphs_wanted(enabled, device)
+@dataclass(frozen=True)
+class Policy:
+    """Where graphs, compile and the hand-written kernels apply, for one device: made once from the
+    runtime options (`Policy.of`) and handed to the steps builders, which wrap through it."""
+
+    # The device the steps run on.
+    device: torch.device
+    # CUDA graphs of the decode steps, prompts and the vocoder: asked for and possible on the device.
+    graphs_on: bool
+    # torch.compile of the decode layers, picks and the vocoder's DiT: asked for, with graphs on.
+    compile_on: bool
+    # runtime/kernels.py's products for small projections: asked for (fused.py uses them where
+    # `fused.kernels_wanted` finds them: CUDA with triton; looked up there, so that no step imports triton
+    # where it has no small projections).
+    kernels_on: bool
+    # kernels.attend for one-token attention blocks: asked for (used where `fused.attend_wanted`).
+    attention_kernel_on: bool
+
+    @classmethod
+    def of(cls, runtime: RuntimeOptions | None, device) -> "Policy":
+        """The policy for `runtime` (None: the defaults) on `device`."""
+        runtime = runtime or RuntimeOptions()
+        device = torch.device(device)
+        graphs = bool(runtime.graphs) and graphs_possible(device)
+        return cls(device=device, graphs_on=graphs, compile_on=bool(runtime.compile) and graphs,
+                   kernels_on=bool(runtime.kernels), attention_kernel_on=bool(runtime.attention_kernel))
+
+    def compiling(self) -> "Policy":
+        """This policy with compile on where graphs are (the steps `compile_beside` builds)."""
+        return replace(self, compile_on=self.graphs_on)
+
+    def without_compile(self) -> "Policy":
+        return replace(self, compile_on=False)
+
+    def compile(self, fn: Callable, **kwargs) -> Callable:
+        """`fn` through `compile_fn` where compile is on, else `fn` itself."""
+        return compile_fn(fn, **kwargs) if self.compile_on else fn
+
+    def step_graphs(self, fn: Callable[[int], object], limit: int, lazy: bool = False,
+                    allowed: bool = True) -> "StepGraphs":
+        """`StepGraphs` over `fn` (graphs where the policy has them and the caller's `allowed`)."""
+        return StepGraphs(fn, self.device, limit, self.graphs_on and allowed, lazy=lazy)
+
+    def prefill_graphs(self, model, cache, width: int, dtype, *, keep: int | None = None,
+                       allowed: bool = True) -> "PrefillGraphs":
+        """`PrefillGraphs` for a stack's prompts (graphs where the policy has them and `allowed`: the
+        family's say on whether its layers are graph-safe in this dtype)."""
+        return PrefillGraphs(model, cache, width, dtype, self.device, self.graphs_on and allowed, keep=keep)
+
+    def to_runtime(self, asked: RuntimeOptions, dtype: str) -> RuntimeOptions:
+        """`asked` as built under this policy: the device and dtype it runs on, what is really on."""
+        gpu = self.device.type == "cuda"  # the kernels' device (their other condition, triton, is fused.py's)
+        return replace(asked, device=str(self.device), dtype=dtype, graphs=self.graphs_on, compile=self.compile_on,
+                       kernels=self.kernels_on and gpu, attention_kernel=self.attention_kernel_on and gpu)
 
 
 def compile_fn(fn: Callable, **kwargs) -> Callable:
@@ -90,7 +142,7 @@ class StepGraphs:
         self.fn = fn
         self.device = device
         self.limit = limit
-        self.enabled = graphs_wanted(enabled, device)
+        self.enabled = enabled  # the policy's say (`Policy.step_graphs`): graphs on and possible
         self.lazy = lazy
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, object]] = {}
         self.pool = torch.cuda.graph_pool_handle() if self.enabled else None
@@ -196,7 +248,7 @@ class PrefillGraphs:
 
         self.model, self.cache, self.keep = model, cache, keep
         self.forward = forward_layers_keeping
-        self.enabled = graphs_wanted(enabled, device)
+        self.enabled = enabled  # the policy's say (`Policy.prefill_graphs`)
         self.buckets = [b for b in buckets if b <= cache.max_len] if self.enabled else []
         self.device = device
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple]] = {}

@@ -19,12 +19,24 @@ from ..config import SamplingOptions
 from .graphs import tracing
 
 
-def repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
-    """Divide positive / multiply negative logits of already-seen tokens (transformers' rule)."""
-    if penalty == 1.0:
+def repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float | torch.Tensor) -> torch.Tensor:
+    """Divide positive / multiply negative logits of already-seen tokens (transformers' rule). `penalty`: a
+    number (1.0 skips the work), or a device scalar (`SamplingParams.penalty`, for a graph that serves every
+    setting: at 1 it multiplies and divides by one, which changes no value)."""
+    if not isinstance(penalty, torch.Tensor) and penalty == 1.0:
         return logits
     penalised = torch.where(logits < 0, logits * penalty, logits / penalty)
     return torch.where(seen, penalised, logits)
+
+
+def _constrain(logits: torch.Tensor, penalty, seen: torch.Tensor | None, suppress: torch.Tensor | None) -> torch.Tensor:
+    """The repetition penalty over `seen`, then the `suppress`ed ids at -inf: the first two logits
+    processors of both samplers (`constrained`, `pick`)."""
+    if seen is not None:
+        logits = repetition_penalty(logits, seen, penalty)
+    if suppress is not None:
+        logits = logits.masked_fill(suppress, float("-inf"))
+    return logits
 
 
 def top_k_filter(logits: torch.Tensor, k: int) -> torch.Tensor:
@@ -50,11 +62,7 @@ def constrained(
 
     `seen`: bool [1, vocab] mask for the repetition penalty; `suppress`: bool [1, vocab] of banned ids.
     """
-    if seen is not None:
-        logits = repetition_penalty(logits, seen, opts.repetition_penalty)
-    if suppress is not None:
-        logits = logits.masked_fill(suppress, float("-inf"))
-    return logits
+    return _constrain(logits, opts.repetition_penalty, seen, suppress)
 
 
 def distribution(
@@ -139,11 +147,7 @@ def pick(logits: torch.Tensor, params: SamplingParams, seen: torch.Tensor | None
     vocabulary keeps all, top-p 1 removes only tokens of probability 0). Both picks are computed and one
     is kept on the device. Compiled, the kept tokens are found without a sort (`_kept_by_rank`): the same
     ones but where a cumulative sum lies within rounding of the top-p boundary. Returns [1] long."""
-    if seen is not None:
-        p = params.penalty
-        logits = torch.where(seen, torch.where(logits < 0, logits * p, logits / p), logits)
-    if suppress is not None:
-        logits = logits.masked_fill(suppress, float("-inf"))
+    logits = _constrain(logits, params.penalty, seen, suppress)
     greedy = logits.argmax(dim=-1)
     scaled = logits / params.temperature
     kept = _kept_by_rank(scaled, params) if tracing() else _kept_by_sort(scaled, params)

@@ -25,7 +25,7 @@ import contextlib
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -33,6 +33,9 @@ from .boundary import AsyncOutput
 from .events import TurnRequest
 from .sampling import mark_seen, select
 from .stats import StepClock, TurnState
+
+if TYPE_CHECKING:  # the interface the family's steps meet (models/base.py: Protocols, no family)
+    from ..models.base import ModelSteps, TalkerTurn, ThinkerOutput
 
 TALKER_SEED_OFFSET = 1  # the talker's generator is seeded with the turn's seed + this
 FIRST_AUDIO_HOLD = 1.0  # longest the engine thread waits for the first audio on a CPU (seconds)
@@ -47,8 +50,8 @@ class _Decode:
     eos: torch.Tensor  # text EOS ids
     seen_text: torch.Tensor  # repetition-penalty mask
     no_eos: torch.Tensor | None = None  # forced lengths: text EOS banned
-    talker: Any = None  # the family's TalkerTurn
-    first: Any = None  # the thinker prefill's output (the prompt, for the talker prefill)
+    talker: "TalkerTurn | None" = None  # the family's TalkerTurn
+    first: "ThinkerOutput | None" = None  # the thinker prefill's output (the prompt, for the talker prefill)
     toks: list = field(default_factory=list)  # reply token k, on the device
     replies: list = field(default_factory=list)  # R[k]: the talker's text entry for reply token k
     ended_before: list = field(default_factory=list)  # [k]: a text EOS was sampled before token k
@@ -58,7 +61,7 @@ class _Decode:
 class Schedule:
     """The engine thread's loop for one turn."""
 
-    def __init__(self, steps, req: TurnRequest, *, eos_ids: list[int], all_eos_ids: list[int], n_max: int,
+    def __init__(self, steps: ModelSteps, req: TurnRequest, *, eos_ids: list[int], all_eos_ids: list[int], n_max: int,
                  audio: bool, boundary: AsyncOutput, state: TurnState, stop: threading.Event,
                  clock: StepClock, talker_stream: torch.cuda.Stream | None = None) -> None:
         self.steps = steps

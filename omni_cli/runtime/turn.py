@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import numpy as np
 import torch
@@ -29,6 +29,9 @@ from .events import AudioBlock, Done, Reply, TextDelta, TurnInterrupted, TurnReq
 from .schedule import Schedule
 from .stats import StepClock, TurnState, media_stats, turn_stats
 from .vocoder_worker import vocoder_worker
+
+if TYPE_CHECKING:
+    from ..models.base import Vocoder
 
 
 class Turn:
@@ -181,10 +184,10 @@ class Turn:
     # -- vocoder thread: codes → PCM → sink ------------------------------------------------------
     def _vocoder_main(self) -> None:
         try:
-            voc = self.steps.vocoder(self.req.voice, self.req.seed, self.req.max_codes)
+            voc: Vocoder = self.steps.vocoder(self.req.voice, self.req.seed, self.req.max_codes)
             self.state.vocoder_chunks = voc.chunk_log  # read after the turn, for the stats
             self.state.vocoder_units_per_code = voc.log_units_per_code
-            if self.steps.device.type == "cpu" or getattr(voc, "quiet_first_chunk", False):
+            if self.steps.device.type == "cpu" or voc.quiet_first_chunk:
                 self.schedule.hold_at = voc.codes_for_first_audio
         except BaseException as exc:  # noqa: BLE001 - travels to the caller
             self.schedule.first_audio.set()

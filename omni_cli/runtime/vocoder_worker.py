@@ -9,18 +9,21 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 import torch
 
 from .channel import Cancelled, Channel
 
+if TYPE_CHECKING:
+    from ..models.base import Vocoder
+
 END = None  # an item that ends the codes stream early; closing the channel is just as good
 
 
 def vocoder_worker(
-    vocoder,
+    vocoder: Vocoder,
     codes: Channel,
     pcm: Channel,
     on_block: Callable[[np.ndarray, float], None] | None = None,

@@ -139,7 +139,7 @@ class Transcripts(SessionState):
                              f"{exc.start}), so not a transcript") from None
         try:
             data = parse_json(text)
-            system, turns, start = read_transcript(data)
+            system, turns, start = read_transcript(data, self.assistant.default_system)
         except TranscriptError as exc:
             raise TranscriptError(f"cannot load {file}: {exc}") from None
         saved: dict = data if isinstance(data, dict) else {}  # read_transcript checked it is one

@@ -18,6 +18,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ...config import SamplingOptions
+from ..base import Family
 from ..vision import image_inputs, image_processor  # noqa: F401 - the family's, shared with Qwen3-Omni
 
 MODEL_TYPE = "qwen2_5_omni"
@@ -58,10 +59,12 @@ def load(path: Path, device, dtype, name: str, early=None):
 READS_WEIGHTS_EARLY = True
 
 
-def build_steps(model, voices: dict, *, max_context: int, max_codes: int, graphs: bool, compile: bool = False):
+def build_steps(model, voices: dict, runtime=None):
+    """The runtime's `ModelSteps` over a loaded model, under `runtime` (a `RuntimeOptions`: cache sizes,
+    graphs, compile; None = the defaults)."""
     from .steps import Qwen25Steps
 
-    return Qwen25Steps(model, voices, max_context=max_context, max_codes=max_codes, graphs=graphs, compile=compile)
+    return Qwen25Steps(model, voices, runtime)
 
 
 # The reference's talker settings (transformers' Qwen2_5OmniForConditionalGeneration.generate).
@@ -97,3 +100,25 @@ def image_token_id(config) -> int:
     """The prompt's image placeholder id (`<|IMAGE|>`)."""
     return int(config.thinker_config.image_token_index)
 
+
+
+class Qwen25Omni(Family):
+    """This package as the `Family` the loader and the API use (`FAMILY`)."""
+
+    MODEL_TYPE, TITLE, EXAMPLE_HUB_ID = MODEL_TYPE, TITLE, EXAMPLE_HUB_ID
+    DEFAULT_SYSTEM, NEEDS_DEFAULT_SYSTEM, DEFAULT_VOICE = DEFAULT_SYSTEM, NEEDS_DEFAULT_SYSTEM, DEFAULT_VOICE
+    CODES_PER_SECOND, READS_WEIGHTS_EARLY, TALKER_SAMPLING = CODES_PER_SECOND, READS_WEIGHTS_EARLY, TALKER_SAMPLING
+    HEARS_AUDIO = SEES_IMAGES = True
+    missing_parts = staticmethod(missing_parts)
+    voices = staticmethod(voices)
+    load = staticmethod(load)
+    build_steps = staticmethod(build_steps)
+    talker_sampling = staticmethod(talker_sampling)
+    audio_inputs = staticmethod(audio_inputs)
+    audio_token_id = staticmethod(audio_token_id)
+    image_processor = staticmethod(image_processor)
+    image_inputs = staticmethod(image_inputs)
+    image_token_id = staticmethod(image_token_id)
+
+
+FAMILY = Qwen25Omni()

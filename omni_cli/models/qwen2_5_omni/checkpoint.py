@@ -25,10 +25,10 @@ SPEAKER_KEYS = ("bos_token", "cond", "ref_mel")
 
 def load(path: Path, device, dtype, name: str, early=None):
     """(Qwen2_5OmniForConditionalGeneration in eval mode on `device`, voices). `early`: the folder's
-    weights being read already (loader.from_pretrained)."""
+    weights being read already (models/weights.py's from_pretrained)."""
     from transformers import Qwen2_5OmniForConditionalGeneration
 
-    from ...loader import from_pretrained, to_device
+    from ..weights import from_pretrained, to_device
 
     # The base class's from_pretrained, as Qwen2_5OmniForConditionalGeneration.from_pretrained calls
     # it, but asking for the loading report (the subclass's override cannot return it); the voices
@@ -134,6 +134,6 @@ def _read_torch_pickle_shallow(file: Path) -> Any:
 
 
 def _one_line(exc: BaseException) -> str:
-    from ...loader import one_line
+    from ..weights import one_line
 
     return one_line(exc)

@@ -93,7 +93,7 @@ def _mrope() -> dict:
 
 
 def _asset_folder(name: str):
-    from ...loader import BUILTIN_TINY_DIRS
+    from .. import BUILTIN_TINY_DIRS
 
     return next(d for d in BUILTIN_TINY_DIRS if d.name == PRESETS[name]["asset"])
 
@@ -102,9 +102,9 @@ def build_model(name: str, device, dtype, progress=lambda message: None):
     """(model, voices): random weights allocated and initialised on the device with one random voice,
     Chelsie (the tiny preset: its checkpoint, in float32 whatever `dtype` says). transformers' config
     warnings stay quiet: nothing a user can act on."""
-    from ...loader import _quiet_transformers
+    from ..weights import quiet_transformers
 
-    with _quiet_transformers():
+    with quiet_transformers():
         return _build_model(name, device, dtype)
 
 
@@ -145,13 +145,21 @@ def prompt(model, prompt_tokens: int) -> list[int]:
     return torch.randint(0, min(vocab, 150000), (prompt_tokens,), generator=g).tolist()
 
 
-def steps(model, voices: dict, *, max_context: int, max_codes: int, graphs: bool, variant: str | None = None,
-          compile: bool = True):
-    """The engine's steps: `graphs` and `compile` as asked, or one of VARIANTS."""
+def steps(model, voices: dict, *, max_context: int, max_codes: int, graphs: bool = True, variant: str | None = None,
+          compile: bool = True, runtime=None):
+    """The engine's steps: `runtime` (omni-bench's RuntimeOptions; else `graphs` and `compile`) with these
+    cache sizes, or one of VARIANTS over it."""
+    from dataclasses import replace
+
+    from ...config import RuntimeOptions
     from .steps import Qwen25Steps
 
-    options = VARIANTS[variant] if variant else dict(graphs=graphs, compile=compile and graphs)
-    return Qwen25Steps(model, voices, max_context=max_context, max_codes=max_codes, **options)
+    runtime = runtime or RuntimeOptions(graphs=graphs, compile=compile)
+    options = dict(VARIANTS[variant]) if variant else dict(fast_decode=None, graphs=runtime.graphs,
+                                                           compile=runtime.compile and runtime.graphs)
+    fast_decode = options.pop("fast_decode")
+    runtime = replace(runtime, max_context=max_context, max_codes=max_codes, **options)
+    return Qwen25Steps(model, voices, runtime, fast_decode=fast_decode)
 
 
 def use_schedule(steps, name: str) -> None:

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import torch
 
+from ...config import RuntimeOptions
 from ...runtime.engine import enable_fast_steps
+from ...runtime.graphs import Policy
 from ...runtime.kv_cache import StaticKVCache
 from ...runtime.sampling import mark_seen, select
 from .talker import Talker
@@ -29,17 +31,19 @@ class Qwen25Steps:
     audio_limit = AUDIO_CODE_LIMIT
     vector_from_token = False  # R[k] needs the hidden state of the thinker step that feeds token k
 
-    compile = False  # the decode layers and the vocoder's DiT compiled (set in __init__)
+    compile = False  # the decode layers and the vocoder's DiT compiled (set in __init__: `policy.compile_on`)
+    MAX_CODES = 4096  # the talker's cache and the vocoder, where the runtime options give no max_codes
 
-    def __init__(self, model, speakers: dict, *, max_context: int = 4096, max_codes: int = 4096,
-                 graphs: bool = True, fast_decode: bool | None = None, compile: bool = False,
-                 vocoder_chunk_codes: int = 192) -> None:
-        """`compile`: torch.compile the decode layers and the vocoder's DiT (off by default, as the commands')."""
+    def __init__(self, model, speakers: dict, runtime: RuntimeOptions | None = None, *,
+                 fast_decode: bool | None = None, vocoder_chunk_codes: int = 192) -> None:
+        """`runtime`: cache sizes, graphs and compile (`RuntimeOptions`; None = the defaults), met with the
+        model's device in one `graphs.Policy` (`self.policy`) that every graph and compiled function here
+        is made through."""
+        runtime = runtime or RuntimeOptions()
         self.model = model
         self.speakers = speakers
-        self.max_context = max_context
-        self.max_codes = max_codes
-        self.graphs = graphs
+        self.max_context = max_context = runtime.max_context
+        self.max_codes = max_codes = runtime.max_codes or self.MAX_CODES
         self.device = next(model.thinker.parameters()).device
         dtype = next(model.thinker.parameters()).dtype
         tcfg = model.config.thinker_config.text_config
@@ -59,7 +63,7 @@ class Qwen25Steps:
         # CPU fewer, larger matmuls and less Python per step (one core, built-in model: talker
         # 3.3 -> 2.9 ms a step, thinker 1.4 -> 1.0 ms a token, real-time factor 0.23-0.27 -> 0.20-0.22).
         # Its picks equal the library layers' and transformers' (tests/test_parity.py checks both).
-        enable_fast_steps(self, dtype, graphs, compile, fast_decode)
+        enable_fast_steps(self, dtype, Policy.of(runtime, self.device), fast_decode)
         # The vocoder's steady chunk (chunks grow 12, 24, 48, ... up to it; see vocoder.py). A DiT window
         # has a large fixed cost (36 evaluations of small kernels), so larger chunks cost less per second
         # of audio. Measured side by side on an H200 beside the 7B talker (omni-bench --schedules):
@@ -90,8 +94,7 @@ class Qwen25Steps:
         # The seed makes a CPU generator: the noise is drawn on the CPU, as transformers' is.
         return StreamingVocoder(self.model.token2wav, spk["cond"], spk["ref_mel"], max_codes=max_codes,
                                 generator=seed, codes_per_chunk=self.vocoder_chunk_codes,
-                                pad_windows=None if self.graphs else False,  # no graphs: no padding
-                                compiled=self.compile)
+                                compiled=self.compile, policy=self.policy)
 
     # -- warm-up -------------------------------------------------------------------------------------
     def warmup(self) -> dict | None:
@@ -113,7 +116,7 @@ class Qwen25Steps:
     def warmup_vocoder(self) -> None:
         """Capture the vocoder's windows for the current chunk size, for every voice (after a change
         of `vocoder_chunk_codes`, call again: the windows have other lengths)."""
-        if self.device.type != "cuda" or not self.has_talker or not self.graphs:
+        if not (self.policy.graphs_on and self.has_talker):
             return  # without graphs the vocoder's windows run eagerly too (a window without a graph does)
         from .vocoder import capture_windows
 
@@ -121,7 +124,8 @@ class Qwen25Steps:
         # take the voice as an input: one set serves all.
         voices = list(self.speakers.values()) if self.compile else list(self.speakers.values())[:1]
         for spk in voices:
-            capture_windows(self.model.token2wav, spk["cond"], spk["ref_mel"], self.vocoder_chunk_codes, self.compile)
+            capture_windows(self.model.token2wav, spk["cond"], spk["ref_mel"], self.vocoder_chunk_codes, self.compile,
+                            self.policy)
         torch.cuda.current_stream(self.device).synchronize()  # this thread's work only (runtime/beside.py)
 
 

@@ -36,18 +36,18 @@ class Talker:
 
     fused = None
 
-    def enable_fast_decode(self, graphs: bool, compile: bool = False) -> None:
-        """Decode through the fused fixed-shape step (`fused.py`), replayed as CUDA graphs when possible."""
+    def enable_fast_decode(self, policy) -> None:
+        """Decode through the fused fixed-shape step (`fused.py`), replayed as CUDA graphs where `policy`
+        (runtime/graphs.py) has them, compiled where it says."""
         from ...runtime.fused import FusedDecoder
-        from ...runtime.graphs import StepGraphs
 
         dev = self.cache.keys[0].device
         width = self.proj.in_features
-        self.fused = FusedDecoder(self.model, self.cache, compile=compile)
+        self.fused = FusedDecoder(self.model, self.cache, policy=policy)
         self.static_code = torch.zeros(1, dtype=torch.long, device=dev)
         self.static_reply = torch.zeros(1, 1, width, dtype=self.proj.weight.dtype, device=dev)
         self.static_pos = torch.zeros(1, dtype=torch.long, device=dev)
-        self.graphs = StepGraphs(self._fused_step, dev, self.cache.max_len, graphs, lazy=not compile)
+        self.graphs = policy.step_graphs(self._fused_step, self.cache.max_len, lazy=not policy.compile_on)
 
     def capture_graphs(self) -> None:
         if self.fused is not None:

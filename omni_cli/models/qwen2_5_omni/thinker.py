@@ -49,11 +49,12 @@ class Thinker:
         self.lm_head = thinker_module.lm_head
         self.cache = cache
 
-    def enable_fast_decode(self, graphs: bool, compile: bool = False) -> None:
-        """Decode through the fused fixed-shape step (`runtime/fused.py`), replayed as CUDA graphs when possible."""
+    def enable_fast_decode(self, policy) -> None:
+        """Decode through the fused fixed-shape step (`runtime/fused.py`), replayed as CUDA graphs where
+        `policy` (runtime/graphs.py) has them."""
         from ...runtime.fused import TokenDecoder
 
-        self.fused = TokenDecoder(self.model, self.cache, self.embed, self.lm_head, graphs=graphs, compile=compile)
+        self.fused = TokenDecoder(self.model, self.cache, self.embed, self.lm_head, policy=policy)
 
     def capture_graphs(self) -> None:
         if self.fused is not None:

@@ -43,6 +43,8 @@ AUDIO_CODES = 8192  # talker ids below this are audio; the rest (pad, bos, eos, 
 class StreamingVocoder:
     """Chunked token2wav over one utterance; `push` codes, get back PCM blocks that are final."""
 
+    quiet_first_chunk = False  # the engine need not hold its steps for the first block on an accelerator
+
     def __init__(
         self,
         token2wav,
@@ -61,6 +63,7 @@ class StreamingVocoder:
         sway_coefficient: float | None = -1.0,
         compiled: bool = True,
         pad_windows: bool | None = None,
+        policy=None,
     ) -> None:
         """
         token2wav: a float32 `Qwen2_5OmniToken2WavModel` (put in eval mode here: the DiT has dropout).
@@ -79,6 +82,8 @@ class StreamingVocoder:
             it can replay a CUDA graph; default: when the windows are replayed as graphs.
         compiled: where graphs are on, a window's whole ODE is one graph of the compiled DiT; False: one
             graph per RK4 step of the plain DiT (`_ode_by_steps`). Same float operations either way.
+        policy: the steps' `runtime.graphs.Policy`, which says whether the windows are CUDA graphs
+            (`graphs_on`); None: the default runtime options on the vocoder's device.
         """
         self.model = token2wav.eval()
         self.dit = token2wav.code2wav_dit_model
@@ -116,7 +121,11 @@ class StreamingVocoder:
 
         # CUDA graphs of the fixed-shape windows, kept on the model so later utterances reuse them;
         # the voice's conditioning is baked into them, so it is cached there too, per voice.
-        self._graphs = _WindowGraphs.for_model(token2wav, self.device, compiled)
+        if policy is None:
+            from ...runtime.graphs import Policy
+
+            policy = Policy.of(None, self.device)
+        self._graphs = _WindowGraphs.for_model(token2wav, policy, compiled)
         # The ODE's grid is fixed by the settings, so each evaluation's time conditioning is computed once
         # per model and grid (`DitPlan.grid`), not in every evaluation of every window.
         self._plan = DitPlan.for_dit(self.dit)
@@ -415,14 +424,15 @@ class _WindowGraphs:
     plain steps' and BigVGAN's beside them (`lazy`) also when a window length first comes up in a reply,
     on the vocoder's thread (`graphs.capture_anywhere`: a capture beside the engine's thread; tens of ms
     for a step, where running the window eagerly would take ~0.7 s). A key without a graph runs eagerly,
-    as on CPU or with `OMNI_NO_GRAPHS=1`.
+    as everything does where the policy has no graphs (CPU, `--no-graphs`).
     """
 
-    def __init__(self, device: torch.device) -> None:
-        from ...runtime.graphs import capture_stream, graphs_wanted
+    def __init__(self, policy) -> None:
+        from ...runtime.graphs import capture_stream
 
-        self.enabled = graphs_wanted(True, device)
-        self.device = device
+        self.policy = policy
+        self.enabled = policy.graphs_on  # the one switch: never decided again here
+        self.device = device = policy.device
         self.graphs: dict = {}
         self.voices: dict = {}  # id(cond tensor) -> the voice's DiT conditioning
         self.constants: dict = {}  # device tensors the graphs read (they must live as long as the graphs)
@@ -434,25 +444,26 @@ class _WindowGraphs:
     def compiled_dit(self) -> Callable:
         """`dit_forward_compiled` through inductor, for the windows being captured: the element-wise work is
         fused (a 120-frame window's graph: 130 → 83 ms on an H200, measured with static shapes). One compile
-        serves every window length (dynamic shapes); outside captures, and with `OMNI_NO_COMPILE=1`, the
-        plain function runs."""
-        from ...runtime.graphs import compile_fn, compile_wanted
+        serves every window length (dynamic shapes); outside captures, and where the policy has no graphs, the
+        plain function runs. (Only the compiled kind of windows asks for it: those of steps built compiled.)"""
+        from ...runtime.graphs import compile_fn
 
         if self._compiled is None:
             self._compiled = dit_forward
-            if compile_wanted(True, self.device):
+            if self.enabled:
                 self._compiled = _or_plain(compile_fn(dit_forward_compiled, dynamic=True), dit_forward)
         return self._compiled
 
     @classmethod
-    def for_model(cls, token2wav, device: torch.device, compiled: bool = False) -> "_WindowGraphs":
+    def for_model(cls, token2wav, policy, compiled: bool = False) -> "_WindowGraphs":
         """The model's graphs of one kind: the plain steps' or the compiled windows'. Each kind has its own
         pool, stream and `capturing` flag, so the compiled windows can be captured on another thread
-        (runtime/beside.py) while the plain ones serve replies."""
-        name = "_omni_window_graphs_compiled" if compiled else "_omni_window_graphs"
+        (runtime/beside.py) while the plain ones serve replies. Steps without graphs (`policy.graphs_on`
+        False) get a set of their own, which never captures."""
+        name = "_omni_window_graphs" + ("_compiled" if compiled else "") + ("" if policy.graphs_on else "_eager")
         graphs = getattr(token2wav, name, None)
         if graphs is None:
-            graphs = cls(device)
+            graphs = cls(policy)
             setattr(token2wav, name, graphs)
         return graphs
 
@@ -516,14 +527,15 @@ def _or_plain(compiled: Callable, plain: Callable) -> Callable:
     return call
 
 
-def capture_windows(token2wav, cond: torch.Tensor, ref_mel: torch.Tensor, codes_per_chunk: int, compiled: bool) -> None:
+def capture_windows(token2wav, cond: torch.Tensor, ref_mel: torch.Tensor, codes_per_chunk: int, compiled: bool,
+                    policy=None) -> None:
     """Capture the CUDA graphs of a vocoder's windows for one voice, as the engine's warm-up does: compiled,
     every window length (a capture may compile); uncompiled, the first chunks' (12, 24 and 48 codes), the
     rest being captured when a reply first reaches them (on the vocoder's thread, while the audio made so
     far plays)."""
     codes = warmup_codes(codes_per_chunk if compiled else min(24, codes_per_chunk))
     voc = StreamingVocoder(token2wav, cond, ref_mel, max_codes=len(codes), generator=0,
-                           codes_per_chunk=codes_per_chunk, compiled=compiled)
+                           codes_per_chunk=codes_per_chunk, compiled=compiled, policy=policy)
     voc._graphs.capturing = True
     try:
         with torch.inference_mode():

@@ -18,6 +18,7 @@ import json
 from pathlib import Path
 
 from ...config import SamplingOptions
+from ..base import Family
 from ..vision import image_inputs  # noqa: F401 - the family's, shared with Qwen2.5-Omni
 
 MODEL_TYPE = "qwen3_omni_moe"
@@ -58,17 +59,19 @@ def speaker_ids(folder: Path, name: str) -> dict[str, int]:
         raise ModelError(f"{name}: config.json has no talker_config.speaker_id (the voices)") from exc
 
 
-def load(path: Path, device, dtype, name: str):
-    """(model, voices) on `device`: see checkpoint.load."""
+def load(path: Path, device, dtype, name: str, early=None):
+    """(model, voices) on `device`: see checkpoint.load. (`early`: never given, READS_WEIGHTS_EARLY being off.)"""
     from .checkpoint import load as _load
 
     return _load(path, device, dtype, name)
 
 
-def build_steps(model, voices: dict, *, max_context: int, max_codes: int, graphs: bool, compile: bool = False):
+def build_steps(model, voices: dict, runtime=None):
+    """The runtime's `ModelSteps` over a loaded model, under `runtime` (a `RuntimeOptions`: cache sizes,
+    graphs, compile; None = the defaults)."""
     from .steps import Qwen3Steps
 
-    return Qwen3Steps(model, voices, max_context=max_context, max_codes=max_codes, graphs=graphs, compile=compile)
+    return Qwen3Steps(model, voices, runtime)
 
 
 def talker_sampling(generation_config=None) -> SamplingOptions:
@@ -117,3 +120,26 @@ def image_processor(path: Path):
         if key in vision:
             setattr(processor, name, int(vision[key]))
     return processor
+
+
+class Qwen3Omni(Family):
+    """This package as the `Family` the loader and the API use (`FAMILY`)."""
+
+    MODEL_TYPE, TITLE, EXAMPLE_HUB_ID = MODEL_TYPE, TITLE, EXAMPLE_HUB_ID
+    DEFAULT_SYSTEM, NEEDS_DEFAULT_SYSTEM, DEFAULT_VOICE = DEFAULT_SYSTEM, NEEDS_DEFAULT_SYSTEM, DEFAULT_VOICE
+    CODES_PER_SECOND, TALKER_SAMPLING = CODES_PER_SECOND, TALKER_SAMPLING
+    READS_WEIGHTS_EARLY = False  # its experts are stacked while loading (see qwen2_5_omni's note)
+    HEARS_AUDIO = SEES_IMAGES = True
+    missing_parts = staticmethod(missing_parts)
+    voices = staticmethod(voices)
+    load = staticmethod(load)
+    build_steps = staticmethod(build_steps)
+    talker_sampling = staticmethod(talker_sampling)
+    audio_inputs = staticmethod(audio_inputs)
+    audio_token_id = staticmethod(audio_token_id)
+    image_processor = staticmethod(image_processor)
+    image_inputs = staticmethod(image_inputs)
+    image_token_id = staticmethod(image_token_id)
+
+
+FAMILY = Qwen3Omni()

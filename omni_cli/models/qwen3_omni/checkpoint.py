@@ -15,7 +15,7 @@ def load(path: Path, device, dtype, name: str):
     """(Qwen3OmniMoeForConditionalGeneration in eval mode on `device`, voices: name -> codec id)."""
     from transformers import Qwen3OmniMoeForConditionalGeneration
 
-    from ...loader import from_pretrained, to_device
+    from ..weights import from_pretrained, to_device
 
     voices = speaker_ids(path, name)
     omni = from_pretrained(Qwen3OmniMoeForConditionalGeneration, path, dtype, name, device)

@@ -76,7 +76,8 @@ class StreamingCode2Wav:
     """Chunked code2wav over one utterance; `push` frames, get back PCM blocks that are final."""
 
     def __init__(
-        self, code2wav, *, max_frames: int, first_chunk: int = 4, chunk: int = 25, left_context: int = 25
+        self, code2wav, *, max_frames: int, first_chunk: int = 4, chunk: int = 25, left_context: int = 25,
+        graphs: bool = True,
     ) -> None:
         """
         code2wav: a `Qwen3OmniMoeCode2Wav` (put in eval mode here), on any device and dtype.
@@ -85,6 +86,8 @@ class StreamingCode2Wav:
         left_context: frames of hidden states before a chunk that its convolutions see: `conv_reach`
             (10) makes the stream equal the whole decode, more only costs; 25 is the serving framework's
             figure. At least 1: the samples held back at the last seam lie in the last chunk's last frame.
+        graphs: replay the first chunk's CUDA graph where the warm-up captured one (the steps' policy says:
+            `policy.graphs_on`); False: every chunk eager.
         """
         if min(first_chunk, chunk, left_context, max_frames) < 1:
             raise ValueError("max_frames, first_chunk, chunk and left_context must be positive")
@@ -99,6 +102,7 @@ class StreamingCode2Wav:
         # Eager (hundreds of kernels issued from Python) beside the talker's graphs it took 90 ms instead
         # of 13 (H200, true size); on a GPU it is a graph now (`FirstChunkGraph`), later chunks are eager.
         self.quiet_first_chunk = True
+        self.graphs = graphs
         self.samples_per_frame = int(np.prod(config.upsampling_ratios + config.upsample_rates))  # 1920
         self.reset()
 
@@ -155,7 +159,7 @@ class StreamingCode2Wav:
         convolutions on them and the hidden context; return the samples not emitted yet."""
         t, start = time.perf_counter(), self.done
         codes = torch.from_numpy(np.ascontiguousarray(self.codes[start:end].T[None]))
-        graph = FirstChunkGraph.of(self.model)
+        graph = FirstChunkGraph.of(self.model) if self.graphs else None
         if start == 0 and graph is not None and graph.frames == end:
             window, wav, self.cache = graph(codes)
         else:

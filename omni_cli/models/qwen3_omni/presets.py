@@ -51,7 +51,7 @@ def build_config(name: str):
 
 
 def _asset_folder(name: str):
-    from ...loader import BUILTIN_TINY_DIRS
+    from .. import BUILTIN_TINY_DIRS
 
     return next(d for d in BUILTIN_TINY_DIRS if d.name == PRESETS[name]["asset"])
 
@@ -111,9 +111,9 @@ def count_parameters(config) -> int:
     import torch
     from transformers import Qwen3OmniMoeForConditionalGeneration
 
-    from ...loader import _quiet_transformers
+    from ..weights import quiet_transformers
 
-    with _quiet_transformers(), torch.device("meta"):
+    with quiet_transformers(), torch.device("meta"):
         model = Qwen3OmniMoeForConditionalGeneration._from_config(config, dtype=torch.bfloat16)
     return sum(p.numel() for p in model.parameters())
 
@@ -123,9 +123,9 @@ def build_model(name: str, device, dtype, progress=lambda message: None):
     config (name -> codec id); the parameter count is checked first on the meta device (the tiny preset:
     its checkpoint, in float32 whatever `dtype` says). transformers' config warnings stay quiet (the
     special ids lie outside the talker's codec vocabulary, as in the real checkpoint)."""
-    from ...loader import _quiet_transformers
+    from ..weights import quiet_transformers
 
-    with _quiet_transformers():
+    with quiet_transformers():
         return _build_model(name, device, dtype, progress)
 
 
@@ -187,13 +187,18 @@ def prompt(model, prompt_tokens: int) -> list[int]:
     return [start, cfg.user_token_id, nl] + body + [end, nl, start, cfg.assistant_token_id, nl]
 
 
-def steps(model, voices: dict, *, max_context: int, max_codes: int, graphs: bool, variant: str | None = None,
-          compile: bool = True):
-    """The engine's steps (`max_codes`: frames); the one variant."""
+def steps(model, voices: dict, *, max_context: int, max_codes: int, graphs: bool = True, variant: str | None = None,
+          compile: bool = True, runtime=None):
+    """The engine's steps (`max_codes`: frames) under `runtime` (omni-bench's RuntimeOptions; else `graphs`
+    and `compile`) with these cache sizes; the one variant."""
+    from dataclasses import replace
+
+    from ...config import RuntimeOptions
     from .steps import Qwen3Steps
 
-    return Qwen3Steps(model, voices, max_context=max_context, max_codes=max_codes, graphs=graphs,
-                      compile=compile and graphs)
+    runtime = runtime or RuntimeOptions(graphs=graphs, compile=compile)
+    runtime = replace(runtime, max_context=max_context, max_codes=max_codes, compile=runtime.compile and runtime.graphs)
+    return Qwen3Steps(model, voices, runtime)
 
 
 def reference(model, prompt_ids, text_tokens: int, frames: int, device, progress=lambda message: None) -> dict:

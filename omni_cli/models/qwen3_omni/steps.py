@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import torch
 
+from ...config import RuntimeOptions
 from ...runtime.engine import enable_fast_steps
+from ...runtime.graphs import Policy
 from ...runtime.kv_cache import StaticKVCache
 from .talker import Talker
 from .thinker import Thinker
@@ -32,16 +34,20 @@ class Qwen3Steps:
     audio_limit = CODEBOOK_SIZE
     vector_from_token = True  # R[k] is the projected thinker embedding of token k (`token_vector`)
 
-    compile = False  # the decode layers and the picks compiled (set in __init__)
+    compile = False  # the decode layers and the picks compiled (set in __init__: `policy.compile_on`)
+    MAX_CODES = 1024  # frames the talker's cache and code2wav hold, where the runtime options give none
 
-    def __init__(self, model, voices: dict[str, int], *, max_context: int = 4096, max_codes: int = 1024,
-                 graphs: bool = True, fast_decode: bool | None = None, compile: bool = False) -> None:
+    def __init__(self, model, voices: dict[str, int], runtime: RuntimeOptions | None = None, *,
+                 fast_decode: bool | None = None) -> None:
+        """`runtime`: cache sizes, graphs and compile (`RuntimeOptions`; None = the defaults), met with the
+        model's device in one `graphs.Policy` (`self.policy`) that every graph and compiled function here
+        is made through."""
         # `voices` (the loader's name -> codec id map) is not kept: the talker reads the same speaker map
         # from the model's config, and the name is checked before a turn starts.
+        runtime = runtime or RuntimeOptions()
         self.model = model
-        self.max_context = max_context
-        self.max_codes = max_codes
-        self.graphs = graphs
+        self.max_context = max_context = runtime.max_context
+        self.max_codes = max_codes = runtime.max_codes or self.MAX_CODES
         self.device = next(model.thinker.parameters()).device
         dtype = next(model.thinker.parameters()).dtype
         text_config = model.config.thinker_config.text_config
@@ -61,7 +67,7 @@ class Qwen3Steps:
             self.talker = Talker(model, cache, predictor)
             self.stop_codes = tuple(self.talker.stop_codes)
             self.text_eos_vec, self.text_pad_vec = self.talker.text_eos_vec, self.talker.text_pad_vec
-        enable_fast_steps(self, dtype, graphs, compile, fast_decode)
+        enable_fast_steps(self, dtype, Policy.of(runtime, self.device), fast_decode)
 
     # -- thinker -------------------------------------------------------------------------------------
     def prefill(self, input_ids: torch.Tensor, media: dict | None = None):
@@ -89,7 +95,7 @@ class Qwen3Steps:
     def vocoder(self, voice: str, seed: int, max_codes: int):
         from .code2wav import StreamingCode2Wav
 
-        return StreamingCode2Wav(self.model.code2wav, max_frames=max_codes)
+        return StreamingCode2Wav(self.model.code2wav, max_frames=max_codes, graphs=self.policy.graphs_on)
 
     def warmup(self) -> dict | None:
         """Capture the CUDA graphs (thinker and talker steps for every span bucket, the frame) and, with
@@ -110,15 +116,14 @@ class Qwen3Steps:
         """One utterance through code2wav (chunks 4, 8, 16, 25, ...): the first call of each kernel and
         shape is slow (measured on an H200, true size: the first chunk of a process ~1 s), so a first
         reply must not pay it. Then, with graphs on, the first chunk's graph (`FirstChunkGraph`)."""
-        from ...runtime.graphs import graphs_wanted
         from .code2wav import FirstChunkGraph, StreamingCode2Wav
 
-        voc = StreamingCode2Wav(self.model.code2wav, max_frames=frames)
+        voc = StreamingCode2Wav(self.model.code2wav, max_frames=frames, graphs=self.policy.graphs_on)
         codes = torch.randint(0, voc.config.codebook_size, (frames, voc.config.num_quantizers),
                               generator=torch.Generator().manual_seed(0))
         voc.push(codes.tolist())
         voc.finish()
-        if graphs_wanted(self.graphs, self.device):
+        if self.policy.graphs_on:
             FirstChunkGraph.capture(self.model.code2wav, voc.first_chunk)
 
 

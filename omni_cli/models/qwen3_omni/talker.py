@@ -206,30 +206,30 @@ class Talker:
     fused = predictor_fused = prefill_graphs = None
     _pick = staticmethod(pick)
 
-    def enable_fast_decode(self, graphs: bool, compile: bool = False) -> None:
+    def enable_fast_decode(self, policy) -> None:
         """Steps through the fused fixed-shape functions (`runtime/fused.py`), replayed as CUDA graphs
-        when possible: the talker's step (one graph per span bucket) and the frame (one graph)."""
+        where `policy` (runtime/graphs.py) has them: the talker's step (one graph per span bucket) and the
+        frame (one graph); compiled where it says."""
         from ...runtime.fused import FusedDecoder
-        from ...runtime.graphs import PrefillGraphs, StepGraphs, compile_fn
 
         dev = self._seen.device
-        self.fused = FusedDecoder(self.model, self.cache, compile=compile, as_sum=True)
+        self.fused = FusedDecoder(self.model, self.cache, policy=policy, as_sum=True)
         # The code predictor (5 layers) compiled as one function, fused across its layers: measured on an
         # H200, true size, the frame's graph 4.0 ms against 4.4-4.8 ms compiled layer by layer.
-        self.predictor_fused = FusedDecoder(self.predictor, self.predictor_cache, compile=compile, mrope=False,
+        self.predictor_fused = FusedDecoder(self.predictor, self.predictor_cache, policy=policy, mrope=False,
                                             whole=True, as_sum=True)
         self._in_frame = torch.zeros(self.frame_width, dtype=torch.long, device=dev)
         self._in_vec = torch.zeros_like(self.text_pad_vec)
         self._in_pos = torch.zeros(1, dtype=torch.long, device=dev)
-        self.step_graphs = StepGraphs(self._fused_step, dev, self.cache.max_len, graphs, lazy=not compile)
-        self.prefill_graphs = PrefillGraphs(self.model, self.cache, self._hidden.shape[-1], self._hidden.dtype, dev,
-                                            graphs and self._hidden.dtype == torch.bfloat16)  # as the thinker's
+        self.step_graphs = policy.step_graphs(self._fused_step, self.cache.max_len, lazy=not policy.compile_on)
+        self.prefill_graphs = policy.prefill_graphs(self.model, self.cache, self._hidden.shape[-1], self._hidden.dtype,
+                                                    allowed=self._hidden.dtype == torch.bfloat16)  # as the thinker's
         # The 16 picks of a frame, compiled: a sampled pick is ~20 small kernels eagerly (a sort and
         # softmaxes of the vocabulary among them); compiled, the kept tokens are counted without a sort
         # (runtime/sampling.py: the frame 4.79 -> 4.38 ms on an H200).
-        self._pick = compile_fn(pick, fullgraph=True) if compile else pick
+        self._pick = policy.compile(pick, fullgraph=True)
         # The frame does not depend on the talker's span: one "bucket", the predictor cache's length.
-        self.frame_graphs = StepGraphs(self._fused_frame, dev, self.predictor_cache.max_len, graphs)
+        self.frame_graphs = policy.step_graphs(self._fused_frame, self.predictor_cache.max_len)
 
     def capture_graphs(self) -> None:
         """Capture the frame's graph and the step's for every span bucket (the engine's warm-up). The

@@ -58,19 +58,17 @@ class Thinker:
         self.cache = cache
         self.accept_layer = accept_hidden_layer
 
-    def enable_fast_decode(self, graphs: bool, compile: bool = False) -> None:
-        """Decode through the fused fixed-shape step (`runtime/fused.py`), replayed as CUDA graphs when possible."""
+    def enable_fast_decode(self, policy) -> None:
+        """Decode through the fused fixed-shape step (`runtime/fused.py`), replayed as CUDA graphs where
+        `policy` (runtime/graphs.py) has them."""
         from ...runtime.fused import TokenDecoder
 
-        from ...runtime.graphs import PrefillGraphs
-
-        self.fused = TokenDecoder(self.model, self.cache, self.embed, self.lm_head, graphs=graphs, compile=compile,
-                                  as_sum=True)
+        self.fused = TokenDecoder(self.model, self.cache, self.embed, self.lm_head, policy=policy, as_sum=True)
         weight = self.embed_tokens.weight
         # The library's experts are graph-safe in bfloat16 only (in float32 its grouped matmul copies from
         # the host): float32 prompts run eagerly.
-        self.prefill_graphs = PrefillGraphs(self.model, self.cache, weight.shape[1], weight.dtype, weight.device,
-                                            graphs and weight.dtype == torch.bfloat16, keep=self.accept_layer)
+        self.prefill_graphs = policy.prefill_graphs(self.model, self.cache, weight.shape[1], weight.dtype,
+                                                    keep=self.accept_layer, allowed=weight.dtype == torch.bfloat16)
 
     def capture_graphs(self) -> None:
         if self.fused is not None:
@@ -119,7 +117,7 @@ class Thinker:
         multiscale features added at those positions after the first layers, as the reference adds them)."""
         embeds, positions, out = encoders.with_images(self.module, input_ids, embeds, media, self.image_token)
         mask = positions[0, :, 0]
-        levels = [f.to(embeds.dtype) for f in compat.deepstack_levels(out.deepstack_features)]
+        levels = [f.to(embeds.dtype) for f in deepstack_levels(out.deepstack_features)]
 
         def deepstack(i: int, hidden: torch.Tensor) -> torch.Tensor:
             if i >= len(levels):
@@ -136,3 +134,9 @@ class Thinker:
         if self.fused is None:
             return self._forward(self.embed(token.view(1, 1)))
         return ThinkerOut(*self.fused(token))
+
+
+def deepstack_levels(features) -> list:
+    """Qwen3-Omni's deepstack image features, one tensor per level over all images: 5.17 returns them so;
+    5.24 splits each level per image (a tuple), which the model then joins back (transformers 5.17 ... 5.24)."""
+    return [f if isinstance(f, torch.Tensor) else torch.cat(list(f), dim=0) for f in features]
