@@ -95,8 +95,9 @@ def _resolve(model: str | os.PathLike | None, notice: bool = True) -> tuple[Path
             return _resolve(env)
         if not TINY_MODEL_DIR.is_dir():
             raise ModelError(
-                f"the built-in tiny model is missing ({TINY_MODEL_DIR} does not exist; it comes with a "
-                "source checkout): pass -m FOLDER_OR_HUB_ID or set OMNI_MODEL"
+                f"the built-in tiny model is missing ({TINY_MODEL_DIR} does not exist): it lives in the "
+                "source checkout's assets/ folder, which `pip install .` does not copy; install with "
+                "`pip install -e .` from the checkout for it, or pass -m FOLDER_OR_HUB_ID or set OMNI_MODEL"
             )
         if notice:
             log.info(DEMO_NOTICE)

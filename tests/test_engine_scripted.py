@@ -41,10 +41,6 @@ from omni_cli.runtime import turn as turn_mod
 from omni_cli.runtime.events import Done, TurnInterrupted
 
 LAGS = [1, 2, 5]
-# schedule.py's `_reply_vector` feeds a second text-EOS at index n_max - 1 when the text ended by an EOS
-# the host has not read yet (test_the_talker_gets_one_text_eos_...). Until it is fixed, the sweeps let
-# that one entry be text-EOS instead of text-pad; set True with the fix (the xfail test then passes).
-DOUBLE_TEXT_EOS_FIXED = False
 
 
 @pytest.fixture(autouse=True)
@@ -154,9 +150,6 @@ def checked_turn(steps: FakeSteps, *, lag: int = 4, max_text_tokens: int = 64, m
     assert talker.args["force_audio"] is False and talker.prompt is steps.first_out
     assert steps.talker_fed_ids == steps.talker_emitted[:-1]
     entries = list(steps.talker_entries)
-    if (not DOUBLE_TEXT_EOS_FIXED and ids[-1] in EOS_IDS and len(ids) < n_max < len(entries)
-            and entries[n_max - 1] == (EOS_KIND, -1)):
-        entries[n_max - 1] = (PAD_KIND, -1)  # the known defect (test_the_talker_gets_one_text_eos_...): only this entry
     assert entries == [expected_entry(k, ids) for k in range(talker_steps)]
     source = 1 if steps.vector_from_token else 0
     assert all(s == source for (kind, _), s in zip(steps.talker_entries, steps.talker_sources) if kind == REPLY_KIND)
@@ -338,8 +331,6 @@ def _wait_until(cond, timeout=5.0):
     assert cond()
 
 
-@pytest.mark.xfail(strict=True, reason="schedule._reply_vector gives text-EOS at n_max - 1 even when the text "
-                   "ended by an EOS earlier that the host has not read yet: the talker gets two text-EOS entries")
 def test_the_talker_gets_one_text_eos_when_the_host_learns_the_texts_end_late(monkeypatch):
     """The text ends by an EOS at index n_max - 2 (5 tokens, limit 6); the host reads that EOS only after
     talker step n_max - 1 was issued (its text entry then chosen on the device, `_reply_vector`): step

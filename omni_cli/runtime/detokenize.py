@@ -1,8 +1,13 @@
 """Reply token ids → text deltas, as the ids arrive.
 
-The whole reply so far is decoded again at each token (ids → text is not per-token: BPE pieces and
-UTF-8 characters span tokens) and only the new end is handed on; half a UTF-8 character at the end
-waits for the rest. It knows the tokenizer's `decode` and nothing about models or threads.
+Ids → text is not per token (BPE pieces and UTF-8 characters span tokens). With a fast tokenizer (every
+Qwen-Omni checkpoint's), `tokenizers`' own `DecodeStream` turns each new id into the text it completes,
+reading a few ids of context rather than the whole reply: constant work a token, where decoding the reply
+again at each token was quadratic in its length. A tokenizer without it (the tests' and the benchmark's
+stand-ins) is decoded whole each time and only the new end handed on. Either way half a UTF-8 character
+waits for the rest, and at the reply's end the deltas add up to `text(ids)`, the reply's text.
+
+It knows the tokenizer's `decode` (and its backend) and nothing about models or threads.
 """
 
 from __future__ import annotations
@@ -12,12 +17,22 @@ class Detokenizer:
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
         self.sent = ""  # text already handed on
+        self._backend = getattr(tokenizer, "backend_tokenizer", None)  # a tokenizers.Tokenizer, if fast
+        self._stream = None  # the DecodeStream of this reply (made at its first id)
+        self._fed = 0  # ids given to it so far
 
     def text(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def delta(self, ids: list[int], final: bool) -> str:
-        """The text `ids` add to what was handed on ("" if nothing new, or half a character so far)."""
+        """The text `ids` (the reply so far) add to what was handed on ("" if nothing new, or half a
+        character so far)."""
+        if self._backend is not None and self._start_stream(ids):
+            piece = self._stream_delta(ids)
+            if final:
+                piece += self._rest(ids, self.sent + piece)
+            self.sent += piece
+            return piece
         text = self.text(ids)
         if text.endswith("\ufffd") and not final:
             return ""  # half a UTF-8 character: wait for the rest
@@ -26,3 +41,28 @@ class Detokenizer:
             self.sent = text
             return delta
         return ""
+
+    def _start_stream(self, ids: list[int]) -> bool:
+        if self._stream is None and self._fed == 0:
+            try:
+                from tokenizers.decoders import DecodeStream
+            except ImportError:  # an older tokenizers: decode whole
+                self._backend = None
+                return False
+            self._stream = DecodeStream(skip_special_tokens=True)
+        return self._stream is not None
+
+    def _stream_delta(self, ids: list[int]) -> str:
+        out = []
+        for token in ids[self._fed:]:
+            piece = self._stream.step(self._backend, token)  # None: nothing complete yet
+            if piece:
+                out.append(piece)
+        self._fed = len(ids)
+        return "".join(out)
+
+    def _rest(self, ids: list[int], streamed: str) -> str:
+        """At the end: what the whole decode has beyond the streamed text (a trailing half character that
+        decodes as U+FFFD), so that the deltas add up to the reply's text."""
+        text = self.text(ids)
+        return text[len(streamed):] if text.startswith(streamed) else ""

@@ -198,8 +198,16 @@ class Schedule:
         s, end = self.steps, self.state.text_end
         if (end is not None and k >= end) or k >= self.n_max:
             return s.text_pad_vec
-        if (end is not None and k == end - 1) or k == self.n_max - 1:
+        if end is not None and k == end - 1:
             return s.text_eos_vec
+        if k == self.n_max - 1:
+            # The length limit's last token gets text-EOS, unless the text already ended on the device by an
+            # EOS the host has not read yet: then that EOS had it, and this entry is text-pad (one text-EOS
+            # a reply, as the reference feeds it). Step k-1's facts exist: it needed R[k-1].
+            if k == 0:
+                return s.text_eos_vec
+            ended = (d.ended_before[k - 1] | torch.isin(d.toks[k - 1], d.eos)).view(1, 1, 1)
+            return torch.where(ended, s.text_pad_vec, s.text_eos_vec)
         # Host does not know yet whether the text ended: decide on the device.
         is_last = torch.isin(d.toks[k], d.eos).view(1, 1, 1)
         ended = d.ended_before[k].view(1, 1, 1)
