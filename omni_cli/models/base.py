@@ -160,7 +160,7 @@ class Family:
     def image_processor(self, path: Path):
         raise NotImplementedError(f"{self.TITLE} does not see images")
 
-    def image_inputs(self, processor, images) -> tuple[dict, list[int]]:
+    def image_inputs(self, image_processor, images) -> tuple[dict, list[int]]:
         raise NotImplementedError(f"{self.TITLE} does not see images")
 
     def image_token_id(self, config) -> int:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import gc
 import os
 import threading
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Generator, Protocol
 
 import torch
 
@@ -45,7 +45,7 @@ class Engine:
         self._lock = threading.Lock()  # one turn at a time: the caches are shared
         self.lingering: list[threading.Thread] = []
         self._turn: Turn | None = None  # the running turn, for `interrupt`
-        self._next_steps = None  # steps to take over at the next turn (`adopt`)
+        self._next_steps: ModelSteps | None = None  # steps to take over at the next turn (`adopt`)
         self._adopting = threading.Lock()  # held by `adopt` while it holds the turns' lock
 
     @property
@@ -65,7 +65,7 @@ class Engine:
         the seconds each phase took, where the steps say."""
         return self.steps.warmup()
 
-    def stream(self, req: TurnRequest) -> Iterator[TextDelta | AudioBlock | Done]:
+    def stream(self, req: TurnRequest) -> Generator[TextDelta | AudioBlock | Done, None, None]:
         """Run one turn; yield text deltas and audio blocks as they exist, then Done."""
         if not self._lock.acquire(blocking=False):
             with self._adopting:  # a moment's wait for an adoption; none for another turn
@@ -128,7 +128,30 @@ def configure_cuda(float32_llm: bool = False) -> None:
         torch.backends.cuda.matmul.allow_tf32 = True
 
 
-def enable_fast_steps(steps: ModelSteps, dtype, policy: Policy, fast_decode: bool | None) -> None:
+class _FastDecoding(Protocol):
+    """A family's thinker or talker stack, as `enable_fast_steps` sees it."""
+
+    def enable_fast_decode(self, policy: Policy) -> None: ...
+
+
+class StepsBeingBuilt(Protocol):
+    """What `enable_fast_steps` reads and sets on a family's steps while their `__init__` runs (not yet the
+    whole `ModelSteps`: its stacks, `thinker` and, where `has_talker`, `talker`, are the family's own)."""
+
+    device: torch.device
+    has_talker: bool
+    fast_decode: bool
+    policy: Policy
+    compile: bool
+
+    @property
+    def thinker(self) -> _FastDecoding: ...
+
+    @property
+    def talker(self) -> _FastDecoding: ...
+
+
+def enable_fast_steps(steps: StepsBeingBuilt, dtype, policy: Policy, fast_decode: bool | None) -> None:
     """What every family's steps do once their stacks exist: the CUDA settings (`configure_cuda`), then,
     unless `fast_decode` is False, the fused decode steps of the thinker and the talker, with the graphs and
     compile `policy` has (runtime/graphs.py). Sets `steps.fast_decode`, `steps.policy` (as built: without

@@ -121,4 +121,4 @@ class Qwen25Omni(Family):
     image_token_id = staticmethod(image_token_id)
 
 
-FAMILY = Qwen25Omni()
+FAMILY: Family = Qwen25Omni()

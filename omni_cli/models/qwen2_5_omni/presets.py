@@ -11,6 +11,7 @@ every family through the same names here). Torch and transformers are imported w
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from . import CODES_PER_SECOND, DEFAULT_VOICE, TALKER_SAMPLING, TITLE  # noqa: F401 (bench reads them here)
 
@@ -25,7 +26,7 @@ _ENCODERS = dict(
     vision=dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16),
 )
 
-PRESETS = {
+PRESETS: dict[str, dict[str, Any]] = {
     # True sizes of Qwen2.5-Omni-7B (see shared notes).
     "qwen2.5-omni-7b": dict(
         text=dict(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,

@@ -33,6 +33,10 @@ class Qwen25Steps:
 
     compile = False  # the decode layers and the vocoder's DiT compiled (set in __init__: `policy.compile_on`)
     MAX_CODES = 4096  # the talker's cache and the vocoder, where the runtime options give no max_codes
+    # Set in __init__ by `enable_fast_steps` (runtime/engine.py): the policy as built, and whether the fused
+    # decode steps run.
+    policy: Policy
+    fast_decode: bool
 
     def __init__(self, model, speakers: dict, runtime: RuntimeOptions | None = None, *,
                  fast_decode: bool | None = None, vocoder_chunk_codes: int = 192) -> None:

@@ -11,10 +11,15 @@ nor about sampling or stopping.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from ...runtime.decoder import forward_layers
 from ...runtime.kv_cache import StaticKVCache
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    from ...runtime.fused import FusedDecoder
 
 
 class Talker:
@@ -34,7 +39,7 @@ class Talker:
         # Made once: building a tensor from host values inside the loop would be a host→device copy.
         self.pad_bos_ids = torch.tensor([self.codec_pad, self.codec_bos], device=self.proj.weight.device)
 
-    fused = None
+    fused: FusedDecoder | None = None  # the fused step (`enable_fast_decode`)
 
     def enable_fast_decode(self, policy) -> None:
         """Decode through the fused fixed-shape step (`fused.py`), replayed as CUDA graphs where `policy`
@@ -55,6 +60,7 @@ class Talker:
                 self.graphs.capture_all()
 
     def _fused_step(self, span: int) -> torch.Tensor:
+        assert self.fused is not None  # only `enable_fast_decode`'s graphs run this step
         x = self.codec_embed(self.static_code.view(1, 1)) + self.static_reply
         hidden = self.fused.step(self.proj(x), self.static_pos, span)
         return self.codec_head(hidden).float()[:, -1]

@@ -17,6 +17,7 @@ It does not know about sampling, the talker, or threads.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -24,6 +25,9 @@ from ...runtime import compat
 from ...runtime.decoder import forward_layers, mrope_positions
 from ...runtime.kv_cache import StaticKVCache
 from ...runtime import encoders
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    from ...runtime.fused import TokenDecoder
 
 
 @dataclass
@@ -60,7 +64,7 @@ class Thinker:
         if self.fused is not None:
             self.fused.capture()
 
-    fused = None
+    fused: TokenDecoder | None = None  # the fused step (`enable_fast_decode`)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(ids)

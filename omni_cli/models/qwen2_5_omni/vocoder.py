@@ -132,12 +132,13 @@ class StreamingVocoder:
         self._times, self._grid = self._plan.grid(num_steps, sway_coefficient, self.device, self.dtype)
         self.pad_windows = self._graphs.enabled if pad_windows is None else pad_windows
         self._voice_key = id(cond)
-        self._voice = self._graphs.voices.get(self._voice_key)
-        if self._voice is None:
-            self._voice = self._graphs.voices[self._voice_key] = self._voice_conditioning(cond, ref_mel)
+        voice = self._graphs.voices.get(self._voice_key)
+        if voice is None:
+            voice = self._graphs.voices[self._voice_key] = self._voice_conditioning(cond, ref_mel)
+        self._voice = voice
         if isinstance(generator, int):
             generator = torch.Generator().manual_seed(generator)
-        self.generator = generator
+        self.generator: torch.Generator | None = generator
         self.reset()
 
     @property
@@ -356,11 +357,13 @@ class StreamingVocoder:
         (conditioning, RoPE, masks) are copied into the graph once per window; `x`, the step's times and its
         four evaluations' time conditioning once per step.
         The result lives in the graph's buffer until the next window: use it at once."""
-        shared, layer_mask = [], []  # the masks the layers share (by reach), and each layer's
+        shared: list[torch.Tensor] = []  # the masks the layers share (by reach)
+        layer_mask: list[int] = []  # each layer's
         for mask in masks:
             i = next((j for j, m in enumerate(shared) if m is mask), None)
             if i is None:
-                i, _ = len(shared), shared.append(mask)
+                i = len(shared)
+                shared.append(mask)
             layer_mask.append(i)
         plan, guidance = self._plan, self.guidance_scale
 
@@ -434,12 +437,13 @@ class _WindowGraphs:
         self.enabled = policy.graphs_on  # the one switch: never decided again here
         self.device = device = policy.device
         self.graphs: dict = {}
-        self.voices: dict = {}  # id(cond tensor) -> the voice's DiT conditioning
+        # id(cond tensor) -> the voice's DiT conditioning
+        self.voices: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.constants: dict = {}  # device tensors the graphs read (they must live as long as the graphs)
         self.capturing = False
         self.pool = torch.cuda.graph_pool_handle() if self.enabled else None
         self.capture_stream = capture_stream(device) if self.enabled else None  # see graphs.capture_stream
-        self._compiled = None
+        self._compiled: Callable | None = None
 
     def compiled_dit(self) -> Callable:
         """`dit_forward_compiled` through inductor, for the windows being captured: the element-wise work is

@@ -114,11 +114,11 @@ def image_processor(path: Path):
     from .. import vision
 
     processor = vision.image_processor(path)
-    vision = json.loads((Path(path) / "config.json").read_text(encoding="utf-8"))["thinker_config"]["vision_config"]
+    sizes = json.loads((Path(path) / "config.json").read_text(encoding="utf-8"))["thinker_config"]["vision_config"]
     for name, key in (("patch_size", "patch_size"), ("temporal_patch_size", "temporal_patch_size"),
                       ("merge_size", "spatial_merge_size")):
-        if key in vision:
-            setattr(processor, name, int(vision[key]))
+        if key in sizes:
+            setattr(processor, name, int(sizes[key]))
     return processor
 
 
@@ -142,4 +142,4 @@ class Qwen3Omni(Family):
     image_token_id = staticmethod(image_token_id)
 
 
-FAMILY = Qwen3Omni()
+FAMILY: Family = Qwen3Omni()

@@ -12,6 +12,7 @@ variant (eager) and no vocoder schedule to choose. Torch and transformers are im
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from . import CODES_PER_SECOND, DEFAULT_VOICE, TALKER_SAMPLING, TITLE  # noqa: F401 (bench reads them here)
 
@@ -21,7 +22,7 @@ PROMPT_FRAME = 8  # <|im_start|>user\n ... <|im_end|>\n<|im_start|>assistant\n: 
 GRAPHS = True  # the steps follow --graphs
 READY_NOTE = "graphs captured"  # what the engine's warm-up did (the bench adds whether it compiled)
 
-PRESETS = {
+PRESETS: dict[str, dict[str, Any]] = {
     # True sizes of Qwen3-Omni-30B-A3B-Instruct, every field set (`_config_30b`); `parameters`: the real
     # checkpoint's total (thinker with its encoders, talker, code2wav).
     "qwen3-omni-30b-a3b": dict(approximate=False, parameters=35.26e9),
@@ -29,8 +30,8 @@ PRESETS = {
     "tiny-qwen3": dict(asset="tiny-qwen3-omni", approximate=False),
 }
 
-VARIANTS = {"eager": {}}  # one variant: nothing for --variants to compare
-SCHEDULES = {}  # code2wav's chunks are fixed: nothing for --schedules to compare
+VARIANTS: dict[str, dict[str, Any]] = {"eager": {}}  # one variant: nothing for --variants to compare
+SCHEDULES: dict[str, int] = {}  # code2wav's chunks are fixed: nothing for --schedules to compare
 
 # The table's rows in this family's words: a talker step is a frame, the vocoder is code2wav.
 LABELS = {

@@ -36,6 +36,10 @@ class Qwen3Steps:
 
     compile = False  # the decode layers and the picks compiled (set in __init__: `policy.compile_on`)
     MAX_CODES = 1024  # frames the talker's cache and code2wav hold, where the runtime options give none
+    # Set in __init__ by `enable_fast_steps` (runtime/engine.py): the policy as built, and whether the fused
+    # decode steps run.
+    policy: Policy
+    fast_decode: bool
 
     def __init__(self, model, voices: dict[str, int], runtime: RuntimeOptions | None = None, *,
                  fast_decode: bool | None = None) -> None:

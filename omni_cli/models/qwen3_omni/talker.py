@@ -32,6 +32,8 @@ and both paths draw the same picks from the same seed.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from ...config import SamplingOptions
@@ -40,6 +42,10 @@ from ...runtime import compat
 from ...runtime.decoder import forward_layers
 from ...runtime.kv_cache import StaticKVCache
 from ...runtime.sampling import SamplingParams, mark_seen, pick
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    from ...runtime.fused import FusedDecoder
+    from ...runtime.graphs import PrefillGraphs
 
 # The reference projects the whole assistant segment (opener + every fed reply token) through
 # `text_projection` in ONE matmul after the thinker has finished; a stream must project each reply token
@@ -203,7 +209,10 @@ class Talker:
         self.predictor_params.set(predictor)
         self._generator = generator
 
-    fused = predictor_fused = prefill_graphs = None
+    # The fused steps and the prompt's graphs (`enable_fast_decode`), made together.
+    fused: FusedDecoder | None = None
+    predictor_fused: FusedDecoder | None = None
+    prefill_graphs: PrefillGraphs | None = None
     _pick = staticmethod(pick)
 
     def enable_fast_decode(self, policy) -> None:
@@ -236,6 +245,7 @@ class Talker:
         capture's warm-up runs write the sampling state: `begin` resets it for every turn."""
         if self.fused is None:
             return
+        assert self.prefill_graphs is not None  # made with the fused steps (`enable_fast_decode`)
         self.talker_params.set(self.default_sampling()[0])
         self.predictor_params.set(self.default_sampling()[1])
         with torch.inference_mode():
@@ -244,6 +254,7 @@ class Talker:
         self.prefill_graphs.capture_all()
 
     def _fused_step(self, span: int) -> None:
+        assert self.fused is not None  # only `enable_fast_decode`'s graphs run this step
         x = self._embed_frame(self._in_frame) + self._in_vec
         hidden = self.fused.step(x, self._in_pos, span)
         self._hidden.copy_(hidden)

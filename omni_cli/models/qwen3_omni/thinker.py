@@ -21,6 +21,7 @@ through the library's layers, on CUDA replayed as one graph per prompt-length bu
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -28,6 +29,10 @@ from ...runtime import compat
 from ...runtime.decoder import forward_layers_keeping, mrope_positions
 from ...runtime.kv_cache import StaticKVCache
 from ...runtime import encoders
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    from ...runtime.fused import TokenDecoder
+    from ...runtime.graphs import PrefillGraphs
 
 
 @dataclass
@@ -73,11 +78,12 @@ class Thinker:
     def capture_graphs(self) -> None:
         if self.fused is not None:
             self.fused.capture()
+            assert self.prefill_graphs is not None  # made with the fused step (`enable_fast_decode`)
             self.prefill_graphs.capture_all()
 
-    prefill_graphs = None
+    prefill_graphs: PrefillGraphs | None = None  # made with `fused`
 
-    fused = None
+    fused: TokenDecoder | None = None  # the fused step (`enable_fast_decode`)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(ids)
