@@ -58,7 +58,7 @@ def compile_beside(engine, build: Callable, on_ready: Callable[[float], None] | 
             with torch.cuda.stream(stream) if cuda else contextlib.nullcontext():
                 steps = build()
                 steps.warmup()
-            if cuda:
+            if stream is not None:  # made where `cuda`
                 stream.synchronize()
         except Exception as exc:  # noqa: BLE001 - the plain steps go on serving
             log.warning("compiling the steps beside the plain ones failed; these go on serving: %s", exc)

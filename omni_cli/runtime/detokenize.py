@@ -12,13 +12,18 @@ It knows the tokenizer's `decode` (and its backend) and nothing about models or 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    from tokenizers.decoders import DecodeStream
+
 
 class Detokenizer:
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
         self.sent = ""  # text already handed on
         self._backend = getattr(tokenizer, "backend_tokenizer", None)  # a tokenizers.Tokenizer, if fast
-        self._stream = None  # the DecodeStream of this reply (made at its first id)
+        self._stream: DecodeStream | None = None  # the DecodeStream of this reply (made at its first id)
         self._fed = 0  # ids given to it so far
 
     def text(self, ids: list[int]) -> str:
@@ -53,6 +58,7 @@ class Detokenizer:
         return self._stream is not None
 
     def _stream_delta(self, ids: list[int]) -> str:
+        assert self._stream is not None and self._backend is not None  # `delta` calls this where both exist
         out = []
         for token in ids[self._fed:]:
             piece = self._stream.step(self._backend, token)  # None: nothing complete yet

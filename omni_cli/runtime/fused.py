@@ -28,6 +28,8 @@ differently); tests compare the tokens.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 
@@ -35,7 +37,10 @@ from .graphs import Policy, compile_fn, tracing
 from .kv_cache import StaticKVCache
 
 
-_kernels = None  # runtime/kernels.py once `kernels_wanted` has imported it (it needs triton)
+if TYPE_CHECKING:  # pragma: no cover - typing only: read where `kernels_wanted` said True, which set it
+    from . import kernels as _kernels
+else:
+    _kernels = None  # runtime/kernels.py once `kernels_wanted` has imported it (it needs triton)
 
 
 def kernels_wanted(device: torch.device) -> bool:
@@ -132,7 +137,7 @@ def _mlp_tensors(mlp) -> tuple[tuple, tuple[int, bool] | None]:
         return (fuse_rows([mlp.gate_proj, mlp.up_proj])[0], mlp.down_proj.weight), None
     experts, router = mlp.experts, mlp.gate
     _check_silu(experts.act_fn)
-    tensors = (router.weight, experts.gate_up_proj, experts.down_proj)
+    tensors: tuple[torch.Tensor, ...] = (router.weight, experts.gate_up_proj, experts.down_proj)
     shared = getattr(mlp, "shared_expert", None)
     if shared is not None:
         _check_silu(shared.act_fn)
@@ -202,7 +207,8 @@ def moe_mlp(x: torch.Tensor, tensors: tuple, top_k: int, renormalise: bool, as_s
     return experts(x, *route(x, tensors[0], top_k, renormalise, as_sum), tensors, as_sum, kernels)
 
 
-def route(x: torch.Tensor, router_w: torch.Tensor, top_k: int, renormalise: bool, as_sum: bool = False):
+def route(x: torch.Tensor, router_w: torch.Tensor, top_k: int, renormalise: bool,
+          as_sum: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The library's routing of x [1, n, H]: float32 softmax, top-k, optional renormalisation, weights
     cast back. Returns (weights [n, k], expert ids [n, k])."""
     rows = x.view(-1, x.shape[-1])  # [n, H]
@@ -365,7 +371,8 @@ class FusedDecoder:
         if compile and not whole and any(L.routing is not None for L in self.layers):
             self.moe_parts = (compile_fn(routed_attention, fullgraph=True), compile_fn(routed_experts, fullgraph=True))
         if compile and whole:
-            self.step = compile_fn(self.step, fullgraph=True)
+            # This instance's step becomes the compiled one (mypy forbids assigning to a method).
+            self.step = compile_fn(self.step, fullgraph=True)  # type: ignore[method-assign]
 
     def step(self, embeds: torch.Tensor, pos: torch.Tensor, span: int) -> torch.Tensor:
         """`embeds` [1, n, W] at positions `pos` ([n] long, device), attending to `span` ≥ max(pos)+1 rows."""

@@ -176,6 +176,7 @@ class StepGraphs:
         # same cache row with the same values each time (mid-reply too: the row of the step being taken),
         # so warm-up runs leave no trace.
         side = self.capture_stream
+        assert side is not None  # made where `enabled`, and only then are graphs captured
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
             for _ in range(2):

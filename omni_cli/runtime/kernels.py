@@ -164,6 +164,7 @@ def picked_gemv(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, *, weights:
     x = x.contiguous()
     x_stride = 0 if x.dim() == 1 or x.shape[0] == 1 else x.stride(0)
     blocks = _blocks(N, K, gate)
+    grid: tuple[int, ...]
     if weights is None:
         out = torch.empty(top_k, N, device=x.device, dtype=x.dtype)
         grid = (triton.cdiv(N, blocks["BLOCK_N"]), top_k)

@@ -139,6 +139,7 @@ class Schedule:
                 self.hold_at = None
             if not self._talker_finished(k) and self._vector_ready(k, d):  # else the thinker goes first
                 out.wait_for("code", k, self.stop)
+                assert d.talker is not None and d.first is not None  # set wherever `self.audio` (_setup, run)
                 t = time.perf_counter()
                 with self._talker_side():
                     mark = self.clock.start()

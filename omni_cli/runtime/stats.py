@@ -181,13 +181,19 @@ def encoder_timer(media: dict, device, kind: str = "audio"):
     stats are made), perf_counter on a CPU. Kept in the request's `media` as "encoder_time" (audio) or
     "image_encoder_time"."""
     cuda = device.type == "cuda"
-    start = torch.cuda.Event(enable_timing=True) if cuda else time.perf_counter()
+    start: "torch.cuda.Event | float"
+    end: "torch.cuda.Event | float"
     if cuda:
+        start = torch.cuda.Event(enable_timing=True)
         start.record()
+    else:
+        start = time.perf_counter()
     yield
-    end = torch.cuda.Event(enable_timing=True) if cuda else time.perf_counter()
     if cuda:
+        end = torch.cuda.Event(enable_timing=True)
         end.record()
+    else:
+        end = time.perf_counter()
     key = "encoder_time" if kind == "audio" else f"{kind}_encoder_time"
     media[key] = media.get(key, []) + [(start, end)]
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Protocol
 
 import numpy as np
 import torch
@@ -22,10 +22,20 @@ if TYPE_CHECKING:
 END = None  # an item that ends the codes stream early; closing the channel is just as good
 
 
+class BlockSink(Protocol):
+    """Where the worker hands its PCM blocks: a `Channel`, or the turn's own receiver (turn.py)."""
+
+    def put(self, block: np.ndarray) -> None: ...
+
+    def close(self) -> None: ...
+
+    def fail(self, exc: BaseException) -> None: ...
+
+
 def vocoder_worker(
     vocoder: Vocoder,
     codes: Channel,
-    pcm: Channel,
+    pcm: BlockSink,
     on_block: Callable[[np.ndarray, float], None] | None = None,
 ) -> None:
     """Body of the vocoder thread: lists of codes in, float32 PCM blocks out, then `pcm.close()`.
