@@ -102,6 +102,12 @@ class _SinkBase:
         if self.closed or self.aborted:
             raise RuntimeError(f"{type(self).__name__}.write() after the end")
 
+    def close(self) -> None:  # each sink ends its own way (`Sink`)
+        raise NotImplementedError
+
+    def abort(self) -> None:
+        raise NotImplementedError
+
     def __enter__(self):
         return self
 
@@ -301,6 +307,7 @@ class AudioFileSink(_SinkBase):
                     self._replacement = None
                 else:
                     fd, self._fd = self._fd, None
+                    assert fd is not None  # start() opened the stream's descriptor
                     os.close(fd)
             except Exception as exc:
                 self.abort()

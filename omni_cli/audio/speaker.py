@@ -14,7 +14,7 @@ from __future__ import annotations
 import collections
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from ..config import SAMPLE_RATE
 from ..errors import AudioDeviceError, UsageError
@@ -108,7 +108,7 @@ def find_output_device(spec: str | int | None, sd: Any = None, hint: str = PLAY_
     raise UsageError(f"audio device '{text}' is ambiguous ({names}): give its index")
 
 
-def match_device(devices: list[dict], text: str) -> dict | str | list[dict]:
+def match_device(devices: list[dict], text: str) -> dict | Literal["default", "index", "name"] | list[dict]:
     """The device `text` names among `devices`: "" the default, digits an index, else a name (exact, or
     the one that contains it, case aside). When there is none, what failed: "default", "index" or "name";
     the candidates (a list) when a part of a name fits several."""
