@@ -27,7 +27,7 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Generator, Iterator
 
 from ..audio.format import audio_file_kind
 from ..config import ReplyOptions
@@ -82,7 +82,8 @@ def proxy_for(scheme: str, host: str) -> str | None:
         return None  # the common cases, without urllib.request's import
     import urllib.request
 
-    if urllib.request.proxy_bypass_environment(host):
+    # Undocumented (it is what urllib.request's own proxy handling calls), and absent from typeshed.
+    if urllib.request.proxy_bypass_environment(host):  # type: ignore[attr-defined]
         return None
     proxies = urllib.request.getproxies_environment()
     proxy = proxies.get(scheme) or proxies.get("all")
@@ -97,6 +98,8 @@ def listening(url: str) -> bool:
     from urllib.parse import urlsplit
 
     where = urlsplit(url)
+    if where.port is None:  # nothing to probe (a connection to port 0, what the socket would try, fails)
+        return False
     try:
         socket.create_connection((where.hostname, where.port), timeout=PROBE_TIMEOUT).close()
     except OSError:
@@ -261,7 +264,7 @@ class RemoteAssistant(WarmsUp):
 
     def stream(self, prompt: str, options: ReplyOptions | None = None, *, sink=None,
                conversation: Conversation | None = None, audio=None, images=None,
-               **fields) -> Iterator[TextDelta | AudioBlock | Done]:
+               **fields) -> Generator[TextDelta | AudioBlock | Done, None, None]:
         """The reply's events as the server streams them; the audio also goes to `sink`. `audio`: clips
         (`media.AudioClip`s) said with the prompt, sent as `input_audio` parts (WAV); `images`: PIL images
         shown with it, sent as `image_url` parts (PNG data: URLs). The request is the one `send` sent, if
@@ -354,11 +357,11 @@ class _Reader:
         self.omni: dict = {}
         self.times: dict[str, float] = {}
 
-    def feed(self, data: dict, t0: float) -> list:
+    def feed(self, data: dict, t0: float) -> list[TextDelta | AudioBlock]:
         if "error" in data:  # the reply failed on the server after it started
             raise ServerError(f"the server's reply failed: {_message(data)}")
         self.omni = data.get("omni") or self.omni
-        events = []
+        events: list[TextDelta | AudioBlock] = []
         for choice in data.get("choices") or []:
             delta = choice.get("delta") or {}
             text, audio, rate = _delta_parts(data, choice, delta)
@@ -594,6 +597,7 @@ class _Connection:
         if self.conn is None:
             self.conn = self._open()
             self.reused = False
+        assert self._request is not None  # `send` set it, then called this
         method, path, headers, data = self._request
         if self.proxy is not None and not self.https:  # the proxy is sent the whole URL, and its login
             path = f"http://{self.host}:{self.port or 80}{path}"
@@ -611,12 +615,16 @@ class _Connection:
 
     def receive(self) -> _Response:
         """The response to the request `send` wrote, once its status and headers are in."""
+        if self._request is None:
+            raise RuntimeError("receive() without a request: call send() first")
         if self.transport is not None:
             status, _headers, pieces = self.transport(*self._request)
             return _Response(status, "", iter(pieces), getattr(pieces, "close", lambda: None))
         retry = self.reused
         while True:
             try:
+                # `send` connected (`_write`), and so does a retry below; a failed one has raised.
+                assert self.conn is not None
                 if self.conn.sock is not None:
                     self.conn.sock.settimeout(self.read_timeout)
                 raw = self.conn.getresponse()

@@ -101,6 +101,7 @@ def start_server(model: str | None, flags: list[str], keep_alive: float, api_key
     load flags (device, dtype, graphs); `note` hears what is done, and why when None."""
     url = client.DEFAULT_URL
     where = urlsplit(url)
+    assert where.hostname is not None and where.port is not None, f"{url} names no host and port"
     key = model_key(model)
     record = read_record()
     if record is not None and record.get("port") == where.port:
@@ -198,7 +199,10 @@ def hold(url: str) -> Hold | None:
 
 
 def _alive(proc: subprocess.Popen | None, pid: int | None) -> bool:
-    return proc.poll() is None if proc is not None else _is_server(pid)
+    if proc is not None:
+        return proc.poll() is None
+    assert pid is not None, "_alive needs the process or its pid"
+    return _is_server(pid)
 
 
 def _wait(url: str, api_key: str | None, proc: subprocess.Popen | None = None, pid: int | None = None,
@@ -219,8 +223,9 @@ def _wait(url: str, api_key: str | None, proc: subprocess.Popen | None = None, p
 
 def _last_error(log: Path | None) -> str:
     try:
-        lines = [line.strip() for line in log.read_text(errors="replace").splitlines() if line.strip()]
-    except (OSError, AttributeError):
+        text = log.read_text(errors="replace") if log is not None else ""
+        lines = [line.strip() for line in text.splitlines() if line.strip()]
+    except OSError:
         lines = []
     errors = [line.removeprefix("error:").strip() for line in lines if line.startswith("error:")]
     return (errors or lines or [f"no output (log: {log})"])[-1]
@@ -250,7 +255,9 @@ def stop_background(wait: float = STOP_TIMEOUT, busy_too: bool = False) -> tuple
     record = read_record()
     if record is None:
         return None, True
-    url = f"http://127.0.0.1:{int(record.get('port') or urlsplit(client.DEFAULT_URL).port)}"
+    port = record.get("port") or urlsplit(client.DEFAULT_URL).port
+    assert port is not None, f"{client.DEFAULT_URL} names no port"
+    url = f"http://127.0.0.1:{int(port)}"
     pid = int(record["pid"])
     if busy_too:
         with contextlib.suppress(OSError):

@@ -95,7 +95,8 @@ def parse_chat_request(body: object) -> ChatRequest:
     """Check a decoded JSON body; raise RequestError (400) saying which field is wrong and how."""
     if not isinstance(body, dict):
         raise RequestError("the body must be a JSON object")
-    system, turns = None, []
+    system: str | None = None
+    turns: list[dict] = []  # as ChatRequest.turns
     messages = _messages(body)
     for i, message in enumerate(messages):
         role, content = message["role"], message["content"]

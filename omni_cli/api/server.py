@@ -297,6 +297,8 @@ def create_app(assistant, name: str, api_key: str | None = None, key: str | None
                     return Response(status_code=499)
         finally:
             job.cancel()
+        if reply is None:  # the events ended (_END) without Done nor an error
+            raise RuntimeError("the reply's events ended without its last one (Done)")
         audio = None
         if req.spoken:
             audio = p.audio_file(np.concatenate(pcm) if pcm else np.zeros(0, np.float32), req.audio_format)
