@@ -21,12 +21,12 @@ import logging
 import os
 import time
 from dataclasses import replace
-from typing import Iterator
+from typing import TYPE_CHECKING, Any, Generator
 
 import numpy as np
 
 from .config import ReplyOptions, RuntimeOptions, SamplingOptions
-from .interface import ModelInfo
+from .interface import ModelInfo, OmniAssistant
 from .errors import UsageError
 from .prompt import Chat, Conversation, check_prompt, fit  # noqa: F401 - Chat re-exported
 from .runtime.engine import Engine, fresh_seed
@@ -76,7 +76,7 @@ def eos_ids(generation_config, tokenizer) -> list[int]:
 
 
 class Assistant(WarmsUp):
-    url = None  # a model loaded in this process (interface.OmniAssistant)
+    url: str | None = None  # a model loaded in this process (interface.OmniAssistant)
     keeps_media = True  # a conversation's turns keep their clips and images (the remote client's too)
 
     # True while `compile_beside` compiles a second set of steps (omni-serve's /health says "compiling").
@@ -222,6 +222,10 @@ class Assistant(WarmsUp):
         """Stop the reply that is running (from another thread: a server whose client went away)."""
         self.engine.interrupt()
 
+    def close(self) -> None:
+        """Nothing to let go of: the model stays loaded while the process runs (interface.OmniAssistant's
+        `close`, which a remote assistant's connection needs)."""
+
     def conversation(self, system: str | None = None) -> "Chat":
         return Chat(self, Conversation(system=self.default_system if system is None else system))
 
@@ -244,7 +248,7 @@ class Assistant(WarmsUp):
 
     def stream(self, prompt: str, options: ReplyOptions | None = None, *, sink=None,
                conversation: Conversation | None = None, audio=None, images=None,
-               **fields) -> Iterator[TextDelta | AudioBlock | Done]:
+               **fields) -> Generator[TextDelta | AudioBlock | Done, None, None]:
         """Yield `TextDelta`s and `AudioBlock`s as they exist, then `Done(reply)`.
 
         `audio`: clips the user says with the prompt (paths, `media.AudioClip`s, or (samples, rate)
@@ -367,7 +371,8 @@ class Assistant(WarmsUp):
             return prompt, None, None
 
         config = self.loaded.model.config
-        media, expansions = {}, []
+        media: dict[str, Any] = {}  # the encoders' inputs, and what the stats count of them
+        expansions: list[tuple[int, list[int]]] = []  # (placeholder id, tokens each item becomes)
         if pictures:
             if self._image_processor is None:
                 self._image_processor = self.family.image_processor(self.loaded.path)
@@ -395,6 +400,11 @@ class Assistant(WarmsUp):
 
     def _limit(self, value, key) -> int:
         return self.limits[key] if value is None else int(value)
+
+
+if TYPE_CHECKING:  # pragma: no cover - the type checker holds the class to what the faces use of it
+    def _an_omni_assistant(assistant: Assistant) -> OmniAssistant:
+        return assistant
 
 
 def _is_pair(item) -> bool:

@@ -7,13 +7,14 @@ the one declared surface, so that the faces never probe with getattr nor reach i
 - `TurnStats`: what one reply's `stats` holds, named and typed (the engine and the server fill the dict;
   `TurnStats.of(stats)` reads it), so that the faces and the protocol agree on its keys in one place.
 
-It imports neither torch nor numpy; a type checker (pyright, in `.ci/run`) holds the assistants to it.
+It imports neither torch nor numpy; a type checker (mypy, in `.ci/run`) holds the assistants to it
+(`assistant.py` and `api/client.py` each state that their class is an `OmniAssistant`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Any, Iterator, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Generator, Protocol, runtime_checkable
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from .config import ReplyOptions
@@ -63,10 +64,13 @@ class OmniAssistant(Protocol):
 
     name: str
     is_demo: bool
-    # The server's URL for a remote assistant; None for a model loaded in this process.
-    url: str | None
     # Where the start-up's time went (`--verbose`): phase -> seconds, in order; the faces may add to it.
     startup: dict[str, float]
+
+    # The server's URL for a remote assistant; None for a model loaded in this process (read-only: each
+    # assistant's own type is narrower).
+    @property
+    def url(self) -> str | None: ...
 
     @property
     def model_info(self) -> ModelInfo: ...
@@ -86,13 +90,17 @@ class OmniAssistant(Protocol):
     @property
     def default_system(self) -> str: ...
 
+    # What the talker's steps are called and how many make a second; ("codes", None) from a server that
+    # does not say.
     @property
-    def speech_steps(self) -> tuple[str, float]: ...
+    def speech_steps(self) -> tuple[str, float | None]: ...
 
     @property
     def speaks_only_under_default_system(self) -> bool: ...
 
-    def stream(self, prompt: str, options: "ReplyOptions | None" = None, **kwargs: Any) -> Iterator[Any]: ...
+    # A generator: the faces `close()` it when they stop reading (Ctrl-C), which stops the reply at once.
+    def stream(self, prompt: str, options: "ReplyOptions | None" = None,
+               **kwargs: Any) -> Generator[Any, None, None]: ...
 
     def say(self, prompt: str, options: "ReplyOptions | None" = None, **kwargs: Any) -> Any: ...
 

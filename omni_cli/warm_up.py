@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from typing import TYPE_CHECKING, Any
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +29,15 @@ class WarmsUp:
     call `_after_warm_up()` before they start."""
 
     _warming: threading.Thread | None = None  # `warm_up(background=True)`'s thread, until the next reply
+
+    if TYPE_CHECKING:  # what the class it is mixed into has (interface.OmniAssistant)
+        @property
+        def speech_steps(self) -> tuple[str, float | None]: ...
+
+        @property
+        def has_audio(self) -> bool: ...
+
+        def say(self, prompt: str, **fields: Any) -> Any: ...
 
     def warm_up(self, background: bool = False) -> None:
         """One short reply that nobody hears. `background`: on a thread (omni-chat, while the person
@@ -48,6 +58,9 @@ class WarmsUp:
 
     def _warm_up_reply(self) -> None:
         _, per_second = self.speech_steps
+        if per_second is None:
+            raise ValueError("cannot size the warm-up reply: the model does not say how many talker steps make "
+                             "a second of audio")
         self.say("Hello.", seed=0, max_text_tokens=8, max_codes=max(1, round(1.5 * per_second)),
                  text_only=not self.has_audio)
 

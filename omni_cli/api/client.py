@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Generator, Iterator
 
 from ..audio.format import audio_file_kind
 from ..config import ReplyOptions
-from ..interface import ModelInfo
+from ..interface import ModelInfo, OmniAssistant
 from ..errors import OmniError, UsageError
 from ..prompt import Chat, Conversation
 from ..runtime.events import AudioBlock, Done, Reply, TextDelta
@@ -343,6 +343,11 @@ class RemoteAssistant(WarmsUp):
         if extra:
             body["omni"] = extra
         return body
+
+
+if TYPE_CHECKING:  # pragma: no cover - the type checker holds the class to what the faces use of it
+    def _an_omni_assistant(assistant: RemoteAssistant) -> OmniAssistant:
+        return assistant
 
 
 class _Reader:
