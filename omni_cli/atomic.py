@@ -69,6 +69,7 @@ def output_target(path: str | os.PathLike) -> Target:
     given = Path(path)
     if str(path) in ("", "-"):  # "-" is stdout, which the faces handle before they get here
         raise UsageError(f"bad output file name '{path}'")
+    st: os.stat_result | None  # what is there (None: nothing)
     fd = descriptor_of(given)
     if fd is not None:
         try:

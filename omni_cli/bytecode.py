@@ -77,6 +77,7 @@ def write_bytecode_later() -> None:
         writer = subprocess.Popen([sys.executable, "-X", f"pycache_prefix={prefix}", "-c", _WRITER],
                                   stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                   start_new_session=True, text=True)
+        assert writer.stdin is not None  # stdin=PIPE
         writer.stdin.write("\n".join(files))
         writer.stdin.close()
     except (OSError, ValueError):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import asdict, dataclass, fields, replace
+from typing import Any
 
 SAMPLE_RATE = 24_000  # both families' vocoders speak at 24 kHz mono
 
@@ -50,7 +51,7 @@ class SamplingOptions:
 
 def talker_overrides(base: SamplingOptions, generation_config) -> SamplingOptions:
     """`base` with the `talker_*` sampling fields a checkpoint's generation config sets (if any)."""
-    changes = {}
+    changes: dict[str, Any] = {}  # field -> value, each cast to its field's type
     for name, cast in (("temperature", float), ("top_k", int), ("top_p", float), ("repetition_penalty", float)):
         value = getattr(generation_config, f"talker_{name}", None) if generation_config is not None else None
         if value is not None:

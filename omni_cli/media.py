@@ -61,6 +61,7 @@ def read_audio(source: str | os.PathLike | bytes, name: str | None = None) -> Au
     import numpy as np
     import soundfile
 
+    data: io.BytesIO | Path  # what soundfile reads
     if isinstance(source, bytes):
         label, data = name or "stdin", io.BytesIO(source)
         if not source:
@@ -92,6 +93,7 @@ def _reason(exc: BaseException) -> str:
 def read_image(source: str | os.PathLike | bytes, name: str | None = None):
     """An image file (a path, or its bytes) as an RGB `PIL.Image` (a one-line UsageError for what Pillow
     cannot open)."""
+    path: io.BytesIO | Path  # what Pillow opens
     if isinstance(source, bytes):
         path, source = io.BytesIO(source), name or "the image"
     else:

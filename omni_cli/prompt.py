@@ -46,7 +46,7 @@ class Conversation:
 
     def messages(self, pending_user: str | list | None = None) -> list[dict]:
         """The chat template's messages: a turn with media as parts (`user_parts`)."""
-        msgs = [{"role": "system", "content": self.system}] if self.system else []
+        msgs: list[dict] = [{"role": "system", "content": self.system}] if self.system else []
         msgs += [_message(t) for t in self.turns]
         if pending_user is not None:
             msgs.append({"role": "user", "content": pending_user})
@@ -55,7 +55,7 @@ class Conversation:
     def add(self, user: str, assistant: str, media: dict | None = None) -> None:
         """A finished exchange; `media`: what the user said and showed with it ({"audio": [clips],
         "images": [images]}), which the next turns' prompts carry again."""
-        turn = {"role": "user", "content": user}
+        turn: dict = {"role": "user", "content": user}
         if media and (media.get("audio") or media.get("images")):
             turn["media"] = {"audio": list(media.get("audio") or ()), "images": list(media.get("images") or ())}
         self.turns += [turn, {"role": "assistant", "content": assistant}]

@@ -42,8 +42,8 @@ def quiet_transformers():
             hf_logging.enable_progress_bar()
 
 
-def one_line(exc: BaseException, limit: int = 300) -> str:
-    """An exception's message on one line, shortened to `limit` characters."""
+def one_line(exc: BaseException | str, limit: int = 300) -> str:
+    """An exception's message (or a message) on one line, shortened to `limit` characters."""
     text = " ".join(str(exc).split())
     if len(text) > limit:
         text = text[: limit - 3] + "..."
