@@ -24,13 +24,17 @@ import json
 import sys
 import time
 from dataclasses import dataclass
-from typing import Optional
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, Optional
 
 import typer
 
 from ..models import presets_modules
 from .options import OneLineErrors, VersionOpt  # imports neither torch nor numpy
 from .program import err_line
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    from ..config import SamplingOptions
 
 # Each family's presets module (models/<family>/presets.py) says all the bench needs of it: PRESETS
 # (name -> spec: true sizes or the built-in tiny checkpoint), build_model, prompt, steps, reference, and
@@ -70,12 +74,12 @@ class _Subject:
     """What a run needs beside the weights: the family (its presets module), its voices and default voice,
     text EOS ids and talker sampling."""
 
-    model: object
-    family: object
+    model: Any  # the library's model (torch)
+    family: ModuleType  # models/<family>/presets.py
     voices: dict
     voice: str
     eos_ids: list
-    talker_sampling: object
+    talker_sampling: SamplingOptions
 
 
 def _subject(model, family, voices: dict) -> _Subject:
