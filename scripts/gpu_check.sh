@@ -3,7 +3,10 @@
 # comes back). Steps, in the order given (default: bench tests):
 #   bench      the 7B benchmark beside transformers (JSON in $OUT/bench.json), at most 300 s
 #   schedules  the vocoder schedules side by side (omni-bench --schedules; $OUT/schedules.json), 300 s
-#   tests      tests/test_gpu.py (graphed = eager = transformers; sync_debug), at most 270 s
+#   tests      tests/test_gpu.py (graphed = eager = transformers; sync_debug; --no-graphs captures none), 330 s
+#   setup      install the wheels carried in .gpu_wheels/ (the machine has torch and transformers only)
+#   qwen3      Qwen3-Omni-30B-A3B, plain graphs (the commands' default), the issue's unit ($OUT/qwen3-plain.json)
+#   qwen25     Qwen2.5-Omni-7B compiled ($OUT/qwen25-compiled.json)
 # Each step has its own time limit so a call stays under the 600 s it may take; omni-bench prints a
 # progress line per phase on stderr, so a step cut short still shows how far it got.
 #   usage: bash scripts/gpu_check.sh [STEP ...]
@@ -19,7 +22,13 @@ for step in "${@:-bench tests}"; do
              echo "bench rc=$?"; grep '^\[omni-bench' "$out/bench.err" ;;
       schedules) timeout 300 $bench --schedules > "$out/schedules.json" 2> "$out/schedules.err"
              echo "schedules rc=$?"; grep '^\[omni-bench' "$out/schedules.err" ;;
-      tests) timeout 270 python3 -m pytest tests/test_gpu.py -q -s -p no:cacheprovider 2>&1 | grep -v DEBUG > "$out/test_gpu.log"
+      setup) python3 -m pip install -q --no-index --no-deps .gpu_wheels/*.whl 2>&1 | tail -2; echo "setup rc=$?" ;;
+      qwen3) timeout 420 python3 -m omni_cli.faces.bench --preset qwen3-omni-30b-a3b --runs 3 --prompt-tokens 60 \
+               --text-tokens 64 --frames 188 --json --no-compile > "$out/qwen3-plain.json" 2> "$out/qwen3-plain.err"
+             echo "qwen3 rc=$?"; grep '^\[omni-bench' "$out/qwen3-plain.err" | tail -5 ;;
+      qwen25) timeout 540 $bench --runs 3 > "$out/qwen25-compiled.json" 2> "$out/qwen25-compiled.err"
+             echo "qwen25 rc=$?"; grep '^\[omni-bench' "$out/qwen25-compiled.err" | tail -5 ;;
+      tests) timeout 330 python3 -m pytest tests/test_gpu.py -q -s -p no:cacheprovider -o addopts="" 2>&1 | grep -v DEBUG > "$out/test_gpu.log"
              tail -3 "$out/test_gpu.log"; grep -E "codes: ref|text eq|talker step|^E " "$out/test_gpu.log" | head -20 ;;
       *) echo "unknown step $s"; exit 2 ;;
     esac

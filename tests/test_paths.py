@@ -34,19 +34,21 @@ def test_linux_folders_are_the_ones_users_already_have(monkeypatch, tmp_path):
 
 
 @linux
-def test_they_agree_with_the_old_helpers(monkeypatch, tmp_path):
-    """ui.data_dir() and config.cache_folder() (to be switched to paths.py) give the same folders here."""
-    from omni_cli import config, ui
+def test_linux_keeps_the_folders_users_have(monkeypatch, tmp_path):
+    """The folders of the helpers paths.py replaced (ui.data_dir, config.cache_folder), exactly: a user's
+    history and caches stay where they were."""
+    from omni_cli import config
 
-    for data, cache in ((None, None), (str(tmp_path / "d"), str(tmp_path / "c"))):
-        for name, value in (("XDG_DATA_HOME", data), ("XDG_CACHE_HOME", cache)):
-            if value is None:
-                monkeypatch.delenv(name, raising=False)
-            else:
-                monkeypatch.setenv(name, value)
-        assert paths.data_dir() == ui.data_dir()
-        assert paths.default_history_file() == ui.default_history_file()
-        assert str(paths.cache_dir("serve")) == config.cache_folder("serve")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    for name in ("XDG_DATA_HOME", "XDG_CACHE_HOME"):
+        monkeypatch.delenv(name, raising=False)
+    assert paths.data_dir() == tmp_path / ".local" / "share" / "omni-cli"
+    assert paths.default_history_file() == tmp_path / ".local" / "share" / "omni-cli" / "chat_history"
+    assert config.cache_folder("serve") == str(tmp_path / ".cache" / "omni_cli" / "serve")
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "d"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "c"))
+    assert paths.data_dir() == tmp_path / "d" / "omni-cli"
+    assert config.cache_folder("serve") == str(tmp_path / "c" / "omni_cli" / "serve")
 
 
 def test_macos_and_windows_follow_their_conventions(monkeypatch, tmp_path):

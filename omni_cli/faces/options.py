@@ -65,12 +65,12 @@ class OneLineErrors(TyperCommand):
 # click's and pydantic's (typer 0.29) wordings of a number out of its range, each said one way here, so that
 # the message is the same whichever typer is installed: "--max-codes must be at least 1 (got -5)".
 _RANGES = [
-    (re.compile(r"'(?P<flag>[^']+)': (?P<got>\S+) is not in the range x>=(?P<low>[^ ,]+)"), "{flag} must be at least {low} (got {got})"),
-    (re.compile(r"'(?P<flag>[^']+)': (?P<got>\S+) is not in the range x<=(?P<high>[^ ,]+)"), "{flag} must be at most {high} (got {got})"),
-    (re.compile(r"'(?P<flag>[^']+)': (?P<got>\S+) is not in the range (?P<low>[^<]+)<=x<=(?P<high>[^ ,]+)"),
+    (re.compile(r"(?P<flag>'[^:]+'): (?P<got>\S+) is not in the range x>=(?P<low>[^ ,]+)"), "{flag} must be at least {low} (got {got})"),
+    (re.compile(r"(?P<flag>'[^:]+'): (?P<got>\S+) is not in the range x<=(?P<high>[^ ,]+)"), "{flag} must be at most {high} (got {got})"),
+    (re.compile(r"(?P<flag>'[^:]+'): (?P<got>\S+) is not in the range (?P<low>[^<]+)<=x<=(?P<high>[^ ,]+)"),
      "{flag} must be from {low} to {high} (got {got})"),
-    (re.compile(r"'(?P<flag>[^']+)': input should be greater than or equal to (?P<low>[^ ,]+)"), "{flag} must be at least {low}"),
-    (re.compile(r"'(?P<flag>[^']+)': input should be less than or equal to (?P<high>[^ ,]+)"), "{flag} must be at most {high}"),
+    (re.compile(r"(?P<flag>'[^:]+'): input should be greater than or equal to (?P<low>[^ ,]+)"), "{flag} must be at least {low}"),
+    (re.compile(r"(?P<flag>'[^:]+'): input should be less than or equal to (?P<high>[^ ,]+)"), "{flag} must be at most {high}"),
 ]
 
 
@@ -78,7 +78,9 @@ def _range_in_words(message: str) -> str:
     for pattern, words in _RANGES:
         found = pattern.search(message)
         if found is not None:
-            return words.format(**found.groupdict())
+            parts = found.groupdict()
+            parts["flag"] = parts["flag"].replace("'", "")  # "'--frames' / '--codes'" -> "--frames / --codes"
+            return words.format(**parts)
     return message
 
 
