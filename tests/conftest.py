@@ -240,3 +240,48 @@ def pytest_collection_modifyitems(config, items):
         tier = tier_of(item)
         if not any(m.name == tier for m in item.iter_markers()):
             item.add_marker(getattr(pytest.mark, tier))
+
+
+# -- the faces in-process (typer's CliRunner), with a fake assistant and sound device ---------------
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    """omni_cli.load gives a FakeAssistant (tests/fakes.py) and the speaker a FakeSoundDevice: a face's
+    own logic in milliseconds. `fake.load_args` stays None until something loads; `fake.assistant` and
+    `fake.sd` may be replaced before the command runs."""
+    from types import SimpleNamespace
+
+    import omni_cli
+    import omni_cli.audio.speaker
+    from audio_device import FakeSoundDevice
+    from fakes import FakeAssistant
+
+    state = SimpleNamespace(assistant=FakeAssistant(), load_args=None, sd=FakeSoundDevice(speed=20.0))
+
+    def load(model=None, device="auto", dtype="auto", runtime=None):
+        state.runtime = runtime  # the faces give the one RuntimeOptions whole
+        state.load_args = (model, runtime.device, runtime.dtype)
+        return state.assistant
+
+    monkeypatch.setattr(omni_cli, "load", load)
+    monkeypatch.setattr(omni_cli.audio.speaker, "import_sounddevice", lambda hint=None: state.sd)
+    return state
+
+
+def invoke(*args, input=None):
+    """omni-say ARGS in this process (CliRunner): exit_code, stdout, stderr (apart), stdout_bytes."""
+    from typer.testing import CliRunner
+
+    from omni_cli.faces.say import say_app
+
+    return CliRunner().invoke(say_app, [str(a) for a in args], prog_name="omni-say", input=input)
+
+
+def invoke_chat(*args, input=None):
+    """omni-chat ARGS in this process (CliRunner); its stdin is `input` (a pipe: one line a turn)."""
+    from typer.testing import CliRunner
+
+    from omni_cli.faces.chat.main import chat_app
+
+    return CliRunner().invoke(chat_app, [str(a) for a in args], prog_name="omni-chat", input=input)
