@@ -20,12 +20,10 @@ import subprocess
 import wave
 import sys
 import time
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import soundfile as sf
-from typer.testing import CliRunner
 
 from audio_device import FakeSoundDevice, no_alsa_device
 from fakes import FakeAssistant
