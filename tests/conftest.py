@@ -234,12 +234,24 @@ def tier_of(item) -> str:
     return exceptions.get(getattr(item, "originalname", item.name), default)
 
 
+# The files that take longest (measured on two cores, longest first), collected first: `--dist loadfile`
+# hands whole files to the two workers in collection order, so the long ones start at once and the
+# short ones fill in at the end, and the workers finish together. (xdist's own order, by the number of
+# tests in a file, sent the files of a few long tests last, test_tmux.py and test_listen.py among them,
+# with one worker going on alone; pytest_configure below turns it off.)
+LONGEST_FIRST = ("test_cli.py", "test_media_input.py", "test_serve.py", "test_keep_alive.py", "test_vocoder.py",
+                 "test_playback.py", "test_loader.py", "test_bench.py", "test_chat.py", "test_listen.py", "test_tmux.py",
+                 "test_kernels.py", "test_qwen3_cli.py", "test_microphone.py", "test_engine.py")
+
+
 @pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
 def pytest_collection_modifyitems(config, items):
     for item in items:
         tier = tier_of(item)
         if not any(m.name == tier for m in item.iter_markers()):
             item.add_marker(getattr(pytest.mark, tier))
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(Path(str(item.fspath)).name, len(rank)))  # stable: a file's own order kept
 
 
 # -- the faces in-process (typer's CliRunner), with a fake assistant and sound device ---------------
@@ -285,3 +297,11 @@ def invoke_chat(*args, input=None):
     from omni_cli.faces.chat.main import chat_app
 
     return CliRunner().invoke(chat_app, [str(a) for a in args], prog_name="omni-chat", input=input)
+
+
+def pytest_configure(config):
+    # pytest-xdist 3.8 and later order loadfile's files by their number of tests unless told
+    # --no-loadscope-reorder (an option older versions lack, hence here and not in addopts): the order of
+    # LONGEST_FIRST is the one wanted.
+    if getattr(config.option, "loadscopereorder", None) is not None:
+        config.option.loadscopereorder = False
