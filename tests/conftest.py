@@ -150,3 +150,165 @@ def no_portaudio(tmp_path_factory) -> dict[str, str]:
     env = cli_env()
     env["PYTHONPATH"] = os.pathsep.join([str(fake), env["PYTHONPATH"]])
     return env
+
+
+# -- tiers ----------------------------------------------------------------------------------------
+#
+# Every test is in exactly one tier, so that `-m unit` (seconds), `-m "unit or cli"` (before a commit),
+# `-m model` and `-m e2e` pick a part of the suite (a plain `pytest` still runs it all):
+#   unit   in-process, milliseconds to a second: fakes, pure functions, the scripted engine
+#   cli    a face driven in-process (CliRunner, ChatRepl) with a fake assistant: checks made before a model loads
+#   model  the real tiny models in-process: parity, the vocoder, the engine on the tiny model
+#   e2e    subprocesses, servers, tmux, ALSA playback
+# A test file's tier is its entry here; a test that is of another tier says so with its own marker
+# (`@pytest.mark.e2e`), or, in a file whose tests are not edited for it, by its name in the entry's
+# exceptions. A test file missing from this table fails the collection (test_tiers_cover_every_file).
+
+TIER_NAMES = ("unit", "cli", "model", "e2e")
+
+# file -> tier, or (tier, {test function name: tier}) for the tests of a file that are of another tier.
+TIERS: dict[str, str | tuple[str, dict[str, str]]] = {
+    "test_adaptive_start.py": "unit",
+    "test_atomic.py": "unit",
+    "test_detokenize.py": "unit",
+    "test_engine_scripted.py": "unit",
+    "test_faces_defects.py": "cli",
+    "test_graph_policy.py": "model",
+    "test_paths.py": "unit",
+    "test_pcm16.py": "unit",
+    "test_api_shapes.py": ("unit", {"test_client_side_imports_no_torch": "e2e"}),
+    "test_bench.py": "model",
+    "test_bytecode.py": "e2e",
+    "test_chat.py": "cli",
+    "test_cli.py": "cli",
+    "test_compat.py": "model",
+    "test_early_weights.py": "model",
+    "test_engine.py": "model",
+    "test_families.py": ("unit", {"test_voices_come_from_each_checkpoint_without_torch": "e2e"}),
+    "test_gpu.py": "model",
+    "test_keep_alive.py": ("e2e", {"test_durations": "unit"}),
+    "test_kernels.py": "model",
+    "test_listen.py": "e2e",
+    "test_loader.py": ("unit", {"test_load_tiny": "model", "test_load_tiny_bfloat16_keeps_token2wav_float32": "model",
+                                "test_corrupt_weights": "model", "test_the_demo_model_runs_on_one_cpu_thread": "e2e"}),
+    "test_media_input.py": ("model", {"test_dropping_old_turns_drops_their_media": "unit",
+                                      "test_a_clip_longer_than_the_context_is_one_line": "e2e",
+                                      "test_say_image_and_its_errors": "e2e",
+                                      "test_say_audio_from_a_file_and_from_stdin": "e2e",
+                                      "test_a_file_that_is_not_audio_is_one_line": "e2e",
+                                      "test_qwen3_hears_a_file_too": "e2e"}),
+    "test_microphone.py": ("unit", {name: "e2e" for name in (
+        "test_record_returns_the_devices_samples_bit_for_bit", "test_vad_ends_the_turn_after_the_speech_and_the_silence",
+        "test_without_vad_the_limit_ends_it_and_the_quiet_end_is_trimmed",
+        "test_on_level_reports_each_tenth_of_a_second_as_it_is_recorded",
+        "test_stop_ends_the_recording_at_once_and_keeps_it", "test_ctrl_c_stops_the_stream_and_reraises_with_the_recording",
+        "test_a_silent_microphone_is_an_error_that_carries_the_clip", "test_a_device_at_48_khz_needs_no_resampling_for_the_vad",
+        "test_input_devices_list_the_alsa_microphone_and_unknown_names_are_one_line_errors")}),
+    "test_parity.py": "model",
+    "test_playback.py": "e2e",
+    "test_qwen3_cli.py": "e2e",
+    "test_qwen3_code2wav.py": "model",
+    "test_qwen3_parity.py": "model",
+    "test_qwen3_steps.py": "model",
+    "test_random_checkpoint.py": "model",
+    "test_sampling.py": "unit",
+    "test_serve.py": "e2e",
+    "test_sink_thread.py": ("unit", {"test_an_interrupted_turn_aborts_the_wav_on_its_own_thread": "model",
+                                     "test_a_completed_turn_closes_the_wav_on_its_own_thread": "model"}),
+    "test_sinks.py": "unit",
+    "test_tiers.py": "unit",
+    "test_tiny_assets.py": "model",
+    "test_tiny_qwen3_assets.py": "model",
+    "test_tmux.py": "e2e",
+    "test_vocoder.py": "model",
+}
+
+
+def tier_of(item) -> str:
+    """The one tier of a collected test: its own tier marker, else its file's entry in TIERS."""
+    own = [m.name for m in item.iter_markers() if m.name in TIER_NAMES]
+    if len(set(own)) > 1:
+        raise pytest.UsageError(f"{item.nodeid} is marked with more than one tier: {sorted(set(own))}")
+    if own:
+        return own[0]
+    name = Path(str(item.fspath)).name
+    entry = TIERS.get(name)
+    if entry is None:
+        raise pytest.UsageError(f"{name} is not in tests/conftest.py's TIERS: give it a tier ({', '.join(TIER_NAMES)})")
+    if isinstance(entry, str):
+        return entry
+    default, exceptions = entry
+    return exceptions.get(getattr(item, "originalname", item.name), default)
+
+
+# The files that take longest (measured on two cores, longest first), collected first: `--dist loadfile`
+# hands whole files to the two workers in collection order, so the long ones start at once and the
+# short ones fill in at the end, and the workers finish together. (xdist's own order, by the number of
+# tests in a file, sent the files of a few long tests last, test_tmux.py and test_listen.py among them,
+# with one worker going on alone; pytest_configure below turns it off.)
+LONGEST_FIRST = ("test_cli.py", "test_media_input.py", "test_serve.py", "test_keep_alive.py", "test_vocoder.py",
+                 "test_playback.py", "test_loader.py", "test_bench.py", "test_chat.py", "test_listen.py", "test_tmux.py",
+                 "test_kernels.py", "test_qwen3_cli.py", "test_microphone.py", "test_engine.py")
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        tier = tier_of(item)
+        if not any(m.name == tier for m in item.iter_markers()):
+            item.add_marker(getattr(pytest.mark, tier))
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(Path(str(item.fspath)).name, len(rank)))  # stable: a file's own order kept
+
+
+# -- the faces in-process (typer's CliRunner), with a fake assistant and sound device ---------------
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    """omni_cli.load gives a FakeAssistant (tests/fakes.py) and the speaker a FakeSoundDevice: a face's
+    own logic in milliseconds. `fake.load_args` stays None until something loads; `fake.assistant` and
+    `fake.sd` may be replaced before the command runs."""
+    from types import SimpleNamespace
+
+    import omni_cli
+    import omni_cli.audio.speaker
+    from audio_device import FakeSoundDevice
+    from fakes import FakeAssistant
+
+    state = SimpleNamespace(assistant=FakeAssistant(), load_args=None, sd=FakeSoundDevice(speed=20.0))
+
+    def load(model=None, device="auto", dtype="auto", runtime=None):
+        state.runtime = runtime  # the faces give the one RuntimeOptions whole
+        state.load_args = (model, runtime.device, runtime.dtype)
+        return state.assistant
+
+    monkeypatch.setattr(omni_cli, "load", load)
+    monkeypatch.setattr(omni_cli.audio.speaker, "import_sounddevice", lambda hint=None: state.sd)
+    return state
+
+
+def invoke(*args, input=None):
+    """omni-say ARGS in this process (CliRunner): exit_code, stdout, stderr (apart), stdout_bytes."""
+    from typer.testing import CliRunner
+
+    from omni_cli.faces.say import say_app
+
+    return CliRunner().invoke(say_app, [str(a) for a in args], prog_name="omni-say", input=input)
+
+
+def invoke_chat(*args, input=None):
+    """omni-chat ARGS in this process (CliRunner); its stdin is `input` (a pipe: one line a turn)."""
+    from typer.testing import CliRunner
+
+    from omni_cli.faces.chat.main import chat_app
+
+    return CliRunner().invoke(chat_app, [str(a) for a in args], prog_name="omni-chat", input=input)
+
+
+def pytest_configure(config):
+    # pytest-xdist 3.8 and later order loadfile's files by their number of tests unless told
+    # --no-loadscope-reorder (an option older versions lack, hence here and not in addopts): the order of
+    # LONGEST_FIRST is the one wanted.
+    if getattr(config.option, "loadscopereorder", None) is not None:
+        config.option.loadscopereorder = False

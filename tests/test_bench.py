@@ -70,6 +70,7 @@ def test_tiny_bench_json_has_every_metric_at_the_forced_lengths(capsys):
     assert abs(ours["total_s"] - sum(walls) / 2) <= 0.006
 
 
+@pytest.mark.unit
 def test_median_is_a_median():
     assert _median([3.0, 1.0, 2.0]) == 2.0
     assert _median([1.0, 3.0]) == 2.0  # not the slower of two runs
@@ -81,6 +82,7 @@ def test_median_is_a_median():
 
 @pytest.mark.parametrize("args", [["--bogus"], ["--codes", "abc"], ["--codes", "0"], ["--runs", "-1"],
                                   ["--runs"], ["surplus"]])
+@pytest.mark.cli
 def test_usage_errors_are_one_line_with_exit_code_2(capsys, args):
     code, out, err = bench(capsys, "--preset", "tiny", "--device", "cpu", *args)
     assert code == 2
@@ -90,6 +92,7 @@ def test_usage_errors_are_one_line_with_exit_code_2(capsys, args):
     assert args[0] in lines[0]  # it names what was wrong
 
 
+@pytest.mark.cli
 def test_unknown_preset_is_one_error_line(capsys):
     code, out, err = bench(capsys, "--preset", "qwen9", "--device", "cpu")
     assert code == 2 and out == ""
@@ -105,6 +108,7 @@ def _absent_devices():
 
 
 @pytest.mark.parametrize("name", _absent_devices())
+@pytest.mark.cli
 def test_a_device_that_is_not_here_is_the_loaders_one_line_error(capsys, name):
     from omni_cli.errors import UsageError
     from omni_cli.loader import pick_device
@@ -117,6 +121,7 @@ def test_a_device_that_is_not_here_is_the_loaders_one_line_error(capsys, name):
 
 
 @pytest.mark.parametrize("preset", ["qwen2.5-omni-7b", "qwen2.5-omni-3b", "qwen3-omni-30b-a3b"])
+@pytest.mark.cli
 def test_a_full_size_preset_on_the_cpu_is_refused_naming_the_tiny_one(capsys, preset):
     t = time.perf_counter()
     code, out, err = bench(capsys, "--preset", preset, "--device", "cpu")
@@ -126,6 +131,7 @@ def test_a_full_size_preset_on_the_cpu_is_refused_naming_the_tiny_one(capsys, pr
     assert time.perf_counter() - t < 5  # refused before anything is built
 
 
+@pytest.mark.unit
 def test_default_preset_follows_the_device(capsys):
     assert _pick_preset(None, torch.device("cuda")) == DEFAULT_PRESET == "qwen2.5-omni-7b"
     assert capsys.readouterr().err == ""
@@ -134,6 +140,7 @@ def test_default_preset_follows_the_device(capsys):
     assert _pick_preset("qwen2.5-omni-3b", torch.device("cuda")) == "qwen2.5-omni-3b"
 
 
+@pytest.mark.e2e
 def test_no_preset_on_the_cpu_runs_tiny_says_so_once_and_nothing_else():
     """The program as a user runs it: no --preset on the CPU is the tiny preset, with one note; stderr
     holds that note and the progress lines only (no transformers config warnings); stdout is the JSON."""
@@ -224,6 +231,7 @@ def test_tiny_qwen3_table_names_frames(capsys):
 
 
 @pytest.mark.parametrize("args", [["--schedules"], ["--variants"], ["--prompt-tokens", "8"]])
+@pytest.mark.cli
 def test_qwen3_refuses_what_it_lacks_in_one_line(capsys, args):
     code, out, err = bench(capsys, "--preset", "tiny-qwen3", "--device", "cpu", *args)
     assert code == 2 and out == ""
@@ -258,6 +266,7 @@ def test_qwen3_30b_config_is_the_real_model():
     assert PRESETS["qwen3-omni-30b-a3b"]["parameters"] == 35.26e9  # what build_model checks it against
 
 
+@pytest.mark.e2e
 def test_each_family_gives_the_bench_the_same_names_and_its_own_presets():
     """bench.py knows no family: each presets module has the same interface, its steps a second are its
     package's, and every preset name maps to the family that owns it; importing it all needs no torch."""

@@ -2,7 +2,7 @@
 multi-line input, Ctrl-C (on the prompt, and during a reply: the sound stops, the session goes on),
 Ctrl-D, /set and /show, /save and /load, exit codes in piped mode, input that is not UTF-8, and the
 streaming word wrap; then with the real tiny model in-process (a paced fake sound device) and as a
-subprocess reading a script on stdin.
+subprocess reading a script on stdin; piped input and its exit codes in-process (CliRunner).
 
 A real terminal (tmux) is in test_tmux.py; real PortAudio playback of a chat turn in test_playback.py.
 """
@@ -14,7 +14,6 @@ import json
 import os
 import random
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -28,7 +27,7 @@ from prompt_toolkit.input import create_pipe_input
 from prompt_toolkit.output import DummyOutput
 
 from audio_device import FakeSoundDevice
-from conftest import cli_env
+from conftest import cli_env, invoke_chat
 from fakes import FakeAssistant
 from omni_cli.faces.chat.loop import ChatRepl, line_reader
 from omni_cli.config import ReplyOptions
@@ -290,6 +289,7 @@ def test_history_off_by_env(monkeypatch):
         assert history_disabled_by_env() is off
 
 
+@pytest.mark.unit
 def test_line_reader_for_pipes():
     read = line_reader(io.StringIO("one\r\ntwo\n"))
     assert (read(">>> "), read(">>> ")) == ("one", "two")
@@ -300,6 +300,7 @@ def test_line_reader_for_pipes():
 # -- input that is not UTF-8 ------------------------------------------------------------------
 
 
+@pytest.mark.unit
 def test_line_reader_decodes_strictly_and_names_the_bad_byte():
     read = line_reader(io.BytesIO("\ufeffok\r\nnaïve\ncaf\xe9\n".encode("utf-8").replace(b"caf\xc3\xa9", b"caf\xe9")))
     assert read(">>> ") == "ok"  # the byte-order mark is not part of the message
@@ -334,6 +335,7 @@ def test_undecodable_text_from_a_terminal_is_one_error_and_the_session_goes_on()
     assert s.run_lines("caf\udce9") == 0  # a person saw the error: the exit code stays 0
 
 
+@pytest.mark.unit
 def test_check_prompt_names_a_lone_surrogate():
     with pytest.raises(UsageError, match=r"^the prompt holds a lone surrogate U\+D800 at character 1 of line 2, "):
         check_prompt("a\n\ud800")
@@ -573,6 +575,7 @@ def wrap(width, *pieces):
     return "".join(w.feed(p) for p in pieces) + w.end()
 
 
+@pytest.mark.unit
 def test_stream_wrapper_tricky_input():
     assert wrap(10, "hello wor", "ld this is a test") == "hello\nworld this\nis a test"  # a word split by deltas
     assert wrap(10, "a  b   c") == "a  b   c"  # spaces inside a line are kept
@@ -589,6 +592,7 @@ def test_stream_wrapper_tricky_input():
     assert wrap(1, "ab c") == "a\nb\nc"
 
 
+@pytest.mark.unit
 def test_stream_wrapper_streams_without_waiting_for_the_end():
     w = StreamWrapper(10)
     assert w.feed("Hello") == ""  # the word may still grow
@@ -601,6 +605,7 @@ def test_stream_wrapper_streams_without_waiting_for_the_end():
     assert w.column == 10
 
 
+@pytest.mark.unit
 def test_stream_wrapper_any_split_gives_the_same_lines():
     rng = random.Random(0)
     words = ["a", "to", "the", "words", "streamed", "hippopotamus", "x" * 23, "", "\n", "  "]
@@ -650,6 +655,7 @@ def tiny():
     return omni_cli.load(runtime=RuntimeOptions(max_context=512))
 
 
+@pytest.mark.model
 def test_real_turns_with_the_tiny_model(tiny):
     s = Session(assistant=tiny, sd=FakeSoundDevice(speed=50.0), options=ReplyOptions(seed=0, max_text_tokens=6, max_codes=40))
     s.run("Hello\r/voice Ethan\rAnd you?\r/stats\r\x04")
@@ -672,6 +678,7 @@ def hang_guard():
     faulthandler.cancel_dump_traceback_later()
 
 
+@pytest.mark.model
 def test_real_ctrl_c_during_a_reply_with_the_tiny_model(tiny, hang_guard):
     # A 30 s reply played at real time (seed 2: the tiny model says 1500 codes; a reply that ended before
     # the Ctrl-C would let it reach pytest); Ctrl-C after 1 s: generation and sound stop within 200 ms.
@@ -696,6 +703,7 @@ def test_real_ctrl_c_during_a_reply_with_the_tiny_model(tiny, hang_guard):
     assert len(s.repl.chat.history.turns) == 2 and s.repl.replies == 1
 
 
+@pytest.mark.model
 def test_real_context_overflow_drops_the_oldest_turns(tiny, caplog):
     # The library logs the note (it never prints); omni-chat's command shows it as "note: ..." on stderr.
     caplog.set_level("INFO", logger="omni_cli")
@@ -707,6 +715,7 @@ def test_real_context_overflow_drops_the_oldest_turns(tiny, caplog):
     assert len(s.repl.transcript) == 16 and len(s.repl.chat.history.turns) < 16
 
 
+@pytest.mark.model
 def test_real_surrogates_are_a_usage_error_not_a_tokenizer_type_error(tiny):
     with pytest.raises(UsageError, match=r"^the prompt is not UTF-8 text \(byte 0xe9 at character 4\)"):
         tiny.say("caf\udce9", text_only=True)
@@ -714,6 +723,7 @@ def test_real_surrogates_are_a_usage_error_not_a_tokenizer_type_error(tiny):
         tiny.conversation(system="pir\udce9te").say("Hello", text_only=True)
 
 
+@pytest.mark.model
 def test_real_save_and_load_give_the_prompt_of_a_session_that_never_stopped(tiny, tmp_path):
     # Long messages in a small context, so that older exchanges were dropped from the model's history:
     # the loaded session must prompt the model with exactly what the first one would have.
@@ -743,6 +753,7 @@ def test_real_save_and_load_give_the_prompt_of_a_session_that_never_stopped(tiny
     assert second.repl.chat.history == first.repl.chat.history
 
 
+@pytest.mark.model
 def test_real_load_gives_the_turns_their_clips_back(tiny, tmp_path):
     """A clip said with a message stays in the model's history (the next turns hear it again), and a
     saved and loaded session has it there too: its next prompt is the one the first session would send.
@@ -781,6 +792,7 @@ def test_real_load_gives_the_turns_their_clips_back(tiny, tmp_path):
 # -- omni-chat as a subprocess, reading a script on stdin -----------------------------------------
 
 
+@pytest.mark.e2e
 def test_chat_script_on_stdin(run_chat, tmp_path):
     script = "Hello\n/voice Ethan\n\"\"\"\nTwo\nlines\n\"\"\"\n/frob\n/save talk\n"
     result = run_chat("--mute", "--seed", "0", "--max-text-tokens", "5", input=script, cwd=tmp_path,
@@ -795,40 +807,49 @@ def test_chat_script_on_stdin(run_chat, tmp_path):
     assert [t["content"] for t in turns[::2]] == ["Hello", "Two\nlines"]
 
 
-def test_chat_bad_model_and_no_device(run_chat, tmp_path):
-    from audio_device import no_alsa_device
-
-    result = run_chat("-m", tmp_path / "nope", "--mute", input="")
-    assert (result.returncode, result.stdout) == (2, "")
+def test_chat_bad_model(fake, tmp_path):
+    result = invoke_chat("-m", tmp_path / "nope", "--mute", input="")
+    assert (result.exit_code, result.stdout) == (2, "")
     assert result.stderr == (f"error: model folder {tmp_path / 'nope'} does not exist (pass a model folder or a hub id "
                              "such as Qwen/Qwen2.5-Omni-7B)\n")
+    assert fake.load_args is None
+
+
+@pytest.mark.e2e
+def test_chat_without_a_sound_device(run_chat, tmp_path):
+    # PortAudio itself finds no device (ALSA's configuration, read as sounddevice is imported): a program run.
+    from audio_device import no_alsa_device
+
     result = run_chat(input="", env=cli_env(**no_alsa_device(tmp_path)))
     assert result.returncode == 1
     assert result.stderr.startswith("error: cannot play audio: no sound output device found")
     assert "start omni-chat with --mute" in result.stderr and result.stderr.count("\n") == 1
 
 
-def _omni_chat_piped(stdin: bytes, tmp_path, *args: str) -> subprocess.CompletedProcess:
-    """`printf ... | omni-chat --mute ARGS`: real bytes on a real pipe (run_chat would encode text)."""
-    return subprocess.run([sys.executable, "-m", "omni_cli.faces.chat.main", "--mute", "--max-text-tokens", "4", *args],
-                          input=stdin, capture_output=True, cwd=tmp_path, timeout=600,
-                          env=cli_env(OMNI_NOHISTORY="1"))
+def _omni_chat_piped(stdin: bytes, *args: str):
+    """`printf ... | omni-chat --mute ARGS` in this process (CliRunner: stdin is not a terminal, so the
+    chat reads it a line at a time, as bytes), with the fake assistant; its Result."""
+    return invoke_chat("--mute", "--max-text-tokens", "4", *args, input=stdin)
 
 
-def test_chat_piped_non_utf8_input_is_one_error_line_and_exit_2(tmp_path):
-    result = _omni_chat_piped(b"caf\xe9\nhello\n", tmp_path)
-    assert result.returncode == 2 and result.stdout == b""
-    err = [line for line in result.stderr.decode().splitlines() if not line.startswith("note: ")]
+def test_chat_piped_non_utf8_input_is_one_error_line_and_exit_2(fake, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("OMNI_NOHISTORY", "1")
+    result = _omni_chat_piped(b"caf\xe9\nhello\n")
+    assert result.exit_code == 2 and result.stdout == ""
+    err = [line for line in result.stderr.splitlines() if not line.startswith("note: ")]
     assert err == ["error: stdin is not UTF-8 text (byte 0xe9 on line 1, at offset 3): convert it first, "
                    "e.g. iconv -f latin1 -t utf-8"]
+    assert fake.assistant.calls == []  # nothing after the bad line was said
 
 
-def test_chat_piped_failures_give_a_non_zero_exit_after_the_rest_ran(tmp_path):
-    # A fixed seed: the tiny model's gibberish may hold a newline, and the replies are counted by line.
-    result = _omni_chat_piped(b"Hello\n/save no/such/folder/x\n/frob\nAgain\n/save talk\n", tmp_path, "--seed", "0")
-    assert result.returncode == 1, result.stderr  # a runtime failure (the /save) among them
-    assert len(result.stdout.decode().splitlines()) == 2  # both messages were answered
-    err = result.stderr.decode().splitlines()
+def test_chat_piped_failures_give_a_non_zero_exit_after_the_rest_ran(fake, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("OMNI_NOHISTORY", "1")
+    result = _omni_chat_piped(b"Hello\n/save no/such/folder/x\n/frob\nAgain\n/save talk\n", "--seed", "0")
+    assert result.exit_code == 1, result.stderr  # a runtime failure (the /save) among them
+    assert len(result.stdout.splitlines()) == 2  # both messages were answered
+    err = result.stderr.splitlines()
     assert f"error: cannot write {os.path.join('no', 'such', 'folder', 'x.json')}: folder " \
            f"{os.path.join('no', 'such', 'folder')} does not exist" in err
     assert len(json.loads((tmp_path / "talk.json").read_text())["turns"]) == 4

@@ -14,21 +14,20 @@ from __future__ import annotations
 import io
 import logging
 import os
+import shlex
 import signal
 import subprocess
 import wave
 import sys
 import time
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import soundfile as sf
-from typer.testing import CliRunner
 
 from audio_device import FakeSoundDevice, no_alsa_device
 from fakes import FakeAssistant
-from conftest import REPO_ROOT, cli_env
+from conftest import REPO_ROOT, cli_env, invoke, invoke_chat
 
 HEAVY = ("torch", "transformers", "numpy", "soundfile", "huggingface_hub", "sounddevice")
 
@@ -36,6 +35,7 @@ HEAVY = ("torch", "transformers", "numpy", "soundfile", "huggingface_hub", "soun
 # -- startup ------------------------------------------------------------------------------------
 
 
+@pytest.mark.e2e
 def test_help_is_instant_and_exits_0(run_cli):
     start = time.perf_counter()
     result = run_cli("--help", timeout=60)
@@ -49,6 +49,7 @@ def test_help_is_instant_and_exits_0(run_cli):
     assert elapsed < 5, f"--help took {elapsed:.1f} s"
 
 
+@pytest.mark.e2e
 def test_importing_the_cli_imports_no_torch():
     code = (
         "import sys, omni_cli, omni_cli.faces.say, omni_cli.config, omni_cli.errors, omni_cli.audio.sinks, omni_cli.audio.speaker, "
@@ -61,6 +62,7 @@ def test_importing_the_cli_imports_no_torch():
     assert result.stdout.strip() == ""
 
 
+@pytest.mark.e2e
 def test_help_imports_no_torch():
     code = (
         "import sys, runpy\n"
@@ -76,6 +78,7 @@ def test_help_imports_no_torch():
     assert result.stdout.strip().splitlines()[-1] == "HEAVY:"
 
 
+@pytest.mark.e2e
 def test_chat_help_is_instant(run_chat):
     start = time.perf_counter()
     result = run_chat("--help", timeout=60)
@@ -90,7 +93,10 @@ def test_chat_help_is_instant(run_chat):
 
 
 def assert_one_error_line(result, code: int, stdout: str = "") -> str:
-    assert result.returncode == code, (result.returncode, result.stderr)
+    """One `error:` line on stderr, exit `code`, `stdout` on stdout: a subprocess's CompletedProcess or
+    CliRunner's Result."""
+    returncode = result.returncode if hasattr(result, "returncode") else result.exit_code
+    assert returncode == code, (returncode, result.stderr)
     assert "Traceback" not in result.stderr
     lines = result.stderr.splitlines()
     assert len(lines) == 1, result.stderr
@@ -122,16 +128,16 @@ def _copy_of_tiny(tiny, path, **replace: bytes):
 
 
 def bad_input_cases():
-    # (id, extra args builder, expected exit code, words in the message)
+    # (id, extra args builder, expected exit code, words in the message): each refused before the weights
+    # are read (by the face, or by the loader's first checks; no server is asked, started or stopped), so
+    # run in this process with the real loader. Weights that cannot be read are found by the load itself:
+    # test_corrupt_weights_through_the_program.
     return [
-        # a usage error found before anything starts (no server is asked, started or stopped)
         ("missing-model-folder", lambda d, tiny: ["-m", d / "nope"], 2, ["does not exist", "nope"]),
         ("folder-without-config", lambda d, tiny: ["-m", _folder(d / "empty")], 1, ["no config.json"]),
         ("not-omni", lambda d, tiny: ["-m", _llama(d / "llama")], 1, ["llama", "not Qwen2.5-Omni", "Qwen3-Omni"]),
         ("corrupt-config", lambda d, tiny: ["-m", _copy_of_tiny(tiny, d / "c", **{"config.json": b"{not json"})], 1,
          ["config.json cannot be read"]),
-        ("corrupt-weights", lambda d, tiny: ["-m", _copy_of_tiny(tiny, d / "w", **{"model.safetensors": b"\0garbage" * 64})], 1,
-         ["cannot load the weights"]),
         ("hub-id-offline", lambda d, tiny: ["-m", "nobody/no-such-omni"], 1, ["nobody/no-such-omni", "hf download"]),
         ("unknown-voice", lambda d, tiny: ["-m", tiny, "-v", "Bob"], 2, ["Bob", "Chelsie", "Ethan"]),
         ("bad-device", lambda d, tiny: ["-m", tiny, "--device", "tpu"], 2, ["tpu"]),
@@ -140,45 +146,61 @@ def bad_input_cases():
 
 
 @pytest.mark.parametrize("case", bad_input_cases(), ids=lambda c: c[0])
-def test_bad_input(run_cli, tmp_path, tiny_model_dir, case):
+def test_bad_input(tmp_path, tiny_model_dir, monkeypatch, case):
     _, build, code, words = case
+    monkeypatch.chdir(tmp_path)
     out_dir = tmp_path / "out"
     out_dir.mkdir()
     out = out_dir / "reply.wav"
-    result = run_cli("hello", "-o", out, *build(tmp_path, tiny_model_dir), cwd=tmp_path)
+    result = invoke("hello", "-o", out, *build(tmp_path, tiny_model_dir))
     line = assert_one_error_line(result, code)
     for word in words:
         assert word in line
     assert os.listdir(out_dir) == []
 
 
-def test_empty_prompt(run_cli, tmp_path):
-    out = tmp_path / "reply.wav"
-    result = run_cli("   ", "-o", out, cwd=tmp_path)
+@pytest.mark.e2e
+def test_corrupt_weights_through_the_program(run_cli, tmp_path, tiny_model_dir):
+    """The load itself fails: one line through the real program (the library's own logging included), no file."""
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    model = _copy_of_tiny(tiny_model_dir, tmp_path / "w", **{"model.safetensors": b"\0garbage" * 64})
+    result = run_cli("hello", "-o", out_dir / "reply.wav", "-m", model, cwd=tmp_path)
+    assert "cannot load the weights" in assert_one_error_line(result, 1)
+    assert os.listdir(out_dir) == []
+
+
+def test_empty_prompt(fake, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    result = invoke("   ", "-o", tmp_path / "reply.wav")
     assert assert_one_error_line(result, 2) == 'error: empty prompt: say something, e.g. omni-say "Hello"'
     assert os.listdir(tmp_path) == []
 
 
-def test_no_prompt_at_all(run_cli, tmp_path):
-    result = run_cli("-o", tmp_path / "x.wav", cwd=tmp_path)
+def test_no_prompt_at_all(fake, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    result = invoke("-o", tmp_path / "x.wav")  # stdin empty, as /dev/null
     line = assert_one_error_line(result, 2)
     assert line.startswith("error: no prompt") and "echo Hello | omni-say" in line
     assert os.listdir(tmp_path) == []
 
 
-def test_empty_stdin_and_no_argument(run_cli, tmp_path):
-    result = run_cli("-o", tmp_path / "x.wav", input=b"  \n\n", cwd=tmp_path)
+def test_empty_stdin_and_no_argument(fake, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    result = invoke("-o", tmp_path / "x.wav", input=b"  \n\n")
     assert assert_one_error_line(result, 2).startswith("error: empty prompt")
     assert os.listdir(tmp_path) == []
 
 
-def test_stdin_that_is_not_utf8(run_cli, tmp_path):
-    result = run_cli("-o", tmp_path / "x.wav", input="caf\u00e9 au lait".encode("latin-1"), cwd=tmp_path)
+def test_stdin_that_is_not_utf8(fake, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    result = invoke("-o", tmp_path / "x.wav", input="caf\u00e9 au lait".encode("latin-1"))
     line = assert_one_error_line(result, 2)
     assert "not UTF-8" in line and "0xe9" in line and "offset 3" in line and "iconv" in line
     assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.e2e
 def test_closed_stdin_is_no_stdin(tmp_path):
     # `<&-`: file descriptor 0 closed (sys.stdin is None): the argument alone is the prompt.
     cmd = f'exec "{sys.executable}" -m omni_cli.faces.say -o "{tmp_path / "x.wav"}" "   " <&-'
@@ -191,6 +213,7 @@ def test_closed_stdin_is_no_stdin(tmp_path):
     assert result.returncode == 2 and result.stderr.startswith("error: no prompt"), result.stderr
 
 
+@pytest.mark.e2e
 def test_prompt_longer_than_the_context(run_cli, tmp_path):
     # Longer than the tokenizer's own model_max_length (32768) too, where transformers used to log
     # "Token indices sequence length is longer than..." ahead of our error.
@@ -204,38 +227,47 @@ def test_prompt_longer_than_the_context(run_cli, tmp_path):
     assert os.listdir(tmp_path) == []
 
 
-def test_unwritable_output_before_loading(run_cli, tmp_path):
+def test_unwritable_output_before_loading(fake, tmp_path, monkeypatch):
     # An invalid model too: the output is checked first, so this fails on the output alone and fast.
     # A hub id passes the check of the model's name (a path that does not exist would not): the output's is first.
-    result = run_cli("hello", "-o", "/nonexistent/dir/x.wav", "-m", "nobody/no-such-model", cwd=tmp_path)
+    monkeypatch.chdir(tmp_path)
+    result = invoke("hello", "-o", "/nonexistent/dir/x.wav", "-m", "nobody/no-such-model")
     line = assert_one_error_line(result, 1)
     assert "/nonexistent/dir/x.wav" in line
     assert not os.path.exists("/nonexistent")
+    assert fake.load_args is None
 
 
-def test_output_is_a_folder(run_cli, tmp_path):
-    result = run_cli("hello", "-o", tmp_path, cwd=tmp_path)
-    assert result.returncode == 2
+def test_output_is_a_folder(fake, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    result = invoke("hello", "-o", tmp_path)
+    assert result.exit_code == 2
     assert "Traceback" not in result.stderr
+    assert fake.load_args is None
 
 
-def test_text_only_with_an_output_is_a_usage_error(run_cli, tmp_path):
+def test_text_only_with_an_output_is_a_usage_error(fake, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
     for extra in (["-o", tmp_path / "x.wav"], ["--play"]):
-        result = run_cli("hello", "--text-only", *extra, cwd=tmp_path)
+        result = invoke("hello", "--text-only", *extra)
         assert "--text-only makes no speech" in assert_one_error_line(result, 2)
     assert os.listdir(tmp_path) == []
 
 
-def test_omni_model_env_is_the_default(run_cli, tmp_path):
-    result = run_cli("hello", "-o", tmp_path / "x.wav", env=cli_env(OMNI_MODEL=str(tmp_path / "gone")), cwd=tmp_path)
+def test_omni_model_env_is_the_default(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the real loader: it reads OMNI_MODEL
+    monkeypatch.setenv("OMNI_MODEL", str(tmp_path / "gone"))
+    result = invoke("hello", "-o", tmp_path / "x.wav")
     assert "gone does not exist" in assert_one_error_line(result, 1)
 
 
-def test_default_model_says_it_is_a_demo(run_cli, tmp_path, tiny_model_dir):
-    result = run_cli("--list-voices", cwd=tmp_path)
-    assert (result.returncode, result.stdout) == (0, "Chelsie\nEthan\n")
+def test_default_model_says_it_is_a_demo(fake, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    result = invoke("--list-voices")
+    assert (result.exit_code, result.stdout) == (0, "Chelsie\nEthan\n")
     (notice,) = result.stderr.splitlines()
     assert notice.startswith("note: ") and "random" in notice and "OMNI_MODEL" in notice
+    assert fake.load_args is None
 
 
 def _importtime_run(*args, cwd=None, input=None):
@@ -255,6 +287,7 @@ VOICES = {"qwen2.5": ([], ["Chelsie", "Ethan"]),
 
 
 @pytest.mark.parametrize("family", list(VOICES))
+@pytest.mark.e2e
 def test_unknown_voice_is_refused_before_the_model_loads(tmp_path, family):
     # The voices are read without torch; the demo notice is left to the load that never happens.
     model_args, voices = VOICES[family]
@@ -270,6 +303,7 @@ def test_unknown_voice_is_refused_before_the_model_loads(tmp_path, family):
 
 
 @pytest.mark.parametrize("family", list(VOICES))
+@pytest.mark.e2e
 def test_list_voices_imports_no_torch(tmp_path, family):
     model_args, voices = VOICES[family]
     result, imported, rest = _importtime_run("--list-voices", "-q", *model_args, cwd=tmp_path)
@@ -280,6 +314,7 @@ def test_list_voices_imports_no_torch(tmp_path, family):
 
 
 @pytest.mark.parametrize("module, name", [("omni_cli.faces.say", "omni-say"), ("omni_cli.faces.chat.main", "omni-chat")])
+@pytest.mark.e2e
 def test_version_is_instant(module, name):
     import omni_cli
 
@@ -300,6 +335,7 @@ def test_version_is_instant(module, name):
 # -- no sound: errors that say what to do -------------------------------------------------------
 
 
+@pytest.mark.e2e
 def test_no_portaudio(run_cli, tmp_path, no_portaudio):
     # An invalid model too: the sound device is checked before the model loads.
     result = run_cli("hello", "-m", "nobody/no-such-model", env=no_portaudio, cwd=tmp_path)
@@ -308,6 +344,7 @@ def test_no_portaudio(run_cli, tmp_path, no_portaudio):
     assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.e2e
 def test_no_audio_device(run_cli, tmp_path):
     result = run_cli("hello", "-m", "nobody/no-such-model", env=cli_env(**no_alsa_device(tmp_path / "alsa")), cwd=tmp_path)
     line = assert_one_error_line(result, 1)
@@ -315,40 +352,19 @@ def test_no_audio_device(run_cli, tmp_path):
     assert os.listdir(tmp_path) == ["alsa"]
 
 
+@pytest.mark.e2e
 def test_list_audio_devices_without_any(run_cli, tmp_path):
     result = run_cli("--list-audio-devices", env=cli_env(**no_alsa_device(tmp_path)))
     assert (result.returncode, result.stdout, result.stderr) == (0, "", "no audio output devices\n")
 
 
+@pytest.mark.e2e
 def test_list_audio_devices_without_portaudio(run_cli, no_portaudio):
     result = run_cli("--list-audio-devices", env=no_portaudio)
     assert "apt-get install libportaudio2" in assert_one_error_line(result, 1)
 
 
 # -- the CLI's own logic, against a fake assistant and a fake sound device (fast, no model) -----
-
-
-@pytest.fixture
-def fake(monkeypatch):
-    import omni_cli
-    import omni_cli.audio.speaker
-
-    state = SimpleNamespace(assistant=FakeAssistant(), load_args=None, sd=FakeSoundDevice(speed=20.0))
-
-    def load(model=None, device="auto", dtype="auto", runtime=None):
-        state.runtime = runtime  # the faces give the one RuntimeOptions whole
-        state.load_args = (model, runtime.device, runtime.dtype)
-        return state.assistant
-
-    monkeypatch.setattr(omni_cli, "load", load)
-    monkeypatch.setattr(omni_cli.audio.speaker, "import_sounddevice", lambda hint=None: state.sd)
-    return state
-
-
-def invoke(*args, input=None):
-    from omni_cli.faces.say import say_app
-
-    return CliRunner().invoke(say_app, [str(a) for a in args], prog_name="omni-say", input=input)
 
 
 def test_flags_reach_the_assistant(fake, tmp_path, tiny_model_dir):
@@ -624,16 +640,19 @@ def test_load_failure_leaves_no_file(monkeypatch, tmp_path):
 # -- real runs with the built-in tiny model (need the engine) -----------------------------------
 
 
+@pytest.mark.e2e
 def test_real_run_writes_a_whole_wav_and_the_same_seed_gives_the_same_reply(run_cli, tmp_path, tiny_model_dir,
                                                                            no_portaudio):
-    """One command run twice, each in a process of its own: each writes a whole WAV and nothing else, and
-    the same seed gives the same reply, text and samples. The second run has no PortAudio, which writing
-    a file does not need."""
+    """One command run three times, each in a process of its own: -o a.wav; -o b.wav without PortAudio,
+    which writing a file does not need; and -o - redirected to c.wav (stdout can seek, so the header gets
+    the real sizes). Each writes a whole WAV and nothing else, and the same seed gives the same reply,
+    text and samples. (The -o - run was a test of its own, with a fourth run to compare with.)"""
+    reply = ["Tell me a story", "-m", tiny_model_dir, "--seed", "3", "--max-text-tokens", "8", "--max-codes", "60",
+             "-v", "Ethan"]
     runs = []
     for name, env in (("a.wav", None), ("b.wav", no_portaudio)):
         out = tmp_path / name
-        result = run_cli("Tell me a story", "-o", out, "-m", tiny_model_dir, "--seed", "3", "--max-text-tokens", "8",
-                         "--max-codes", "60", "-v", "Ethan", env=env, cwd=tmp_path)
+        result = run_cli(*reply[:1], "-o", out, *reply[1:], env=env, cwd=tmp_path)
         assert result.returncode == 0, result.stderr
         assert "Traceback" not in result.stderr
         assert result.stdout.endswith("\n")
@@ -650,18 +669,25 @@ def test_real_run_writes_a_whole_wav_and_the_same_seed_gives_the_same_reply(run_
     assert text_a == text_b
     np.testing.assert_array_equal(audio_a, audio_b)
 
-
-def test_real_run_default_model_greedy_and_piped_prompt(run_cli, tmp_path, tiny_model_dir):
-    # echo hi | omni-say -o x.wav
-    out = tmp_path / "g.wav"
-    result = run_cli("-o", out, "--greedy", "--max-text-tokens", "4", "--max-codes", "24", input="hi\n", cwd=tmp_path)
+    # omni-say -o - ... > c.wav
+    quoted = " ".join(shlex.quote(str(a)) for a in reply)
+    result = _run_shell(f"{OMNI_SAY} -o - {quoted} > c.wav", tmp_path)
     assert result.returncode == 0, result.stderr
-    lines = result.stderr.splitlines()
-    assert lines[0].startswith("note: ") and lines[-1].startswith(f"wrote {out}")
-    assert sum(line.startswith("note: ") for line in lines) == 1  # the voice check before loading says nothing
-    assert sf.info(out).frames > 0
+    data = (tmp_path / "c.wav").read_bytes()
+    with wave.open(str(tmp_path / "c.wav")) as w:
+        assert (w.getframerate(), w.getnchannels(), w.getsampwidth()) == (24_000, 1, 2)
+        frames = w.getnframes()
+    assert 0 < frames <= 60 * 480 and len(data) == 44 + 2 * frames  # nothing but the WAV
+    err = result.stderr.decode()
+    assert err.splitlines()[-1] == f"wrote {frames / 24000:.1f} s of WAV audio to stdout"
+    # The same samples as -o FILE with the same seed.
+    np.testing.assert_array_equal(sf.read(tmp_path / "c.wav", dtype="int16")[0], sf.read(tmp_path / "a.wav", dtype="int16")[0])
+    # The reply's text went to stderr, not into the WAV.
+    assert text_a.strip() and text_a.strip() in err
+    assert sorted(os.listdir(tmp_path)) == ["a.wav", "b.wav", "c.wav"]
 
 
+@pytest.mark.e2e
 def test_real_run_list_voices_and_text_only(run_cli, tmp_path, no_portaudio):
     result = run_cli("--list-voices", "-q")
     assert (result.returncode, result.stdout, result.stderr) == (0, "Chelsie\nEthan\n", "")
@@ -679,39 +705,26 @@ def _run_shell(cmd: str, tmp_path, timeout=300):
 OMNI_SAY = f'"{sys.executable}" -m omni_cli.faces.say'
 
 
-def test_wav_on_stdout_redirected_to_a_file(tmp_path, run_cli):
-    # omni-say -o - "hi" > x.wav: stdout can seek, so the header gets the real sizes.
-    result = _run_shell(f'{OMNI_SAY} -o - "hi" --seed 0 --max-text-tokens 6 --max-codes 40 > x.wav', tmp_path)
-    assert result.returncode == 0, result.stderr
-    data = (tmp_path / "x.wav").read_bytes()
-    with wave.open(str(tmp_path / "x.wav")) as w:
-        assert (w.getframerate(), w.getnchannels(), w.getsampwidth()) == (24_000, 1, 2)
-        frames = w.getnframes()
-    assert 0 < frames <= 40 * 480 and len(data) == 44 + 2 * frames  # nothing but the WAV
-    err = result.stderr.decode()
-    assert err.splitlines()[-1] == f"wrote {frames / 24000:.1f} s of WAV audio to stdout"
-    # The same samples as -o FILE with the same seed.
-    again = run_cli("hi", "-o", tmp_path / "y.wav", "--seed", "0", "--max-text-tokens", "6", "--max-codes", "40")
-    assert again.returncode == 0, again.stderr
-    np.testing.assert_array_equal(sf.read(tmp_path / "x.wav", dtype="int16")[0], sf.read(tmp_path / "y.wav", dtype="int16")[0])
-    # The reply's text went to stderr, not into the WAV.
-    assert again.stdout.strip() and again.stdout.strip() in err
-
-
+@pytest.mark.e2e
 def test_wav_on_stdout_through_a_pipe(tmp_path):
-    # echo hi | omni-say -o - | python -c "read WAV from stdin": a streaming header, then the samples.
+    # echo hi | omni-say -o - --greedy | python -c "read WAV from stdin": the prompt from a pipe, the default
+    # model, greedy; a streaming header, then the samples. (The piped prompt to -o FILE was a run of its own.)
     reader = ("import sys, io, soundfile as sf; data = sys.stdin.buffer.read(); "
               "a, r = sf.read(io.BytesIO(data), dtype='float32'); "
               "print(data[:4].decode(), data[4:8].hex(), data[40:44].hex(), len(data), r, a.shape[0], float(abs(a).max()))")
-    result = _run_shell(f'echo hi | {OMNI_SAY} -o - --seed 0 --max-text-tokens 6 --max-codes 40 | "{sys.executable}" -c "{reader}"',
+    result = _run_shell(f'echo hi | {OMNI_SAY} -o - --greedy --max-text-tokens 4 --max-codes 24 | "{sys.executable}" -c "{reader}"',
                         tmp_path)
     assert result.returncode == 0, result.stderr
     riff, riff_size, data_size, length, rate, frames, peak = result.stdout.decode().split()
     assert (riff, riff_size, data_size, rate) == ("RIFF", "ffffffff", "ffffffff", "24000")
     assert int(length) == 44 + 2 * int(frames) and int(frames) > 0 and float(peak) > 0
+    lines = result.stderr.decode().splitlines()
+    assert lines[0].startswith("note: ") and lines[-1] == f"wrote {int(frames) / 24000:.1f} s of WAV audio to stdout"
+    assert sum(line.startswith("note: ") for line in lines) == 1  # the voice check before loading says nothing
     assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.e2e
 def test_wav_on_stdout_to_a_closed_pipe(tmp_path):
     # omni-say -o - x | head -c 100: as `yes | head` does, it ends quietly with 141 (128 + SIGPIPE).
     # -q: the reply's text (on stderr with -o -) and the notes off, so stderr must hold nothing of ours.
@@ -721,6 +734,7 @@ def test_wav_on_stdout_to_a_closed_pipe(tmp_path):
     assert (tmp_path / "got.wav").read_bytes()[:4] == b"RIFF" and (tmp_path / "got.wav").stat().st_size == 100
 
 
+@pytest.mark.e2e
 def test_text_to_a_closed_pipe_ends_quietly_and_leaves_no_file(tmp_path):
     # omni-say long-prompt -o s.wav | head -c 5: the reader goes away while the reply's text streams. The
     # reader here closes its end right after 5 bytes (where head exits), so the rest of the reply hits a
@@ -743,6 +757,7 @@ def test_text_to_a_closed_pipe_ends_quietly_and_leaves_no_file(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.e2e
 def test_list_voices_into_a_closed_pipe(run_cli, tmp_path):
     result = _run_shell(f'{OMNI_SAY} --list-voices -q | head -c 1; echo " status ${{PIPESTATUS[0]}}" >&2', tmp_path)
     assert result.stdout == b"C"
@@ -751,12 +766,6 @@ def test_list_voices_into_a_closed_pipe(run_cli, tmp_path):
 
 
 # -- usage errors: one line, exit 2, before the model loads, for omni-say and omni-chat ----------
-
-
-def invoke_chat(*args, input=None):
-    from omni_cli.faces.chat.main import chat_app
-
-    return CliRunner().invoke(chat_app, [str(a) for a in args], prog_name="omni-chat", input=input)
 
 
 USAGE_ERRORS = [
@@ -785,6 +794,7 @@ def test_usage_errors_are_one_line(fake, command, args, start):
     assert fake.load_args is None  # refused before any loading
 
 
+@pytest.mark.e2e
 def test_usage_errors_of_the_real_programs(run_cli, run_chat, tmp_path):
     """The same through `python -m` (the entry points' path), with an extra argument as well."""
     result = run_cli("hi", "there", "-o", tmp_path / "x.wav", cwd=tmp_path)
@@ -885,6 +895,7 @@ def test_library_notes_and_warnings_become_lines_on_stderr(fake, tmp_path, monke
     assert result.stderr.splitlines() == ["warning: tiny lacks 3 weights (first: x): they are random"]
 
 
+@pytest.mark.unit
 def test_the_loader_does_not_print(tiny_model_dir, capsys, caplog):
     from omni_cli.loader import model_voices
 
@@ -896,6 +907,7 @@ def test_the_loader_does_not_print(tiny_model_dir, capsys, caplog):
     assert len(notes) == 1 and notes[0].levelno == logging.INFO and "demo model" in notes[0].getMessage()
 
 
+@pytest.mark.unit
 def test_list_voices_refuses_code_in_spk_dict(tmp_path, tiny_model_dir):
     """spk_dict.pt is read without torch by a restricted unpickler: a file that asks for anything but
     containers and tensors is handed to torch's own weights-only loader, which refuses it too; nothing
@@ -997,6 +1009,7 @@ def _signal_after(proc, ready, signum) -> str:
 @pytest.mark.parametrize("stage, signum", [("loading", signal.SIGTERM), ("loading", signal.SIGHUP),
                                            ("generating", signal.SIGTERM), ("generating", signal.SIGHUP),
                                            ("closing", signal.SIGTERM)])
+@pytest.mark.e2e
 def test_signal_leaves_no_file_or_a_whole_one(tmp_path, stage, signum):
     out_dir = tmp_path / "out"
     out_dir.mkdir()
@@ -1024,6 +1037,7 @@ def test_signal_leaves_no_file_or_a_whole_one(tmp_path, stage, signum):
         assert left == []  # nothing, and above all no .part
 
 
+@pytest.mark.e2e
 def test_omni_chat_killed_in_a_long_reply_exits_143(tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "omni_cli.faces.chat.main", "--mute", "--max-text-tokens", "3000"],
                             env=cli_env(), cwd=tmp_path, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -1040,6 +1054,7 @@ def test_omni_chat_killed_in_a_long_reply_exits_143(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.unit
 def test_omni_say_wraps_streamed_words_at_the_terminal_width(monkeypatch):
     """On a terminal, omni-say's text wraps between words as it streams (pieces split inside words);
     a pipe or a file gets the text unchanged."""
@@ -1067,6 +1082,7 @@ def test_omni_say_wraps_streamed_words_at_the_terminal_width(monkeypatch):
     assert plain.stream.getvalue() == text + "\n"
 
 
+@pytest.mark.e2e
 def test_process_start_is_read_from_proc():
     """`--verbose` counts from the process's start: a process that slept 0.5 s before asking is at least
     that old (and not much older: /proc's clock ticks are 10 ms)."""

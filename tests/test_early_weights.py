@@ -39,6 +39,7 @@ def test_early_weights_load_the_model_the_files_load():
     assert early.take() is None  # handed over once
 
 
+@pytest.mark.unit
 def test_shards_are_read_from_the_index(tmp_path):
     (tmp_path / "a.safetensors").write_bytes(b"")
     (tmp_path / "b.safetensors").write_bytes(b"")
@@ -49,6 +50,7 @@ def test_shards_are_read_from_the_index(tmp_path):
 
 
 @pytest.mark.parametrize("layout", ["bin", "missing shard", "bad index"])
+@pytest.mark.unit
 def test_nothing_is_read_early_from_other_layouts(tmp_path, layout):
     if layout == "bin":
         (tmp_path / "pytorch_model.bin").write_bytes(b"")
@@ -60,6 +62,7 @@ def test_nothing_is_read_early_from_other_layouts(tmp_path, layout):
     assert EarlyWeights.start(tmp_path, torch.device("cpu")) is None
 
 
+@pytest.mark.unit
 def test_a_failed_read_hands_over_nothing(tmp_path):
     shutil.copy(TINY_MODEL_DIR / "config.json", tmp_path)
     (tmp_path / "model.safetensors").write_bytes(b"not a safetensors file")
@@ -73,6 +76,7 @@ class _Cuda:
 
 @pytest.mark.parametrize("free_gb, dtype, read", [(100, torch.bfloat16, True), (40, torch.bfloat16, False),
                                                    (100, torch.float32, True), (60, torch.float32, False)])
+@pytest.mark.unit
 def test_read_early_only_when_the_files_and_the_model_fit_beside_each_other(tmp_path, monkeypatch, free_gb,
                                                                              dtype, read):
     """22 GB of 16-bit files: a bfloat16 model needs 44 GB with them, a float32 one 66 GB; 90% of the free
@@ -85,6 +89,7 @@ def test_read_early_only_when_the_files_and_the_model_fit_beside_each_other(tmp_
     assert (EarlyWeights.start(tmp_path, _Cuda(), dtype) is not None) is read
 
 
+@pytest.mark.unit
 def test_a_failure_to_ask_about_memory_reads_nothing(tmp_path, monkeypatch):
     (tmp_path / "model.safetensors").write_bytes(b"")
 

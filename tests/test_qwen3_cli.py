@@ -27,14 +27,16 @@ import pytest
 import soundfile as sf
 
 from audio_device import alsa_file_device, have_portaudio, read_played
-from conftest import REPO_ROOT, TINY_MODEL, cli_env
+from conftest import REPO_ROOT, TINY_MODEL, cli_env, invoke, invoke_chat
 
 QWEN3 = REPO_ROOT / "assets" / "tiny-qwen3-omni"
 SAMPLES_PER_FRAME = 1920  # 24 kHz / 12.5 frames a second
 
 
 def one_error_line(result, code: int) -> str:
-    assert result.returncode == code, (result.returncode, result.stderr)
+    """One `error:` line and exit `code`: a subprocess's CompletedProcess or CliRunner's Result."""
+    returncode = result.returncode if hasattr(result, "returncode") else result.exit_code
+    assert returncode == code, (returncode, result.stderr)
     lines = result.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
     assert result.stdout == b"" or result.stdout == ""
@@ -45,26 +47,28 @@ def one_error_line(result, code: int) -> str:
 
 # (id, program, arguments): each is refused before the model loads, for either family.
 BAD_INPUTS = [
-    ("unknown-voice", "omni_cli.faces.say", ["hi", "-v", "nobody", "-o", "x.wav"]),
-    ("max-codes-0", "omni_cli.faces.say", ["hi", "--max-codes", "0", "-o", "x.wav"]),
-    ("empty-prompt", "omni_cli.faces.say", ["   ", "-o", "x.wav"]),
-    ("bad-extension", "omni_cli.faces.say", ["hi", "-o", "x.txt"]),
-    ("unknown-device", "omni_cli.faces.say", ["hi", "--device", "tpu", "-o", "x.wav"]),
-    ("chat-unknown-voice", "omni_cli.faces.chat.main", ["--mute", "-v", "nobody"]),
-    ("chat-max-codes-0", "omni_cli.faces.chat.main", ["--mute", "--max-codes", "0"]),
+    ("unknown-voice", "omni-say", ["hi", "-v", "nobody", "-o", "x.wav"]),
+    ("max-codes-0", "omni-say", ["hi", "--max-codes", "0", "-o", "x.wav"]),
+    ("empty-prompt", "omni-say", ["   ", "-o", "x.wav"]),
+    ("bad-extension", "omni-say", ["hi", "-o", "x.txt"]),
+    ("unknown-device", "omni-say", ["hi", "--device", "tpu", "-o", "x.wav"]),
+    ("chat-unknown-voice", "omni-chat", ["--mute", "-v", "nobody"]),
+    ("chat-max-codes-0", "omni-chat", ["--mute", "--max-codes", "0"]),
 ]
 
 
+@pytest.mark.cli
 @pytest.mark.parametrize("case", BAD_INPUTS, ids=lambda c: c[0])
-def test_bad_inputs_give_the_same_error_for_both_families(tmp_path, case):
-    _, module, args = case
+def test_bad_inputs_give_the_same_error_for_both_families(tmp_path, monkeypatch, case):
+    # In this process (CliRunner) with the real loader, whose first checks (the device) come before any weights.
+    _, program, args = case
     lines = {}
     for name, model in (("qwen2.5", TINY_MODEL), ("qwen3", QWEN3)):
         folder = tmp_path / name
         folder.mkdir()
-        result = subprocess.run([sys.executable, "-m", module, "-m", str(model), *args], env=cli_env(), cwd=folder,
-                                stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120)
-        lines[name] = one_error_line(result, 2)
+        monkeypatch.chdir(folder)
+        run = invoke if program == "omni-say" else invoke_chat
+        lines[name] = one_error_line(run("-m", str(model), *args), 2)  # stdin empty, as /dev/null
         assert os.listdir(folder) == []  # no file, not even a temp one
     voices = {"qwen2.5": "Chelsie, Ethan", "qwen3": "Aiden, Chelsie, Ethan"}
     if "unknown-voice" in case[0]:

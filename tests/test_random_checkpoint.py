@@ -122,6 +122,7 @@ def test_same_files_again_and_force_replaces_old_weights(script, made, tmp_path)
     assert all(torch.equal(a[v][k], b[v][k]) for v in a for k in ("cond", "ref_mel"))
 
 
+@pytest.mark.e2e
 def test_a_non_empty_folder_is_refused_in_one_line(tmp_path):
     (tmp_path / "keep.txt").write_text("mine")
     result = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path), *ARGS], env=cli_env(),

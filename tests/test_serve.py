@@ -526,6 +526,7 @@ def test_on_a_cpu_the_server_compiles_nothing_in_the_background(server):
     assert not any("compil" in line for line in server.lines), "".join(server.lines)
 
 
+@pytest.mark.unit
 def test_the_worker_calls_its_after_first_job_hook_once_when_the_first_job_has_ended():
     """`omni-serve --no-warm-up` starts its background compile from this hook: after the first request,
     not during it, and only once."""
