@@ -78,14 +78,14 @@ def read_audio(source: str | os.PathLike | bytes, name: str | None = None) -> Au
     try:
         pcm, rate = soundfile.read(data, dtype="float32", always_2d=True)
     except (soundfile.LibsndfileError, RuntimeError, TypeError) as exc:
-        raise UsageError(f"{label} is not an audio file this machine can read ({_reason(exc)})") from None
+        raise UsageError(f"{label} is not an audio file this machine can read ({failure_reason(exc)})") from None
     if len(pcm) == 0:
         raise UsageError(f"{label} holds no audio samples")
     mono = pcm.mean(axis=1, dtype=np.float32) if pcm.shape[1] > 1 else pcm[:, 0]
     return AudioClip(np.ascontiguousarray(mono, dtype=np.float32), int(rate), label)
 
 
-def _reason(exc: BaseException) -> str:
+def failure_reason(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     return text.split(": ", 1)[-1] if text.startswith("Error opening") else text
 
@@ -111,4 +111,4 @@ def read_image(source: str | os.PathLike | bytes, name: str | None = None):
             image.load()
             return image.convert("RGB")
     except (UnidentifiedImageError, OSError, ValueError) as exc:
-        raise UsageError(f"{source} is not an image Pillow can open ({_reason(exc)})") from None
+        raise UsageError(f"{source} is not an image Pillow can open ({failure_reason(exc)})") from None

@@ -211,6 +211,7 @@ TIERS: dict[str, str | tuple[str, dict[str, str]]] = {
     "test_qwen3_parity.py": "model",
     "test_qwen3_steps.py": "model",
     "test_random_checkpoint.py": "model",
+    "test_structure.py": "unit",
     "test_sampling.py": "unit",
     "test_serve.py": "e2e",
     "test_sink_thread.py": ("unit", {"test_an_interrupted_turn_aborts_the_wav_on_its_own_thread": "model",

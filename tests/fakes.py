@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from omni_cli.audio.sinks import _SinkBase as SinkBase, as_block
+from omni_cli.audio.sinks import SinkBase, as_block
 from omni_cli.errors import UsageError
 from omni_cli.models.qwen2_5_omni import DEFAULT_SYSTEM
 

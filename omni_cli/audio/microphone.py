@@ -40,7 +40,7 @@ from .. import atomic
 from ..errors import AudioDeviceError, OmniError, UsageError
 from ..media import AudioClip
 from .format import to_int16, wav_bytes
-from .sinks import _reason
+from .sinks import failure_reason
 from . import speaker
 from .speaker import devices_of_kind, match_device
 
@@ -413,14 +413,14 @@ def _open(sd: Any, device: dict, rate: int, callback: Callable, hint: str) -> An
         return sd.InputStream(samplerate=rate, channels=1, dtype="float32", device=device["index"],
                               callback=callback)
     except Exception as exc:
-        raise AudioDeviceError(f"cannot record from audio device '{device['name']}': {_reason(exc)}; {hint}") from exc
+        raise AudioDeviceError(f"cannot record from audio device '{device['name']}': {failure_reason(exc)}; {hint}") from exc
 
 
 def _start(stream: Any, device: dict, hint: str) -> None:
     try:
         stream.start()
     except Exception as exc:
-        raise AudioDeviceError(f"cannot record from audio device '{device['name']}': {_reason(exc)}; {hint}") from exc
+        raise AudioDeviceError(f"cannot record from audio device '{device['name']}': {failure_reason(exc)}; {hint}") from exc
 
 
 def _drain(stream: Any, turn: _Turn, stop: threading.Event | None, device: dict, hint: str) -> str:

@@ -69,7 +69,7 @@ def as_block(block: Any) -> "np.ndarray":
     return arr
 
 
-class _SinkBase:
+class SinkBase:
     """Shared bookkeeping and the context-manager protocol."""
 
     def __init__(self) -> None:
@@ -180,7 +180,7 @@ def file_format(path: str | os.PathLike, format: str | None = None) -> str:
 _STREAMABLE = ("ogg", "opus")
 
 
-class AudioFileSink(_SinkBase):
+class AudioFileSink(SinkBase):
     """An audio file (WAV, FLAC, Ogg Vorbis, Ogg Opus, MP3: see FILE_FORMATS) written to what `path`
     names (atomic.output_target): a regular file or a new name (a symlink's target) appears whole at
     `close()` or not at all, through a hidden temp file in the same folder renamed into place; a
@@ -264,7 +264,7 @@ class AudioFileSink(_SinkBase):
                 self.abort()
                 if isinstance(exc, OutputError):
                     raise
-                raise OutputError(f"cannot write {self.path}: {_reason(exc)}") from exc
+                raise OutputError(f"cannot write {self.path}: {failure_reason(exc)}") from exc
 
     def write(self, block: "np.ndarray") -> None:
         with self._lock:
@@ -288,7 +288,7 @@ class AudioFileSink(_SinkBase):
                 self.abort()
                 if isinstance(exc, OutputError):
                     raise
-                raise OutputError(f"cannot write {self.path}: {_reason(exc)}") from exc
+                raise OutputError(f"cannot write {self.path}: {failure_reason(exc)}") from exc
             self.samples += int(arr.shape[0])
 
     def close(self) -> None:
@@ -313,7 +313,7 @@ class AudioFileSink(_SinkBase):
                 self.abort()
                 if isinstance(exc, OutputError):
                     raise
-                raise OutputError(f"cannot write {self.path}: {_reason(exc)}") from exc
+                raise OutputError(f"cannot write {self.path}: {failure_reason(exc)}") from exc
             self.closed = True
 
     def abort(self) -> None:
@@ -354,7 +354,7 @@ class WavSink(AudioFileSink):
         super().__init__(path, format="wav", subtype=subtype)
 
 
-class NullSink(_SinkBase):
+class NullSink(SinkBase):
     """Throws the audio away and counts it (for benchmarks)."""
 
     def __init__(self) -> None:
@@ -383,7 +383,7 @@ class NullSink(_SinkBase):
 # Streaming WAV (stdout)
 # ---------------------------------------------------------------------------------------------
 
-class WavStreamSink(_SinkBase):
+class WavStreamSink(SinkBase):
     """A 16-bit WAV streamed to a binary file object (stdout for `-o -`), flushed block by block.
 
     The header goes out at `start()` with sizes 0xFFFFFFFF ("until the end of the stream"), which
@@ -402,7 +402,7 @@ class WavStreamSink(_SinkBase):
         self.aborted = True
         if isinstance(exc, BrokenPipeError):
             return OutputError(f"{self.name} was closed while the WAV was being written")
-        return OutputError(f"cannot write the WAV to {self.name}: {_reason(exc)}")
+        return OutputError(f"cannot write the WAV to {self.name}: {failure_reason(exc)}")
 
     def start(self, sample_rate: int) -> None:
         self._check_start(sample_rate)
@@ -475,7 +475,7 @@ def _patchable_offset(file: Any) -> int | None:
 # ---------------------------------------------------------------------------------------------
 
 
-class TeeSink(_SinkBase):
+class TeeSink(SinkBase):
     """The same audio to several sinks. `close()` closes them in the order given (put files before
     the speaker, so a file is whole even if its playback is cut short); any failure aborts the rest."""
 
@@ -525,7 +525,7 @@ class TeeSink(_SinkBase):
                 pass
 
 
-def _reason(exc: BaseException) -> str:
+def failure_reason(exc: BaseException) -> str:
     if isinstance(exc, OSError) and exc.strerror:
         return exc.strerror
     text = " ".join(str(exc).split())

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from ..config import SAMPLE_RATE
 from ..errors import AudioDeviceError, UsageError
-from .sinks import _reason, _SinkBase, as_block
+from .sinks import failure_reason, SinkBase, as_block
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     import numpy as np
@@ -45,7 +45,7 @@ def import_sounddevice(hint: str = PLAY_HINT):
         ) from exc
     except Exception as exc:  # e.g. PortAudioError from a broken ALSA configuration
         raise AudioDeviceError(
-            f"cannot play audio: PortAudio failed to start ({_reason(exc)}): check the sound setup; {hint}"
+            f"cannot play audio: PortAudio failed to start ({failure_reason(exc)}): check the sound setup; {hint}"
         ) from exc
     return sounddevice
 
@@ -61,7 +61,7 @@ def devices_of_kind(kind: str, sd: Any, hint: str) -> list[dict]:
     try:
         devices = list(sd.query_devices())
     except Exception as exc:
-        raise AudioDeviceError(f"cannot list the audio devices ({_reason(exc)}); {hint}") from exc
+        raise AudioDeviceError(f"cannot list the audio devices ({failure_reason(exc)}); {hint}") from exc
     try:
         hostapis = [h["name"] for h in sd.query_hostapis()]
     except Exception:
@@ -138,7 +138,7 @@ def _close_aborted_streams() -> None:
             pass
 
 
-class SpeakerSink(_SinkBase):
+class SpeakerSink(SinkBase):
     """Plays the reply through a sound device as it is produced.
 
     A PortAudio callback stream pulls fixed-size buffers from a FIFO of the written blocks (a block
@@ -247,7 +247,7 @@ class SpeakerSink(_SinkBase):
             )
         except Exception as exc:
             self._stream = None
-            raise AudioDeviceError(f"cannot play on audio device '{self.device['name']}': {_reason(exc)}; {self.hint}") from exc
+            raise AudioDeviceError(f"cannot play on audio device '{self.device['name']}': {failure_reason(exc)}; {self.hint}") from exc
         self._stream_rate = int(sample_rate)
 
     def _close_stream(self) -> None:
@@ -269,7 +269,7 @@ class SpeakerSink(_SinkBase):
             raise
         except Exception as exc:
             self.abort()
-            raise AudioDeviceError(f"cannot play on audio device '{self.device['name']}': {_reason(exc)}; {self.hint}") from exc
+            raise AudioDeviceError(f"cannot play on audio device '{self.device['name']}': {failure_reason(exc)}; {self.hint}") from exc
 
     def _callback(self, outdata, frames, time_info, status) -> None:
         # The audio thread: copy, fill silence, count; never block, never allocate much.
