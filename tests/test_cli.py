@@ -961,17 +961,17 @@ def test_chat_load_of_a_missing_transcript_is_one_line(fake, tmp_path):
 
 # -- signals: SIGTERM (kill) and SIGHUP (terminal closed) at each stage of omni-say -o FILE ------
 
-# Runs omni-say with AudioFileSink's close slowed down between finishing the file and renaming it,
+# Runs omni-say with AudioFileSink's close slowed down between finishing the file and renaming it (atomic),
 # and a marker on stderr when it gets there, so a signal can be sent right inside the final close.
 SLOW_CLOSE = r"""
-import sys, time, soundfile
-real_close = soundfile.SoundFile.close
-def slow_close(self):
-    real_close(self)
-    if str(self.name).endswith(".part"):
-        print("closing", file=sys.stderr, flush=True)
-        time.sleep(1.5)
-soundfile.SoundFile.close = slow_close
+import sys, time
+from omni_cli import atomic
+real_commit = atomic.Replacement.commit
+def slow_commit(self):
+    print("closing", file=sys.stderr, flush=True)  # the file is finished, not yet renamed into place
+    time.sleep(1.5)
+    real_commit(self)
+atomic.Replacement.commit = slow_commit
 sys.argv = ["omni-say", *sys.argv[1:]]
 from omni_cli.faces.say import main as say_main
 say_main()

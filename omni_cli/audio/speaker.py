@@ -201,7 +201,6 @@ class SpeakerSink(SinkBase):
         self._eof = False  # close() was called: no more input
         self._starving = False  # the FIFO ran dry and no sound has been played since
         self._dry_frames = 0  # silence of the current dry spell: an underrun once the sound resumes
-        self._dry_since: float | None = None  # when that spell began (perf_counter)
         self._arrivals: list[tuple[float, int]] = []  # (perf_counter, samples) of the last two writes
         self._longest_wait = 0.0  # longest time between two writes so far (seconds)
         self._stream: Any = None
@@ -300,10 +299,7 @@ class SpeakerSink(SinkBase):
                     self.first_sound_time = time.perf_counter()
                 if self._starving:  # the sound resumes after a dry spell: a gap inside the reply
                     self.underruns += 1
-                    # What was heard as silence: the frames the device asked for, but never more than the
-                    # time that passed (a device that is not paced by a clock asks as fast as it can).
-                    lasted = time.perf_counter() - (self._dry_since or time.perf_counter())
-                    self.underrun_frames += min(self._dry_frames, round(lasted * self.sample_rate))
+                    self.underrun_frames += self._dry_frames
                     self._starving = False
                     self._dry_frames = 0
             if n < frames:
@@ -311,8 +307,6 @@ class SpeakerSink(SinkBase):
                 if self._eof:
                     raise self._sd.CallbackStop  # this buffer still plays; then finished_callback
                 # Counted when the sound resumes: a spell that the end of input follows is no gap.
-                if not self._starving:
-                    self._dry_since = time.perf_counter()
                 self._starving = True
                 self._dry_frames += frames - n
 
