@@ -240,12 +240,7 @@ def _stop_idle(url: str, pid: int) -> bool:
     except (OSError, ValueError):
         pass  # still loading, or not answering: stopping it loses nothing
     os.kill(pid, signal.SIGTERM)
-    deadline = time.monotonic() + STOP_TIMEOUT
-    while time.monotonic() < deadline:
-        if not _alive(None, pid):
-            return True
-        time.sleep(0.05)
-    return False
+    return _gone(pid, STOP_TIMEOUT)
 
 
 def stop_background(wait: float = STOP_TIMEOUT, busy_too: bool = False) -> tuple[dict | None, bool]:

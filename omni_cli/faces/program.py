@@ -115,13 +115,16 @@ def _stdout_went_away(exc: BaseException) -> bool:
     return False
 
 
-def exit_on(exc: BaseException, debug: bool, sinks=(), interrupt=None) -> None:
+def abort_all(sinks) -> None:
+    """Abort each sink (None skipped); one that fails to abort does not keep the others from it."""
     for sink in sinks:
         if sink is not None:
-            try:
+            with contextlib.suppress(Exception):
                 sink.abort()
-            except Exception:
-                pass
+
+
+def exit_on(exc: BaseException, debug: bool, sinks=(), interrupt=None) -> None:
+    abort_all(sinks)
     if isinstance(exc, KeyboardInterrupt) and interrupt is not None and interrupt.signal_at is not None:
 
         now = time.perf_counter()
@@ -244,14 +247,8 @@ def stop_on_interrupt(*sinks: Any, times: InterruptTimes | None = None) -> Itera
         again = times.signal_at is not None
         if not again:
             times.signal_at = time.perf_counter()
-        silent = []
-        for sink in sinks:
-            if sink is not None:
-                try:
-                    sink.abort()
-                except Exception:
-                    pass
-                silent.append(getattr(sink, "silent_time", None))
+        abort_all(sinks)
+        silent = [getattr(sink, "silent_time", None) for sink in sinks if sink is not None]
         if again and signum == signal.SIGINT:
             return  # the reply is already being stopped: a second Ctrl-C must not cut its clean-up short
         times.silenced_at = times.silenced_at or max((t for t in silent if t is not None), default=time.perf_counter())
