@@ -24,6 +24,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -236,7 +237,7 @@ class FakeStream:
                 self.calls += 1
                 self.callback_times.append(time.perf_counter())
                 try:
-                    self.callback(buf, self.blocksize, None, _Status())
+                    self.callback(buf, self.blocksize, self.owner.time_info(), _Status())
                 except CallbackStop:
                     self.played.append(buf[:, 0].copy())
                     break
@@ -275,8 +276,11 @@ class FakeSoundDevice:
     CallbackAbort = CallbackAbort
 
     def __init__(self, speed: float = 1.0, blocksize: int = 480, devices=None, default: int | None = 0,
-                 fail_start: bool = False):
+                 fail_start: bool = False, wall_clock: bool = False):
         self.speed = speed
+        # A device that gives its DAC time as the wall clock, as ALSA's unpaced null device does; by
+        # default no time info at all (None), as from a host API that has none.
+        self.wall_clock = wall_clock
         self.blocksize = blocksize
         self.fail_start = fail_start
         self.streams: list[FakeStream] = []
@@ -296,6 +300,12 @@ class FakeSoundDevice:
                 raise RuntimeError("Error querying device -1")
             return self.devices[self.default]
         return list(self.devices)
+
+    def time_info(self):
+        if not self.wall_clock:
+            return None
+        now = time.perf_counter()
+        return SimpleNamespace(currentTime=now, outputBufferDacTime=now, inputBufferAdcTime=0.0)
 
     def query_hostapis(self):
         return [{"name": "Fake API"}]

@@ -4,7 +4,8 @@ CliRunner) with a fake assistant and the keep-alive's functions stubbed, so no m
 - a built-in model named with -m, answered by a server, gets one note saying what it is, not "no model given";
 - a mistyped -m path is a usage error before any server is asked, started or stopped;
 - leaving omni-chat lets its server go at once (it no longer counts as held);
-- `--verbose` counts the first sound from the reply's start, as the first audio;
+- `--verbose` counts the first sound from the reply's start, as the first audio; a device that is not paced
+  by a clock does not report minutes of silence;
 - Ctrl-C during a reply with -o and --play leaves no file and prints no more text;
 - one-shot --system, `-v '?'`, omni-chat -q, /show's defaults, the unknown command's `error:`.
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import signal
 import threading
+import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -153,6 +155,34 @@ def test_time_to_first_sound_counts_from_the_replys_start():
     rows = dict(timing_lines(stats, playback))
     assert rows["time to first audio"] == "395 ms"
     assert rows["time to first sound"] == "460 ms"  # not the 61 ms from when the speaker was opened
+
+
+def _unpaced_silence(wall_clock: bool) -> tuple[dict, float]:
+    """Four 0.1 s blocks, 0.15 s apart, to a device that asks for buffers 1000 times faster than real time."""
+    from omni_cli.audio.speaker import SpeakerSink
+
+    sink = SpeakerSink(backend=FakeSoundDevice(speed=1000.0, wall_clock=wall_clock), prebuffer=0.0)
+    rate = 24_000
+    sink.open(rate)
+    sink.start(rate)
+    t0 = time.perf_counter()
+    block = np.full(rate // 10, 0.1, dtype=np.float32)
+    for _ in range(4):
+        sink.write(block)
+        time.sleep(0.15)
+    sink.close()
+    return sink.stats, time.perf_counter() - t0
+
+
+def test_an_unpaced_device_reports_no_more_silence_than_its_clock_saw():
+    """ALSA's null device asks for audio as fast as it can but gives its DAC time on the wall clock: the
+    silence counted is what that clock saw pass (here at most the run's 0.6 s), not the frames asked for."""
+    stats, wall = _unpaced_silence(wall_clock=True)
+    assert stats["underruns"] == 3, stats
+    assert 0.2 < stats["underrun_seconds"] <= wall, stats
+    # The same device without time info: only the frames are known, and they are minutes' worth.
+    stats, _ = _unpaced_silence(wall_clock=False)
+    assert stats["underrun_seconds"] > 60, stats
 
 
 def test_ctrl_c_with_o_and_play_leaves_no_file_and_prints_no_more_text(monkeypatch, tmp_path):

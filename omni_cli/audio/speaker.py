@@ -138,6 +138,13 @@ def _close_aborted_streams() -> None:
             pass
 
 
+def _dac_time(time_info: Any) -> float | None:
+    """When the callback's buffer reaches the DAC, on the stream's clock; None where the host API gives no
+    time (PortAudio then reports 0) or the caller passes no time info (a fake stream)."""
+    t = getattr(time_info, "outputBufferDacTime", 0.0) or 0.0
+    return float(t) if t > 0 else None
+
+
 class SpeakerSink(SinkBase):
     """Plays the reply through a sound device as it is produced.
 
@@ -201,6 +208,7 @@ class SpeakerSink(SinkBase):
         self._eof = False  # close() was called: no more input
         self._starving = False  # the FIFO ran dry and no sound has been played since
         self._dry_frames = 0  # silence of the current dry spell: an underrun once the sound resumes
+        self._dry_from: float | None = None  # the device clock (DAC time) when that silence began
         self._arrivals: list[tuple[float, int]] = []  # (perf_counter, samples) of the last two writes
         self._longest_wait = 0.0  # longest time between two writes so far (seconds)
         self._stream: Any = None
@@ -299,7 +307,7 @@ class SpeakerSink(SinkBase):
                     self.first_sound_time = time.perf_counter()
                 if self._starving:  # the sound resumes after a dry spell: a gap inside the reply
                     self.underruns += 1
-                    self.underrun_frames += self._dry_frames
+                    self.underrun_frames += self._silence_heard(_dac_time(time_info))
                     self._starving = False
                     self._dry_frames = 0
             if n < frames:
@@ -307,8 +315,20 @@ class SpeakerSink(SinkBase):
                 if self._eof:
                     raise self._sd.CallbackStop  # this buffer still plays; then finished_callback
                 # Counted when the sound resumes: a spell that the end of input follows is no gap.
+                if not self._starving:
+                    dac = _dac_time(time_info)
+                    self._dry_from = None if dac is None else dac + n / self.sample_rate
                 self._starving = True
                 self._dry_frames += frames - n
+
+    def _silence_heard(self, resumed_at: float | None) -> int:
+        """Samples of silence in the dry spell that ends now: those the device asked for, but no more than
+        its clock says passed. A device that is not paced (ALSA's null device, a file) asks for buffers as
+        fast as it can, hundreds of seconds of them a second, while its DAC clock keeps to the wall clock."""
+        frames = self._dry_frames
+        if resumed_at is not None and self._dry_from is not None:
+            frames = min(frames, max(0, round((resumed_at - self._dry_from) * self.sample_rate)))
+        return frames
 
     def _on_finished(self) -> None:
         self.finished.set()
