@@ -28,20 +28,24 @@ def test_family_is_read_from_model_type():
 
 
 def test_each_family_states_every_capability_of_the_base():
-    """Both families subclass `models.base.Family`, whose every attribute has a value in each (nothing for
-    a face to probe with getattr), and carry their package's constants."""
-    from omni_cli.models.base import Family
+    """Both families are a `models.base.Family` whose every attribute has a value (nothing for a face to
+    probe with getattr), made of their package's own constants and functions (`family_of`)."""
+    from omni_cli.models.base import Family, family_of
 
     names = [n for n in dir(Family) if not n.startswith("_")]
     for package in (qwen2_5_omni, qwen3_omni):
         fam = package.FAMILY
-        assert isinstance(fam, Family) and type(fam) is not Family
+        assert isinstance(fam, Family)
         assert all(hasattr(fam, n) for n in names)
+        for name in ("voices", "load", "build_steps", "audio_inputs", "image_inputs", "missing_parts"):
+            assert getattr(fam, name) is getattr(package, name), name  # the package's, not the base's stub
         assert (fam.MODEL_TYPE, fam.TITLE, fam.CODES_PER_SECOND, fam.DEFAULT_SYSTEM) == (
             package.MODEL_TYPE, package.TITLE, package.CODES_PER_SECOND, package.DEFAULT_SYSTEM)
         assert fam.talker_sampling() == package.TALKER_SAMPLING and fam.HEARS_AUDIO and fam.SEES_IMAGES
     assert qwen2_5_omni.FAMILY.NEEDS_DEFAULT_SYSTEM and not qwen3_omni.FAMILY.NEEDS_DEFAULT_SYSTEM
     assert qwen2_5_omni.FAMILY.READS_WEIGHTS_EARLY and not qwen3_omni.FAMILY.READS_WEIGHTS_EARLY
+    with pytest.raises(TypeError, match="HEARS_VIDEO"):
+        family_of({}, HEARS_VIDEO=True)  # a misspelt capability is an error, not a silent no-op
 
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen2_5_omni_thinker", "", None])

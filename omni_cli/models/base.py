@@ -106,8 +106,8 @@ class ModelSteps(Protocol):
 
 class Family:
     """What the loader, the API and the faces ask of a model family, every optional capability stated with
-    its default (so nobody probes with getattr). Each family's package subclasses it and exposes one
-    instance as `FAMILY` (omni_cli/models/<family>/__init__.py; no torch at import): `models.family(type)`
+    its default (so nobody probes with getattr). Each family's package makes one from its module-level names
+    (`family_of`) and exposes it as `FAMILY` (omni_cli/models/<family>/__init__.py; no torch at import): `models.family(type)`
     and `loaded.family` are that instance."""
 
     MODEL_TYPE: str = ""  # config.json's model_type
@@ -168,3 +168,26 @@ class Family:
 
     def __repr__(self) -> str:
         return f"<family {self.TITLE} ({self.MODEL_TYPE})>"
+
+
+# What a family's package may define at module level to fill in its `Family` (see `family_of`).
+_CONSTANTS = ("MODEL_TYPE", "TITLE", "EXAMPLE_HUB_ID", "DEFAULT_SYSTEM", "NEEDS_DEFAULT_SYSTEM", "DEFAULT_VOICE",
+              "CODES_PER_SECOND", "READS_WEIGHTS_EARLY", "HEARS_AUDIO", "SEES_IMAGES", "TALKER_SAMPLING")
+_FUNCTIONS = ("missing_parts", "voices", "load", "build_steps", "talker_sampling", "audio_inputs",
+              "audio_token_id", "image_processor", "image_inputs", "image_token_id")
+
+
+def family_of(namespace: dict[str, Any], **overrides: Any) -> Family:
+    """The `Family` a package's module-level names make: each constant and function of the base that the
+    package defines (`namespace`: its globals()) takes the base's place; `overrides` set the rest. A
+    capability the package does not define keeps the base's default (no audio, a NotImplementedError)."""
+    unknown = set(overrides) - set(_CONSTANTS + _FUNCTIONS)
+    if unknown:
+        raise TypeError(f"not a Family capability: {sorted(unknown)}")
+    family = Family()
+    for name in _CONSTANTS + _FUNCTIONS:
+        if name in overrides:
+            setattr(family, name, overrides[name])
+        elif name in namespace:
+            setattr(family, name, namespace[name])  # a plain function on the instance: called unbound
+    return family

@@ -18,7 +18,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ...config import SamplingOptions
-from ..base import Family
+from ..base import Family, family_of
 from ..vision import image_inputs, image_processor  # noqa: F401 - the family's, shared with Qwen3-Omni
 
 MODEL_TYPE = "qwen2_5_omni"
@@ -102,23 +102,5 @@ def image_token_id(config) -> int:
 
 
 
-class Qwen25Omni(Family):
-    """This package as the `Family` the loader and the API use (`FAMILY`)."""
-
-    MODEL_TYPE, TITLE, EXAMPLE_HUB_ID = MODEL_TYPE, TITLE, EXAMPLE_HUB_ID
-    DEFAULT_SYSTEM, NEEDS_DEFAULT_SYSTEM, DEFAULT_VOICE = DEFAULT_SYSTEM, NEEDS_DEFAULT_SYSTEM, DEFAULT_VOICE
-    CODES_PER_SECOND, READS_WEIGHTS_EARLY, TALKER_SAMPLING = CODES_PER_SECOND, READS_WEIGHTS_EARLY, TALKER_SAMPLING
-    HEARS_AUDIO = SEES_IMAGES = True
-    missing_parts = staticmethod(missing_parts)
-    voices = staticmethod(voices)
-    load = staticmethod(load)
-    build_steps = staticmethod(build_steps)
-    talker_sampling = staticmethod(talker_sampling)
-    audio_inputs = staticmethod(audio_inputs)
-    audio_token_id = staticmethod(audio_token_id)
-    image_processor = staticmethod(image_processor)
-    image_inputs = staticmethod(image_inputs)
-    image_token_id = staticmethod(image_token_id)
-
-
-FAMILY: Family = Qwen25Omni()
+# This package as the `Family` the loader and the API use.
+FAMILY: Family = family_of(globals(), HEARS_AUDIO=True, SEES_IMAGES=True)

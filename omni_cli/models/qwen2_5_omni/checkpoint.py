@@ -15,7 +15,7 @@ import zipfile
 from pathlib import Path
 from typing import Any, Mapping
 
-from ...errors import ModelError, OmniError
+from ...errors import ModelError
 
 log = logging.getLogger("omni_cli.loader")
 

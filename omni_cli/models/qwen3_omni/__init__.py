@@ -18,7 +18,7 @@ import json
 from pathlib import Path
 
 from ...config import SamplingOptions
-from ..base import Family
+from ..base import Family, family_of
 from ..vision import image_inputs  # noqa: F401 - the family's, shared with Qwen2.5-Omni
 
 MODEL_TYPE = "qwen3_omni_moe"
@@ -122,24 +122,6 @@ def image_processor(path: Path):
     return processor
 
 
-class Qwen3Omni(Family):
-    """This package as the `Family` the loader and the API use (`FAMILY`)."""
-
-    MODEL_TYPE, TITLE, EXAMPLE_HUB_ID = MODEL_TYPE, TITLE, EXAMPLE_HUB_ID
-    DEFAULT_SYSTEM, NEEDS_DEFAULT_SYSTEM, DEFAULT_VOICE = DEFAULT_SYSTEM, NEEDS_DEFAULT_SYSTEM, DEFAULT_VOICE
-    CODES_PER_SECOND, TALKER_SAMPLING = CODES_PER_SECOND, TALKER_SAMPLING
-    READS_WEIGHTS_EARLY = False  # its experts are stacked while loading (see qwen2_5_omni's note)
-    HEARS_AUDIO = SEES_IMAGES = True
-    missing_parts = staticmethod(missing_parts)
-    voices = staticmethod(voices)
-    load = staticmethod(load)
-    build_steps = staticmethod(build_steps)
-    talker_sampling = staticmethod(talker_sampling)
-    audio_inputs = staticmethod(audio_inputs)
-    audio_token_id = staticmethod(audio_token_id)
-    image_processor = staticmethod(image_processor)
-    image_inputs = staticmethod(image_inputs)
-    image_token_id = staticmethod(image_token_id)
-
-
-FAMILY: Family = Qwen3Omni()
+# This package as the `Family` the loader and the API use.
+FAMILY: Family = family_of(globals(), HEARS_AUDIO=True, SEES_IMAGES=True,
+                            READS_WEIGHTS_EARLY=False)  # its experts are stacked while loading (see qwen2_5_omni's note)

@@ -38,7 +38,6 @@ import torch
 
 from ...config import SamplingOptions
 from . import TALKER_SAMPLING
-from ...runtime import compat
 from ...runtime.decoder import forward_layers
 from ...runtime.kv_cache import StaticKVCache
 from ...runtime.sampling import SamplingParams, mark_seen, pick
