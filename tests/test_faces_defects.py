@@ -83,6 +83,17 @@ def test_a_builtin_model_named_with_m_and_served_gets_one_note_of_what_it_is(ser
         "noise"]
 
 
+def test_a_server_named_with_server_that_serves_a_builtin_model_says_so(monkeypatch, tmp_path):
+    """--server URL answered by the built-in tiny model: the same note as a local load of it (random
+    weights), once."""
+    from omni_cli.api import client
+
+    monkeypatch.setattr(client.RemoteAssistant, "connect", classmethod(lambda cls, url, key=None: FakeRemote()))
+    result = say("hi", "--server", "http://127.0.0.1:9", "-o", tmp_path / "a.wav")
+    assert result.exit_code == 0, result.output
+    assert result.stderr.count("its weights are random") == 1, result.stderr
+
+
 def test_no_model_given_and_served_says_so_once(servers, tmp_path):
     servers.found = FakeRemote(name="tiny-qwen2.5-omni")
     result = say("hi", "-o", tmp_path / "a.wav")

@@ -76,6 +76,7 @@ def find_server(where: Where) -> Any | None:
         if model is not None and remote.info.get("key") not in (None, model_key(model)) and model != remote.name:
             raise UsageError(f"the server at {remote.url} serves {remote.name}, not {model}: leave out -m, "
                              "or leave out --server to load it here")
+        _demo_note(where, remote)
     elif where.local:
         return None
     else:
