@@ -3,7 +3,7 @@
 # comes back). Steps, in the order given (default: bench tests):
 #   bench      the 7B benchmark beside transformers (JSON in $OUT/bench.json), at most 300 s
 #   schedules  the vocoder schedules side by side (omni-bench --schedules; $OUT/schedules.json), 300 s
-#   tests      tests/test_gpu.py (graphed = eager = transformers; sync_debug; --no-graphs captures none), 330 s
+#   tests      tests/test_gpu.py (graphed = eager = transformers; sync_debug; --no-graphs captures none), 420 s
 #   setup      install the wheels carried in .gpu_wheels/ (the machine has torch and transformers only)
 #   qwen3      Qwen3-Omni-30B-A3B, plain graphs (the commands' default), the issue's unit ($OUT/qwen3-plain.json)
 #   qwen25     Qwen2.5-Omni-7B compiled ($OUT/qwen25-compiled.json)
@@ -28,7 +28,7 @@ for step in "${@:-bench tests}"; do
              echo "qwen3 rc=$?"; grep '^\[omni-bench' "$out/qwen3-plain.err" | tail -5 ;;
       qwen25) timeout 540 $bench --runs 3 > "$out/qwen25-compiled.json" 2> "$out/qwen25-compiled.err"
              echo "qwen25 rc=$?"; grep '^\[omni-bench' "$out/qwen25-compiled.err" | tail -5 ;;
-      tests) timeout 330 python3 -m pytest tests/test_gpu.py -q -s -p no:cacheprovider -o addopts="" 2>&1 | grep -v DEBUG > "$out/test_gpu.log"
+      tests) timeout 420 python3 -m pytest tests/test_gpu.py -q -s -p no:cacheprovider -o addopts="" 2>&1 | grep -v DEBUG > "$out/test_gpu.log"
              tail -3 "$out/test_gpu.log"; grep -E "codes: ref|text eq|talker step|^E " "$out/test_gpu.log" | head -20 ;;
       *) echo "unknown step $s"; exit 2 ;;
     esac
