@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import warnings
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -157,8 +158,11 @@ def read_image(source: str | os.PathLike | bytes, name: str | None = None, limit
                 _check_pixels(image.size, label, limits)
                 image.load()
                 return image.convert("RGB")
-        except Image.DecompressionBombError as exc:
-            raise LimitError(f"{label} is too large an image to decode ({failure_reason(exc)})") from None
+        except Image.DecompressionBombError as exc:  # over twice Pillow's limit: refused in open(), so no size
+            found = re.search(r"\((\d+) pixels\)", str(exc))
+            size = f"{int(found.group(1)) / 1e6:.0f} MP" if found else "a decompression bomb"
+            raise LimitError(f"{label} is {size}, more than the {limits.image_pixels / 1e6:.0f} MP an image may "
+                             "be: scale it down first") from None
         except (UnidentifiedImageError, OSError, ValueError) as exc:
             raise UsageError(f"{label} is not an image Pillow can open ({failure_reason(exc)})") from None
 

@@ -5,6 +5,10 @@ model family: a conversation's default system prompt is the family's, given by t
 A `Conversation` is a list of chat messages (system, user, assistant) that can be saved as JSON and
 loaded back. `build_ids` renders it with the checkpoint's own chat template and tokenizer. When the
 history outgrows the context, `fit` drops the oldest user/assistant pairs and says how many it dropped.
+Its cost is bounded by the context, not by what it is given (`Limits`, limits.py): a new message longer
+than the context's tokens times `chars_per_token` is refused before anything is tokenized, the oldest
+pairs that cannot fit by that char bound are dropped untokenized, and the rest is tokenized about once
+(no re-rendering of the whole conversation per dropped pair).
 
 The transcript format (what omni-chat's /save writes and /load reads, and `Conversation.to_json`):
 a JSON object with `"format": 1`, `"system"` (the system prompt; "" = none) and `"turns"` (user and
