@@ -28,7 +28,8 @@ import numpy as np
 from .config import ReplyOptions, RuntimeOptions, SamplingOptions
 from .interface import ModelInfo, OmniAssistant
 from .errors import UsageError
-from .prompt import Chat, Conversation, check_prompt, fit  # noqa: F401 - Chat re-exported
+from .limits import DEFAULT as DEFAULT_INPUT_LIMITS, LimitError, Limits
+from .prompt import Chat, Conversation, check_length, check_prompt, fit  # noqa: F401 - Chat re-exported
 from .runtime.engine import Engine, fresh_seed
 from .runtime.events import AudioBlock, Done, Reply, TextDelta, TurnRequest
 from .warm_up import WarmsUp
@@ -81,6 +82,9 @@ class Assistant(WarmsUp):
 
     # True while `compile_beside` compiles a second set of steps (omni-serve's /health says "compiling").
     compiling = False
+    # The caps on one input's cost (limits.py): a prompt's characters, a clip's length, an image's
+    # pixels, checked before tokenizing or decoding. omni-serve sets its own instance here.
+    input_limits: Limits = DEFAULT_INPUT_LIMITS
 
     def __init__(self, loaded, runtime: RuntimeOptions | None = None) -> None:
         """`runtime`: how the steps are built (cache sizes, graphs, compile; None = the defaults), as the
@@ -287,23 +291,30 @@ class Assistant(WarmsUp):
     def _request(self, prompt, opts: ReplyOptions, sink, conversation, audio=None, images=None):
         from .loader import check_voice
 
+        opts.check()
+        n_text = self._limit(opts.max_text_tokens, "text")
+        budget = self.max_context - n_text
+        if budget < 1:
+            raise LimitError(f"the reply's token cap ({n_text}) leaves no room for the prompt: the context holds "
+                             f"{self.max_context} tokens in all, prompt and reply: ask for fewer",
+                             param="max_text_tokens")
+        conv = (Conversation(conversation.system, list(conversation.turns)) if conversation
+                else Conversation(system=self.default_system))
+        # Before anything else is checked, decoded or tokenized: a prompt no context can hold costs nothing.
+        check_length(prompt, conv.system, budget, self.input_limits)
         clips = self._clips(audio)
         pictures = self._images(images)
         prompt = check_prompt(prompt) if not (clips or pictures) or (prompt or "").strip() else ""
-        opts.check()
         voice = opts.voice or self.default_voice
         text_only = opts.text_only or not self.has_audio
         if not text_only:
             voice = check_voice(self.loaded.speakers, voice)
-        n_text = self._limit(opts.max_text_tokens, "text")
         n_codes = self._limit(opts.max_codes, "codes")
         if n_codes > self.engine.max_codes:
             raise UsageError(f"max_codes {n_codes} is above this session's limit of {self.engine.max_codes}")
-        conv = (Conversation(conversation.system, list(conversation.turns)) if conversation
-                else Conversation(system=self.default_system))
         user, media, expand = self._media_prompt(prompt, clips, pictures, conv)
         try:
-            ids, dropped = fit(self.loaded.tokenizer, conv, user, self.max_context - n_text, expand)
+            ids, dropped = fit(self.loaded.tokenizer, conv, user, budget, expand, self.input_limits)
         except UsageError as exc:
             if not clips:
                 raise
@@ -340,7 +351,7 @@ class Assistant(WarmsUp):
             elif _is_pair(item):
                 clip = AudioClip(np.asarray(item[0], dtype=np.float32).reshape(-1), int(item[1]))
             else:
-                clip = read_audio(item)
+                clip = read_audio(item, limits=self.input_limits)
             clips.append(clip.at())
         return clips
 
@@ -352,7 +363,8 @@ class Assistant(WarmsUp):
         items = images if isinstance(images, (list, tuple)) else [images]
         if items and not self.family.SEES_IMAGES:
             raise UsageError(f"image input for {self.family.TITLE} is not supported yet")
-        return [read_image(item) if isinstance(item, (str, os.PathLike)) else item.convert("RGB") for item in items]
+        return [read_image(item, limits=self.input_limits) if isinstance(item, (str, os.PathLike)) else item.convert("RGB")
+                for item in items]
 
     def _media_prompt(self, prompt: str, clips: list, pictures: list, history: Conversation):
         """(the user message: its images, audio and text parts; the encoder inputs for the history's

@@ -194,17 +194,34 @@ class ReplyOptions:
         return replace(base, **changes)
 
     def check(self) -> "ReplyOptions":
-        """Raise a UsageError for values no model accepts (the CLI checks its flags with this too)."""
-        from .errors import UsageError
+        """Raise a UsageError for values no model accepts (the CLI checks its flags with this too): a
+        `LimitError` whose `param` is the field's name (the API names its own field by it)."""
+        from .limits import LimitError
+
+        def bad(name: str, message: str) -> LimitError:
+            return LimitError(f"{name} {message}", param=name)
 
         if self.temperature is not None and not (0 <= self.temperature <= 100):
-            raise UsageError(f"temperature must be between 0 and 100 (got {self.temperature:g})")
+            raise bad("temperature", f"must be between 0 and 100 (got {self.temperature:g})")
         if self.top_p is not None and not (0 < self.top_p <= 1):
-            raise UsageError(f"top_p must be above 0 and at most 1 (got {self.top_p:g})")
+            raise bad("top_p", f"must be above 0 and at most 1 (got {self.top_p:g})")
         if self.top_k is not None and self.top_k < 0:
-            raise UsageError(f"top_k must be 0 (off) or more (got {self.top_k})")
+            raise bad("top_k", f"must be 0 (off) or more (got {_short(self.top_k)})")
         for name in ("max_text_tokens", "max_codes"):
             value = getattr(self, name)
             if value is not None and value < 1:
-                raise UsageError(f"{name} must be at least 1 (got {value})")
+                raise bad(name, f"must be at least 1 (got {_short(value)})")
+        if self.seed is not None and not 0 <= self.seed <= MAX_SEED:
+            raise bad("seed", f"must be between 0 and 2**63-1 (got {_short(self.seed)})")
         return self
+
+
+# The largest seed: torch.Generator.manual_seed takes 64 bits, and the talker's seed is the reply's plus an
+# offset modulo 2**63.
+MAX_SEED = 2**63 - 1
+
+
+def _short(value: int) -> str:
+    """An integer as a message shows it: a huge one (a hostile request's 10**30) by its size."""
+    text = str(value)
+    return text if len(text) <= 24 else f"{text[:8]}... ({len(text)} digits)"

@@ -7,12 +7,21 @@ build one (faces/options.py), and the server, the prompt builder and the media r
 refusal is a `LimitError` (a UsageError: a one-line error and exit 2 in a face, a 400 or 413 through the
 API), said in words a user can act on.
 
+Files given as input (`-f`, `--load`, `/load`, `--image`, `--audio`, `/image`, `/audio`, a transcript's
+attachments) are read here only, by `open_regular_file` and `read_regular_file`: only a regular file (or a
+link to one) is read, its size checked with fstat before a byte is read, and at most the cap plus one
+byte read (a file that grows while it is read). A FIFO, a device (/dev/zero), a socket or a folder is
+refused at once: it is opened with O_NONBLOCK, so that opening a FIFO never waits for a writer.
+
 It knows nothing of models, terminals or HTTP, and imports no torch.
 """
 
 from __future__ import annotations
 
+import os
+import stat
 from dataclasses import dataclass
+from typing import IO, Any, BinaryIO
 
 from .errors import UsageError
 
@@ -59,3 +68,79 @@ class Limits:
 
 
 DEFAULT = Limits()
+
+
+def size_text(n: float) -> str:
+    """A byte count as a person reads it (what the messages say)."""
+    for unit, size in (("GB", 1 << 30), ("MB", MiB), ("KB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{int(n)} bytes"
+
+
+def _kind(mode: int) -> str:
+    """What a file that is not a regular file is, in words."""
+    for test, name in ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def open_regular_file(path: str | os.PathLike, max_bytes: int, what: str, label: str | None = None) -> BinaryIO:
+    """`path` opened for reading (binary), once it is known to be a regular file of at most `max_bytes`.
+
+    `what` names it in the one-line errors ("the prompt file", "the transcript"): a UsageError for
+    anything but a regular file (a link is followed: a link to a FIFO is refused as the FIFO is), a
+    `LimitError` for a file over the cap. An OSError from opening (no such file, no permission) is the
+    caller's to word. `label`: the name the messages give it (the path as given; default `path`). The
+    file is opened with O_NONBLOCK so that a FIFO without a writer does not block
+    the open; a regular file reads the same either way."""
+    name = os.fspath(path)
+    label = name if label is None else label
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0)
+    try:
+        fd = os.open(name, flags)
+    except OSError:
+        if _is_socket(name):  # opening a Unix socket fails (ENXIO): say what it is, not "no such device"
+            raise UsageError(f"{what} {label} is a socket, not a file: give a regular file") from None
+        raise
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise UsageError(f"{what} {label} is {_kind(info.st_mode)}, not a file: give a regular file")
+        if info.st_size > max_bytes:
+            raise LimitError(f"{what} {label} is {size_text(info.st_size)}, more than the {size_text(max_bytes)} "
+                             "this reads")
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _is_socket(name: str) -> bool:
+    try:
+        return stat.S_ISSOCK(os.stat(name).st_mode)
+    except OSError:
+        return False
+
+
+def read_regular_file(path: str | os.PathLike, max_bytes: int, what: str, label: str | None = None) -> bytes:
+    """The bytes of the regular file `path`, at most `max_bytes` of them (`open_regular_file`'s checks
+    and errors; a file that grows past the cap while it is read is a `LimitError` too)."""
+    with open_regular_file(path, max_bytes, what, label) as file:
+        data = file.read(max_bytes + 1)
+    if len(data) > max_bytes:
+        raise LimitError(f"{what} {os.fspath(path) if label is None else label} grew past the {size_text(max_bytes)} this reads while it was read")
+    return data
+
+
+def read_bounded(stream: IO, max_bytes: int, what: str) -> Any:
+    """At most `max_bytes` from a stream that has no size to check first (stdin); a `LimitError` if
+    there is more (`omni-say < /dev/zero` stops after the cap plus one byte). A text stream gives str,
+    bounded in characters."""
+    data = stream.read(max_bytes + 1)
+    if len(data) > max_bytes:
+        raise LimitError(f"{what} holds more than the {size_text(max_bytes)} this reads")
+    return data

@@ -5,6 +5,10 @@ model family: a conversation's default system prompt is the family's, given by t
 A `Conversation` is a list of chat messages (system, user, assistant) that can be saved as JSON and
 loaded back. `build_ids` renders it with the checkpoint's own chat template and tokenizer. When the
 history outgrows the context, `fit` drops the oldest user/assistant pairs and says how many it dropped.
+Its cost is bounded by the context, not by what it is given (`Limits`, limits.py): a new message longer
+than the context's tokens times `chars_per_token` is refused before anything is tokenized, the oldest
+pairs that cannot fit by that char bound are dropped untokenized, and the rest is tokenized about once
+(no re-rendering of the whole conversation per dropped pair).
 
 The transcript format (what omni-chat's /save writes and /load reads, and `Conversation.to_json`):
 a JSON object with `"format": 1`, `"system"` (the system prompt; "" = none) and `"turns"` (user and
@@ -30,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import UsageError
+from .limits import DEFAULT, LimitError, Limits, read_regular_file
 
 # The version of the transcript JSON this code writes; it reads this one and files without the field.
 TRANSCRIPT_FORMAT = 1
@@ -99,8 +104,21 @@ class Conversation:
         atomic_write(path, self.to_json())
 
     @classmethod
-    def load(cls, path: str | Path, default_system: str = "") -> "Conversation":
-        return cls.from_json(Path(path).read_text(encoding="utf-8"), default_system)
+    def load(cls, path: str | Path, default_system: str = "", limits: Limits = DEFAULT) -> "Conversation":
+        """The transcript at `path`: a regular file of at most `limits.transcript_bytes` (checked before
+        it is read; a FIFO or device is refused), UTF-8 JSON of the transcript format."""
+        try:
+            raw = read_regular_file(Path(path).expanduser(), limits.transcript_bytes, "the transcript", str(path))
+        except FileNotFoundError:
+            raise UsageError(f"cannot load {path}: no such file") from None
+        except OSError as exc:
+            raise UsageError(f"cannot load {path}: {(exc.strerror or str(exc)).lower()}") from None
+        try:
+            text = raw.decode("utf-8-sig")
+        except UnicodeDecodeError as exc:
+            raise TranscriptError(f"{path} is not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset {exc.start}), "
+                                  "so not a transcript") from None
+        return cls.from_json(text, default_system)
 
 
 def user_parts(text: str, images: int = 0, clips: int = 0) -> list[dict]:
@@ -225,24 +243,132 @@ def expand_placeholders(ids: list[int], token: int, counts: list[int]) -> list[i
     return out
 
 
-def fit(tokenizer, conv: Conversation, user, budget: int, expand=None) -> tuple[list[int], int]:
+def fit(tokenizer, conv: Conversation, user, budget: int, expand=None,
+        limits: Limits = DEFAULT) -> tuple[list[int], int]:
     """Prompt ids for `conv` + `user` (text, or a list of parts) within `budget` tokens, dropping the
     oldest turns if needed; `expand`: what makes the final ids of the rendered ones (audio placeholders).
 
-    Returns (ids, number of dropped user/assistant pairs). Raises UsageError if even the newest
-    message alone does not fit.
+    Returns (ids, number of dropped user/assistant pairs): the ids of the conversation without the
+    fewest oldest pairs that fits, as the chat template renders it. Raises a `LimitError` before any
+    tokenizing when `user` is longer than `limits.prompt_chars(budget)`, and a UsageError if even the
+    newest message alone does not fit.
+
+    The cost is linear in the conversation, not quadratic: the oldest pairs that cannot fit by the char
+    bound (a token holds at most `limits.chars_per_token` characters) are dropped without tokenizing;
+    when the rest does not fit, each of its turns is tokenized once to estimate how many pairs to drop,
+    and the template's ids are checked for the estimate and its neighbour (a few renders, each bounded
+    by the char bound), so the result is the one dropping pair after pair would give.
     """
-    dropped = 0
+    if budget < 1:
+        raise LimitError(f"no room for the prompt: {budget} tokens of the context are left for it",
+                         param="max_text_tokens")
+    check_length(user, conv.system, budget, limits)
+    dropped = _drop_by_chars(conv, user, limits.prompt_chars(budget))
+
+    def render(k: int) -> list[int]:
+        ids = build_ids(tokenizer, Conversation(conv.system, conv.turns[2 * k:]).messages(user))
+        return expand(ids) if expand is not None else ids
+
+    ids = render(0)
+    if len(ids) <= budget:
+        return ids, dropped
+    pairs = len(conv.turns) // 2
+    if not pairs:
+        raise UsageError(f"prompt is {len(ids)} tokens but the context holds {budget}: shorten it")
+    costs = _pair_costs(tokenizer, conv)
+    found: dict[int, list[int]] = {0: ids}  # k -> the ids without the oldest k pairs, as rendered
+    lo, hi = 0, None  # the most pairs known to be too few to drop, the fewest known to be enough
+    k, stepped = _enough(costs, 0, len(ids) - budget), False
     while True:
-        ids = build_ids(tokenizer, conv.messages(user))
-        if expand is not None:
-            ids = expand(ids)
-        if len(ids) <= budget:
-            return ids, dropped
-        if not conv.turns:
-            raise UsageError(f"prompt is {len(ids)} tokens but the context holds {budget}: shorten it")
-        del conv.turns[:2]
-        dropped += 1
+        if k not in found:
+            found[k] = render(k)
+        if len(found[k]) <= budget:
+            hi = k
+        elif k == pairs:
+            raise UsageError(f"prompt is {len(found[k])} tokens but the context holds {budget}: shorten it")
+        else:
+            lo = k
+        if hi is not None and hi - lo == 1:
+            break
+        if hi is None:  # still too long: drop as many more as the estimate says the excess needs
+            k = _enough(costs, lo, len(found[lo]) - budget)
+        elif not stepped:  # the estimate's pair fits: the one before it most likely does not
+            k, stepped = hi - 1, True
+        else:  # the estimate was off: halve what is left between the bounds
+            k = (lo + hi) // 2
+    del conv.turns[:2 * hi]
+    return found[hi], dropped + hi
+
+
+def check_length(user, system: str, budget: int, limits: Limits = DEFAULT) -> None:
+    """A `LimitError` (before any tokenizing) when the new message, or it with the system prompt, has
+    more characters than `budget` tokens can hold (`limits.prompt_chars`): it could not fit whatever it
+    tokenizes to."""
+    most = limits.prompt_chars(budget)
+    chars = _chars(user)
+    if chars > most:
+        raise LimitError(f"the prompt is {chars} characters, more than the {most} that fit the {budget} tokens "
+                         f"left in the context (at most {limits.chars_per_token} characters a token): shorten it",
+                         param="messages")
+    if chars + len(system) > most:
+        raise LimitError(f"the system prompt ({len(system)} characters) and the prompt ({chars}) are more than the "
+                         f"{most} characters that fit the {budget} tokens left in the context: shorten them",
+                         param="messages")
+
+
+def _chars(content) -> int:
+    """A message's characters: its text, or its text parts' (media placeholders are tokens, not text)."""
+    if content is None:
+        return 0
+    if isinstance(content, str):
+        return len(content)
+    return sum(len(part.get("text", "")) for part in content if isinstance(part, dict))
+
+
+def _text_of(content) -> str:
+    return content if isinstance(content, str) else "".join(p.get("text", "") for p in content if isinstance(p, dict))
+
+
+def _drop_by_chars(conv: Conversation, user, most: int) -> int:
+    """Drop (in place) the oldest pairs that cannot fit by characters alone: the newest pairs are kept
+    while the system prompt, they and the new message hold at most `most` characters. Returns the count."""
+    total = len(conv.system) + _chars(user)
+    keep = 0
+    for i in range(len(conv.turns) - 2, -1, -2):
+        total += _chars(conv.turns[i]["content"]) + _chars(conv.turns[i + 1]["content"])
+        if total > most:
+            break
+        keep += 1
+    dropped = len(conv.turns) // 2 - keep
+    del conv.turns[:2 * dropped]
+    return dropped
+
+
+def _pair_costs(tokenizer, conv: Conversation) -> list[int]:
+    """An estimate of the tokens each pair of `conv.turns` adds to the prompt: its two texts tokenized
+    (once each) plus what the template adds around a pair, measured on a one-character pair. Only an
+    estimate (the template may tokenize across a boundary, media placeholders are left out): `fit`
+    checks the rendered ids."""
+    def count(text: str) -> int:
+        return len(tokenizer(text, add_special_tokens=False)["input_ids"]) if text else 0
+
+    one = [{"role": "user", "content": "a"}]
+    around = (len(build_ids(tokenizer, one + [{"role": "assistant", "content": "a"}] + one))
+              - len(build_ids(tokenizer, one)) - 2 * count("a"))
+    texts = [_text_of(turn["content"]) for turn in conv.turns]
+    return [max(0, around) + count(texts[i]) + count(texts[i + 1]) for i in range(0, len(texts) - 1, 2)]
+
+
+def _enough(costs: list[int], start: int, excess: int) -> int:
+    """The number of oldest pairs to drop (at least `start` + 1) whose estimated costs from `start` on
+    save `excess` tokens; all of them when none do."""
+    saved, k = 0, start
+    while k < len(costs):
+        saved += costs[k]
+        k += 1
+        if saved >= excess:
+            break
+    return max(k, start + 1)
 
 
 class Chat:

@@ -188,6 +188,7 @@ TIERS: dict[str, str | tuple[str, dict[str, str]]] = {
     "test_gpu.py": "model",
     "test_keep_alive.py": ("e2e", {"test_durations": "unit"}),
     "test_kernels.py": "model",
+    "test_limits.py": "unit",
     "test_listen.py": "e2e",
     "test_loader.py": ("unit", {"test_load_tiny": "model", "test_load_tiny_bfloat16_keeps_token2wav_float32": "model",
                                 "test_corrupt_weights": "model", "test_the_demo_model_runs_on_one_cpu_thread": "e2e"}),

@@ -857,7 +857,7 @@ def test_prompt_from_a_file_then_the_argument(fake, tmp_path):
                                             (b"caf\xe9", ["the prompt file", "is not UTF-8 text (byte 0xe9 at offset 3)",
                                                           "iconv"]),
                                             (b" \n", ["empty prompt: the prompt file", "holds no text"]),
-                                            ("folder", ["cannot read the prompt file", "it is a folder"])])
+                                            ("folder", ["the prompt file", "is a folder, not a file"])])
 def test_bad_prompt_file(fake, tmp_path, content, words):
     path = tmp_path / "prompt.txt"
     if content == "folder":

@@ -27,6 +27,8 @@ from typing import TYPE_CHECKING
 
 from ..audio.format import from_pcm16, pcm16, to_int16, wav_bytes  # noqa: F401 (from_pcm16: the client reads it here)
 from ..config import ReplyOptions
+from ..errors import UsageError
+from ..limits import LimitError
 
 if TYPE_CHECKING:  # numpy is imported where samples are made or read: a client sends its request first
     import numpy as np
@@ -144,6 +146,7 @@ def parse_chat_request(body: object) -> ChatRequest:
         max_codes=_typed(extra, "max_codes", int, None, "omni.max_codes"), text_only=not audio,
         temperature=_number(body.get("temperature"), "temperature", float),
         top_p=_number(body.get("top_p"), "top_p", float), top_k=_number(body.get("top_k"), "top_k", int))
+    _check_ranges(options, {"max_text_tokens": limit, "max_codes": "omni.max_codes"})
     stream_options = body.get("stream_options") or {}
     return ChatRequest(
         prompt=turns[-1]["content"], turns=turns[:-1], audio=messages[-1]["audio"], images=messages[-1]["images"],
@@ -151,6 +154,40 @@ def parse_chat_request(body: object) -> ChatRequest:
         stream=stream, spoken=audio,
         audio_format=fmt, model=_typed(body, "model", str, None),
         include_usage=bool(isinstance(stream_options, dict) and stream_options.get("include_usage")))
+
+
+# The most reply tokens (or talker steps) a request may ask for: more than any context holds, small
+# enough that no arithmetic on it overflows (the server's own context then says how many fit).
+MAX_TOKENS = 2**31 - 1
+
+
+def _check_ranges(options: ReplyOptions, names: dict[str, str]) -> None:
+    """Every number of the request in its range (`ReplyOptions.check`'s rules, and the token caps at most
+    MAX_TOKENS), as a 400 naming the field by the request's name for it (`names`: the options' names
+    that differ)."""
+    for key in ("max_text_tokens", "max_codes"):
+        value = getattr(options, key)
+        if value is not None and value > MAX_TOKENS:
+            name = names.get(key, key)
+            raise RequestError(f"{name} must be at most {MAX_TOKENS} (got {value:.3g}): no context holds more",
+                               param=name)
+    try:
+        options.check()
+    except LimitError as exc:
+        raise api_error(exc, names) from None
+
+
+def api_error(exc: UsageError, names: dict[str, str] | None = None) -> RequestError:
+    """A UsageError of the assistant (or of a request's files) as the API's error: a `LimitError` keeps
+    its status and names its field (`names`: the reply options' names the API spells otherwise)."""
+    if not isinstance(exc, LimitError):
+        return RequestError(str(exc))
+    names = {"max_text_tokens": "max_completion_tokens", "max_codes": "omni.max_codes"} if names is None else names
+    param = names.get(exc.param or "", exc.param)
+    message = str(exc)
+    if param and exc.param and param != exc.param and message.startswith(exc.param):
+        message = param + message[len(exc.param):]
+    return RequestError(message, exc.status, param=param)
 
 
 def _messages(body: dict) -> list[dict]:
@@ -227,7 +264,8 @@ def _typed(obj: dict, key: str, kind: type, default, name: str | None = None):
     if value is None:
         return default
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        raise RequestError(f"{name or key} must be a {kind.__name__}", param=name or key)
+        what = {int: "an integer", str: "a string", bool: "true or false"}.get(kind, f"a {kind.__name__}")
+        raise RequestError(f"{name or key} must be {what}", param=name or key)
     return value
 
 

@@ -233,7 +233,7 @@ def create_app(assistant, name: str, api_key: str | None = None, key: str | None
         except p.RequestError as exc:
             return error(exc)
         except UsageError as exc:
-            return error(p.RequestError(str(exc)))
+            return error(p.api_error(exc))
         job = Job(req, asyncio.get_running_loop(), clips, pictures)
         ahead = worker.submit(job)
         headers = {p.QUEUE_HEADER: str(ahead)}
@@ -364,7 +364,7 @@ def with_defaults(options: ReplyOptions, defaults: ReplyOptions) -> ReplyOptions
 
 def _as_request_error(exc: BaseException) -> p.RequestError:
     if isinstance(exc, UsageError):
-        return p.RequestError(str(exc))
+        return p.api_error(exc)
     if isinstance(exc, OmniError):
         return p.RequestError(str(exc), 500, code="server_error")
     log.error("reply failed", exc_info=exc)

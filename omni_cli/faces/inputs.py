@@ -2,7 +2,10 @@
 (`--audio`, `--image`), read and checked before anything is loaded.
 
 Text must be UTF-8 (a one-line usage error names the first bad byte); media are read by `media.py`
-(numpy, soundfile, Pillow: imported only when there are some). It knows nothing of models.
+(numpy, soundfile, Pillow: imported only when there are some). Every read is bounded by `Limits`
+(limits.py): `-f FILE` must be a regular file (a FIFO or a device is refused at once; `-f -` is stdin)
+of at most `prompt_file_bytes`, piped stdin is read up to that many bytes, `--audio -` up to
+`attachment_bytes`. It knows nothing of models.
 """
 
 from __future__ import annotations
@@ -11,17 +14,20 @@ import sys
 from pathlib import Path
 
 from ..errors import UsageError
+from ..limits import DEFAULT, Limits, read_bounded, read_regular_file
 from .console import isatty
 
 
-def read_stdin(terminal_too: bool = False) -> str | None:
-    """Piped stdin as text; None when stdin is closed or absent, or a terminal (unless `terminal_too`:
-    `-f -` reads what is typed, up to Ctrl-D)."""
+def read_stdin(terminal_too: bool = False, limits: Limits = DEFAULT) -> str | None:
+    """Piped stdin as text (at most `limits.prompt_file_bytes`: `< /dev/zero` is refused, not read until
+    memory runs out); None when stdin is closed or absent, or a terminal (unless `terminal_too`: `-f -`
+    reads what is typed, up to Ctrl-D)."""
     stdin = sys.stdin
     if stdin is None or (isatty(stdin) and not terminal_too):
         return None
     try:
-        data = stdin.buffer.read() if hasattr(stdin, "buffer") else stdin.read()
+        # A text stream (a test's StringIO) is bounded in characters, a real stdin in bytes.
+        data = read_bounded(stdin.buffer if hasattr(stdin, "buffer") else stdin, limits.prompt_file_bytes, "stdin")
     except (OSError, ValueError):  # a closed descriptor
         return None
     return data if isinstance(data, str) else _utf8(data, "stdin")
@@ -38,23 +44,23 @@ def _utf8(data: bytes, what: str) -> str:
         ) from exc
 
 
-def read_prompt_file(name: str) -> str:
-    """The text of `-f FILE` (`-` = stdin, a terminal included); a one-line UsageError if unreadable."""
+def read_prompt_file(name: str, limits: Limits = DEFAULT) -> str:
+    """The text of `-f FILE` (`-` = stdin, a terminal included); a one-line UsageError if unreadable, not
+    a regular file, or over `limits.prompt_file_bytes` (checked before it is read)."""
     if name == "-":
-        return read_stdin(terminal_too=True) or ""
+        return read_stdin(terminal_too=True, limits=limits) or ""
     try:
-        data = Path(name).expanduser().read_bytes()
-    except IsADirectoryError:
-        raise UsageError(f"cannot read the prompt file {name}: it is a folder") from None
+        data = read_regular_file(Path(name).expanduser(), limits.prompt_file_bytes, "the prompt file", name)
     except OSError as exc:
         raise UsageError(f"cannot read the prompt file {name}: {(exc.strerror or str(exc)).lower()}") from None
     return _utf8(data, f"the prompt file {name}")
 
 
-def gather_prompt(argument: str | None, file: str | None = None, optional: bool = False) -> str:
+def gather_prompt(argument: str | None, file: str | None = None, optional: bool = False,
+                  limits: Limits = DEFAULT) -> str:
     """Piped stdin (or `-f FILE` instead) first, then the argument (like llm); a usage error if there
     is nothing to say, unless `optional` (audio or an image says it): then ""."""
-    first = read_prompt_file(file) if file is not None else read_stdin()
+    first = read_prompt_file(file, limits) if file is not None else read_stdin(limits=limits)
     parts = [p.strip() for p in (first, argument) if p is not None and p.strip()]
     if parts or optional:
         return "\n".join(parts)
@@ -65,16 +71,16 @@ def gather_prompt(argument: str | None, file: str | None = None, optional: bool 
     raise UsageError('empty prompt: say something, e.g. omni-say "Hello"')
 
 
-def read_images(names: list[str]) -> list:
+def read_images(names: list[str], limits: Limits = DEFAULT) -> list:
     """`--image` files, read and checked (media.py, which imports numpy, only when there are some)."""
     if not names:
         return []
     from ..media import read_image
 
-    return [read_image(name) for name in names]
+    return [read_image(name, limits=limits) for name in names]
 
 
-def read_clips(names: list[str]) -> list:
+def read_clips(names: list[str], limits: Limits = DEFAULT) -> list:
     """`--audio` files (`-`: stdin's bytes) read and checked before the model loads."""
     if not names:
         return []
@@ -85,9 +91,10 @@ def read_clips(names: list[str]) -> list:
     clips = []
     for name in names:
         if name == "-":
-            data = sys.stdin.buffer.read() if sys.stdin is not None and hasattr(sys.stdin, "buffer") else b""
-            clips.append(read_audio(data, "stdin"))
+            stdin = sys.stdin.buffer if sys.stdin is not None and hasattr(sys.stdin, "buffer") else None
+            data = read_bounded(stdin, limits.attachment_bytes, "--audio - (stdin)") if stdin is not None else b""
+            clips.append(read_audio(data, "stdin", limits))
         else:
-            clips.append(read_audio(name))
+            clips.append(read_audio(name, limits=limits))
     return clips
 

@@ -56,7 +56,8 @@ def say(
         help="What to say to the model. Piped stdin (or -f FILE) is used too, before PROMPT.")] = None,
     file: Annotated[Optional[str], typer.Option(
         "--file", "-f", metavar="FILE", show_default=False,
-        help="Read the prompt from FILE ('-': stdin), before PROMPT if both are given; stdin is then not read.")] = None,
+        help="Read the prompt from FILE ('-': stdin), before PROMPT if both are given; stdin is then not read. "
+        "A regular file of at most 16 MiB (a FIFO or device is refused).")] = None,
     output: Annotated[Optional[Path], typer.Option(
         "--output", "-o", metavar="FILE", show_default=False, dir_okay=False,
         help="Write the speech to this audio file instead of playing it (24 kHz mono; the format from the "
@@ -89,10 +90,11 @@ def say(
     audio: Annotated[Optional[list[str]], typer.Option(
         "--audio", "-a", metavar="FILE", show_default=False,
         help="Say this audio to the model with the prompt (any format libsndfile reads, any rate; '-': stdin); "
-        "repeatable. The prompt's text is then optional.")] = None,
+        "repeatable. The prompt's text is then optional. At most 10 minutes and 256 MiB a file.")] = None,
     image: Annotated[Optional[list[str]], typer.Option(
         "--image", "-i", metavar="FILE", show_default=False,
-        help="Show the model this image with the prompt (any format Pillow opens); repeatable.")] = None,
+        help="Show the model this image with the prompt (any format Pillow opens); repeatable. At most 40 MP "
+        "(read from its header) and 256 MiB.")] = None,
     list_voices: Annotated[bool, typer.Option("--list-voices", help="List the model's voices (read from the checkpoint, without loading it) and exit.")] = False,
     list_audio_devices: ListDevicesOpt = False,
     verbose: VerboseOpt = False,

@@ -68,7 +68,7 @@ class Commands(SessionState):
             return
         from ...media import read_audio
 
-        clip = read_audio(arg)
+        clip = read_audio(arg, limits=self.limits)
         self.attached.append(clip)
         self.say(f"attached {clip.source} ({clip.seconds:.1f} s of audio): it goes with your next message")
 
@@ -82,7 +82,7 @@ class Commands(SessionState):
             return
         from ...media import read_image
 
-        self.shown.append((arg, read_image(arg)))
+        self.shown.append((arg, read_image(arg, limits=self.limits)))
         self.say(f"attached {arg}: it goes with your next message")
 
     def cmd_listen(self, arg: str) -> None:

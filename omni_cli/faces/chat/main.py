@@ -62,7 +62,8 @@ def chat(
     no_history: Annotated[bool, typer.Option("--no-history", help="Keep no input history on disk (so does OMNI_NOHISTORY=1).")] = False,
     load: Annotated[Optional[Path], typer.Option(
         "--load", metavar="PATH", show_default=False, dir_okay=False,
-        help="Resume a conversation saved with /save (PATH or PATH.json): its history is the model's context.")] = None,
+        help="Resume a conversation saved with /save (PATH or PATH.json): its history is the model's context. "
+        "A regular file of at most 16 MiB.")] = None,
     verbose: VerboseOpt = False,
     debug: DebugOpt = False,
     version: VersionOpt = False,

@@ -8,6 +8,7 @@ from typing import Any, Callable
 
 from ...config import ReplyOptions
 from ...interface import OmniAssistant
+from ...limits import DEFAULT, Limits
 
 
 class SessionState:
@@ -41,6 +42,12 @@ class SessionState:
     @property
     def voice(self) -> str | None:
         return self.options.voice
+
+    @property
+    def limits(self) -> Limits:
+        """The caps on what the session reads (/load, /audio, /image: limits.py): a local assistant's
+        own, else the defaults (a remote one's server checks its own again)."""
+        return getattr(self.assistant, "input_limits", DEFAULT)
 
     def say(self, message: str) -> None:
         """A line on the err console (ChatRepl's)."""

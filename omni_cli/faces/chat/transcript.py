@@ -14,6 +14,7 @@ from pathlib import Path
 
 from ...atomic import atomic_write
 from ...errors import OmniError, UsageError
+from ...limits import read_regular_file
 from ...prompt import TRANSCRIPT_FORMAT
 from .commands import count
 from .state import SessionState
@@ -98,8 +99,8 @@ class Transcripts(SessionState):
             if not 0 <= turn < len(history):
                 continue  # dropped from the model's history before the save
             media: dict[str, list] = {"audio": [], "images": []}
-            for kind, names, read in (("audio", entry["names"], lambda n: read_audio(n).at()),
-                                      ("images", entry["images"], read_image)):
+            for kind, names, read in (("audio", entry["names"], lambda n: read_audio(n, limits=self.limits).at()),
+                                      ("images", entry["images"], lambda n: read_image(n, limits=self.limits))):
                 for name in names:
                     try:
                         media[kind].append(read(name))
@@ -123,13 +124,11 @@ class Transcripts(SessionState):
         from ...prompt import TranscriptError, parse_json, read_transcript
 
         file = _transcript_path(path)
-        try:
-            raw = file.read_bytes()
+        try:  # a regular file within the cap, checked before it is read (a FIFO, /dev/zero: refused at once)
+            raw = read_regular_file(file, self.limits.transcript_bytes, "the transcript")
         except FileNotFoundError:
             tried = f"{file}" if str(file) == str(path) else f"{path} or {file}"
             raise UsageError(f"cannot load {tried}: no such file (/save PATH writes PATH.json)") from None
-        except IsADirectoryError:
-            raise UsageError(f"cannot load {file}: it is a folder, not a transcript file") from None
         except OSError as exc:
             raise UsageError(f"cannot load {file}: {exc.strerror or exc}") from None
         try:
@@ -195,7 +194,8 @@ def _transcript_path(path: str | os.PathLike) -> Path:
     file = Path(path).expanduser()
     if file.suffix.lower() == ".wav":
         return file.with_suffix(".json")
-    if not file.is_file() and file.suffix.lower() != ".json":
+    # PATH itself when it is there and not a folder (a FIFO or a device too: reading refuses it, saying so).
+    if (file.is_dir() or not os.path.lexists(file)) and file.suffix.lower() != ".json":
         return file.with_name(file.name + ".json")
     return file
 
