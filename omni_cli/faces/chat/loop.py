@@ -39,7 +39,7 @@ from typing import Any, Callable
 from ...config import ReplyOptions
 from ...errors import OmniError, UsageError, known_failure
 from ...prompt import check_text
-from ..console import StreamWrapper, isatty, terminal_width
+from ..console import StreamWrapper, isatty, print_text, shown, terminal_width
 from ..program import InterruptTimes, Terminated, stop_on_interrupt
 from ..timing import AudioClock, print_timing, speech_steps
 from .commands import Commands
@@ -205,7 +205,8 @@ class ChatRepl(Commands, Transcripts):
                 try:
                     for event in events:
                         if isinstance(event, TextDelta):
-                            self._show(wrapper.feed(event.text) if wrapper else event.text)
+                            piece = shown(event.text, self.out.file)  # before the wrapper counts its cells
+                            self._show(wrapper.feed(piece) if wrapper else piece)
                             printed = True
                         elif isinstance(event, AudioBlock):
                             clock.tick()
@@ -282,7 +283,7 @@ class ChatRepl(Commands, Transcripts):
     def error(self, exc: BaseException) -> None:
         exc = known_failure(exc)
         if self.debug:
-            self.err.print("".join(traceback.format_exception(exc)), end="", markup=False, highlight=False)
+            print_text(self.err, "".join(traceback.format_exception(exc)), end="")
         detail = " ".join(str(exc).split())
         if isinstance(exc, OmniError):
             message = f"error: {detail}"
@@ -290,7 +291,7 @@ class ChatRepl(Commands, Transcripts):
         else:
             message = f"error: internal error: {type(exc).__name__}: {detail}"
             self.failures.append(1)
-        self.err.print(message, style="red", markup=False, highlight=False)
+        print_text(self.err, message, style="red")
 
     def command(self, line: str) -> str | None:
         name, _, arg = line.partition(" ")
@@ -312,8 +313,7 @@ class ChatRepl(Commands, Transcripts):
             "/image": self.cmd_image,
         }
         if name not in handlers:
-            self.err.print(f"error: unknown command '{name}': type /? for help", style="red", markup=False,
-                           highlight=False)
+            print_text(self.err, f"error: unknown command '{name}': type /? for help", style="red")
             self.failures.append(UsageError.exit_code)
             return None
         handler = handlers[name]
@@ -328,7 +328,7 @@ class ChatRepl(Commands, Transcripts):
         return None
 
     def say(self, message: str) -> None:
-        self.err.print(message, markup=False, highlight=False)
+        print_text(self.err, message)  # names from a transcript, a server or a path: text, shown safely
 
 
 def line_reader(stream=None) -> Callable[[str], str]:
