@@ -319,13 +319,35 @@ class ChatRepl(Commands, Transcripts):
         handler = handlers[name]
         if handler is None:
             return "bye"
+        before = self._snapshot()
         try:
             handler(arg)
         except Terminated:
             raise
+        except KeyboardInterrupt:
+            # A command that blocks (/load of a slow file, /save to a slow disk): Ctrl-C stops it and the
+            # session goes on with the conversation as it was before the command (not the program's exit).
+            self._restore(before)
+            self.say(f"interrupted: {name} stopped; the conversation is as it was")
         except Exception as exc:  # noqa: BLE001 - an OmniError, or a bug: one line either way, the session goes on
             self.error(exc)
         return None
+
+    # What a slash command may change, put back whole when it is interrupted halfway.
+    _KEPT = ("options", "muted", "loaded_from", "transcript", "attached", "shown", "attachments", "speech")
+
+    def _snapshot(self) -> dict:
+        saved = {name: getattr(self, name) for name in self._KEPT}
+        saved = {name: list(value) if isinstance(value, list) else value for name, value in saved.items()}
+        history = self.chat.history
+        return {**saved, "system": history.system, "turns": list(history.turns)}
+
+    def _restore(self, saved: dict) -> None:
+        for name in self._KEPT:
+            value = saved[name]
+            setattr(self, name, list(value) if isinstance(value, list) else value)
+        self.chat.history.system = saved["system"]
+        self.chat.history.turns[:] = saved["turns"]
 
     def say(self, message: str) -> None:
         print_text(self.err, message)  # names from a transcript, a server or a path: text, shown safely
