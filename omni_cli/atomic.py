@@ -45,6 +45,7 @@ import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Sequence
 
 from .errors import OutputError, UsageError
 
@@ -403,7 +404,7 @@ def stage(path: str | os.PathLike | Target, data: bytes | str, encoding: str = "
     return replacement
 
 
-def commit_all(replacements: "list[Replacement | None]") -> None:
+def commit_all(replacements: "Sequence[Replacement | None]") -> None:
     """Rename staged files into place in the order given (None: a stream, already written), each fsync'd
     first. A failure (or an interrupt) discards the ones not renamed yet, and is raised: put the file that
     names the others (a transcript) last, so that it never names files that did not arrive."""
@@ -416,7 +417,7 @@ def commit_all(replacements: "list[Replacement | None]") -> None:
         raise
 
 
-def discard_all(replacements: "list[Replacement | None]") -> None:
+def discard_all(replacements: "Sequence[Replacement | None]") -> None:
     """Discard every staged file not renamed yet (never raises)."""
     for r in replacements:
         if r is not None:

@@ -22,14 +22,15 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
-
-from conftest import cli_env, invoke
+from conftest import cli_env, invoke, invoke_chat
 from fakes import FakeAssistant
+from test_chat import Session
+
 from omni_cli import atomic
 from omni_cli.errors import OmniError, OutputError
-from test_chat import Session
 
 DAY = 24 * 3600
 
@@ -142,7 +143,7 @@ def _killed_mid_write(folder) -> str:
     code = ("import os, signal, sys; from omni_cli import atomic\n"
             "r = atomic.Replacement(sys.argv[1]); fd = r.create(); os.write(fd, b'half a file')\n"
             "os.kill(os.getpid(), signal.SIGKILL)\n")
-    done = subprocess.run([sys.executable, "-c", code, str(folder / "a.wav")], env=cli_env(), timeout=60)
+    done = subprocess.run([sys.executable, "-c", code, str(folder / "a.wav")], env=cli_env(), timeout=60, check=False)
     assert done.returncode == -signal.SIGKILL
     left = [n for n in os.listdir(folder) if TEMP.fullmatch(n)]
     assert len(left) == 1, os.listdir(folder)
@@ -324,7 +325,7 @@ def test_omni_chat_goes_on_after_ctrl_c_in_a_command(fake, tmp_path, monkeypatch
         raise KeyboardInterrupt
 
     monkeypatch.setattr(Commands, "cmd_stats", stuck)
-    result = __import__("conftest").invoke_chat("--mute", "--no-history",
+    result = invoke_chat("--mute", "--no-history",
                                                 input=f"Hello\n/stats\n/save {tmp_path / 'x'}\n")
     assert result.exit_code == 0, result.output  # before: 130, and nothing saved
     assert [t["content"] for t in json.loads((tmp_path / "x.json").read_text())["turns"]] == ["Hello", "Hi there."]
@@ -368,15 +369,15 @@ def test_a_history_file_on_a_full_disk_is_one_warning_and_the_session_goes_on(tm
     assert _run_with_timeout(s, "first\rsecond\r\x04", history) == 0  # before: wedged at "first"
     assert s.out.count("Hi there.") == 2
     assert list(history.load_history_strings()) == [] and history.get_strings() == ["first", "second"]  # in memory
-    assert warnings == [f"warning: cannot keep the input history in {tmp_path / 'history'} (no space left on "
-                        f"{_mount(tmp_path)}); it lasts this session only"]
+    assert warnings == [(f"warning: cannot keep the input history in {tmp_path / 'history'} (no space left on "
+                         f"{_mount(tmp_path)}); it lasts this session only")]
 
 
 def test_a_history_file_that_is_a_device_is_not_read(tmp_path):
     from omni_cli.faces.chat.history import make_history
 
     warnings: list[str] = []
-    history = make_history(__import__("pathlib").Path("/dev/zero"), warnings.append)  # before: read forever
+    history = make_history(Path("/dev/zero"), warnings.append)  # before: read forever
     assert not hasattr(history, "filename") and "it is not a regular file" in warnings[0]
 
 

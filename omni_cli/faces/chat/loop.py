@@ -241,8 +241,12 @@ class ChatRepl(Commands, Transcripts):
         return StreamWrapper(width) if width else None
 
     def _show(self, text: str) -> None:
+        """A piece of the reply, written as it is (shown safely already, on a terminal): rich would drop
+        BEL, BS and CR even into a pipe, where the text must stay as the model made it."""
         if text:
-            self.out.print(text, end="", markup=False, highlight=False)
+            file = self.out.file
+            file.write(text)
+            file.flush()
 
     def _end_reply(self, wrapper: StreamWrapper | None, printed: bool) -> None:
         """The word the wrapper still holds (also of a stopped reply: it was generated), then the line's end."""
