@@ -222,8 +222,8 @@ def os_reason(exc: BaseException, path: str | os.PathLike | None = None) -> str:
 
 
 def mount_point(path: Path) -> Path:
-    """The folder where the file system that holds `path` is mounted (/ at worst)."""
-    here = Path(os.path.abspath(path))
+    """The folder where the file system that holds `path` (a link: its target) is mounted (/ at worst)."""
+    here = Path(os.path.realpath(path))
     while not here.exists() and here != here.parent:
         here = here.parent
     while not os.path.ismount(here) and here != here.parent:

@@ -6,6 +6,11 @@ with `file=None` looks up `sys.stdout` / `sys.stderr` each time it writes, so it
 prompt_toolkit's `patch_stdout` while a prompt is on screen. `TextOut` is where omni-say's reply text
 streams (stdout, or stderr when stdout carries WAV); `StreamWrapper` wraps words as they stream.
 
+The terminal shows text, not control sequences: whatever a model, a server or a file says (a reply, a
+model's name, a transcript's paths, an error's message) goes through `shown` (or `print_text`, on a
+rich console: never read as markup either), which escapes what would control a terminal
+(`terminal_text`) when the stream is one, and leaves the text exactly as it is into a pipe or a file.
+
 It knows nothing of models or of the engine; rich is imported when used.
 """
 

@@ -19,7 +19,10 @@ script meant.
 A reply's text streams to the `out` console while its speech plays through a `SpeakerSink` (one per
 turn). Ctrl-C during a reply aborts the sink at once (the sound stops), closes the reply's event
 stream (the engine's threads stop) and comes back to the prompt with the conversation as it was
-before that turn. Errors a person can act on are one line and the session goes on.
+before that turn. Ctrl-C during a slash command that blocks (a /load or /save of a slow file) stops
+it and comes back to the prompt with the session as it was before the command. Errors a person can
+act on are one line and the session goes on. What the model, a server or a file says is written with
+console.shown / print_text: escaped on a terminal, as it is into a pipe.
 
 What differs between model families (the voices and the default one, the default system prompt,
 whether the talker's steps are codes or frames and how many make a second, the sample rate) is read
