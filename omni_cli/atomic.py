@@ -22,8 +22,17 @@ A file replaced keeps its permission bits (and its owner and group where this pr
 so writing over a shared file does not quietly make it private or root's; a new file gets 0o666
 filtered by the umask, as open() would give it.
 
-It knows paths, file kinds and POSIX renames; nothing of audio, formats or what the bytes are.
-Failures to write are OutputErrors (exit 1) of one line.
+Files that belong together (omni-chat's /save: the transcript, its WAV, its recordings) are written
+under temporary names first (`stage`), then renamed one after the other (`commit_all`, the transcript
+last), so that a failure before the renames leaves every old file as it was.
+
+A temporary that a SIGKILL or a power cut left behind (`.NAME.<16 hex digits>.part`, or `.probe`) is
+removed the next time this process writes into its folder, once it is a day old and ours (our user's,
+a regular file): nothing else in the folder is ever touched (`remove_stale_temporaries`).
+
+It knows paths, file kinds, file systems and POSIX renames; nothing of audio, formats or what the bytes
+are. Failures to write are OutputErrors (exit 1) of one line that names the path (`write_failure`): a
+full disk is "no space left on MOUNT" (the file system's folder), a quota "disk quota exceeded on MOUNT".
 """
 
 from __future__ import annotations
@@ -33,8 +42,10 @@ import os
 import re
 import secrets
 import stat
+import time
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Sequence
 
 from .errors import OutputError, UsageError
 
@@ -86,7 +97,7 @@ def output_target(path: str | os.PathLike) -> Target:
     except OSError as exc:
         if exc.errno == errno.ENOTDIR:
             raise OutputError(f"cannot write {given}: {_first_non_folder(given)} is not a folder") from None
-        raise OutputError(f"cannot write {given}: {exc.strerror or exc}") from None
+        raise write_failure(given, exc) from None
     if st is None:
         # Nothing there: a new name, or a (chain of) dangling link(s), whose final target is created.
         resolved = Path(os.path.realpath(given))
@@ -157,6 +168,69 @@ def temp_path(path: Path, suffix: str = ".part") -> Path:
     return path.parent / f".{path.name}.{secrets.token_hex(8)}{suffix}"
 
 
+# The names temp_path makes, and only those: a hidden name, 16 hex digits, .part or .probe.
+TEMP_NAME = re.compile(r"\..+\.[0-9a-f]{16}\.(?:part|probe)")
+# A temporary of ours this old is no writer's any more (a live writer touches it at each write).
+STALE_SECONDS = 24 * 3600
+_swept: set[str] = set()  # the folders already swept by this process: each is looked through once
+
+
+def remove_stale_temporaries(folder: Path, now: float | None = None) -> list[Path]:
+    """Remove the temporaries of ours in `folder` (TEMP_NAME; regular files, not links, of this user)
+    last changed more than STALE_SECONDS ago, once per folder and process; the paths removed. Never
+    raises: a folder that cannot be read, or a file that cannot be removed, is left as it is."""
+    key = os.path.realpath(folder)
+    if key in _swept and now is None:
+        return []
+    _swept.add(key)
+    now = time.time() if now is None else now
+    uid = os.getuid() if hasattr(os, "getuid") else None
+    removed = []
+    try:
+        with os.scandir(folder) as entries:
+            for entry in entries:
+                if not (entry.name.startswith(".") and TEMP_NAME.fullmatch(entry.name)):
+                    continue
+                try:
+                    st = entry.stat(follow_symlinks=False)
+                    if (stat.S_ISREG(st.st_mode) and (uid is None or st.st_uid == uid)
+                            and now - st.st_mtime > STALE_SECONDS):
+                        os.unlink(entry.path)
+                        removed.append(Path(entry.path))
+                except OSError:
+                    continue
+    except OSError:
+        pass
+    return removed
+
+
+def write_failure(given: str | os.PathLike, exc: BaseException, verb: str = "write") -> OutputError:
+    """The one-line OutputError for `exc` raised while writing `given`: "cannot write PATH: REASON"."""
+    return OutputError(f"cannot {verb} {given}: {os_reason(exc, given)}")
+
+
+def os_reason(exc: BaseException, path: str | os.PathLike | None = None) -> str:
+    """What went wrong, in words: a full disk or an exhausted quota names the file system (its mount
+    point) that holds `path`; other OSErrors their system message; anything else its text."""
+    code = getattr(exc, "errno", None)
+    if code in (errno.ENOSPC, getattr(errno, "EDQUOT", -1)) and path is not None:
+        where = mount_point(Path(path))
+        return f"no space left on {where}" if code == errno.ENOSPC else f"disk quota exceeded on {where}"
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
+def mount_point(path: Path) -> Path:
+    """The folder where the file system that holds `path` (a link: its target) is mounted (/ at worst)."""
+    here = Path(os.path.realpath(path))
+    while not here.exists() and here != here.parent:
+        here = here.parent
+    while not os.path.ismount(here) and here != here.parent:
+        here = here.parent
+    return here
+
+
 def _create_exclusive(path: Path, mode: int) -> int:
     """Create `path` for writing and return its descriptor; an error if it exists. `mode` is filtered by
     the umask, as open() does."""
@@ -185,7 +259,7 @@ def check_writable(target: Target) -> None:
     try:
         os.close(_create_exclusive(probe, 0o600))
     except OSError as exc:
-        raise OutputError(f"cannot write {target.given}: {exc.strerror or exc}") from exc
+        raise write_failure(target.given, exc) from exc
     finally:
         try:
             probe.unlink()
@@ -202,7 +276,7 @@ def open_stream(target: Target) -> int:
             return os.dup(target.fd)
         fd = os.open(target.path, os.O_WRONLY | getattr(os, "O_BINARY", 0) | _O_EXTRA)
     except OSError as exc:
-        raise OutputError(f"cannot write {target.given}: {exc.strerror or exc}") from exc
+        raise write_failure(target.given, exc) from exc
     if stat.S_ISREG(os.fstat(fd).st_mode) or stat.S_ISDIR(os.fstat(fd).st_mode):
         os.close(fd)  # it was swapped for a file since it was classified: not written over in place
         raise OutputError(f"cannot write {target.given}: it changed from a {target.what} to a file")
@@ -231,6 +305,7 @@ class Replacement:
             old = os.stat(path)
         except OSError:
             old = None
+        remove_stale_temporaries(path.parent)
         self.tmp = temp_path(path)  # remembered before it exists: see temp_path
         try:
             # A file that replaces another gets that one's mode (set below, not filtered by the umask);
@@ -239,7 +314,7 @@ class Replacement:
             if old is not None:
                 _keep_owner_and_mode(self.fd, old)
         except OSError as exc:
-            raise OutputError(f"cannot write {self.target.given}: {exc.strerror or exc}") from exc
+            raise write_failure(self.target.given, exc) from exc
         return self.fd
 
     def commit(self) -> None:
@@ -255,7 +330,7 @@ class Replacement:
             os.close(fd)
             os.replace(self.tmp, self.target.path)
         except OSError as exc:
-            raise OutputError(f"cannot write {self.target.given}: {exc.strerror or exc}") from exc
+            raise write_failure(self.target.given, exc) from exc
         self.tmp = None
         self.committed = True
         _fsync_folder(self.target.path.parent)
@@ -294,29 +369,59 @@ def atomic_write(path: str | os.PathLike, data: bytes | str, encoding: str = "ut
     """Write `data` (str: encoded with `encoding`) to `path` as the module docstring says: a file or a
     new name (a link's target) appears whole or not at all, with its old mode kept; a character device
     or FIFO gets the bytes directly. Returns the target written."""
-    payload = data.encode(encoding) if isinstance(data, str) else bytes(data)
     target = output_target(path)
+    replacement = stage(target, data, encoding)
+    if replacement is not None:
+        commit_all([replacement])
+    return target
+
+
+def stage(path: str | os.PathLike | Target, data: bytes | str, encoding: str = "utf-8") -> Replacement | None:
+    """Write `data` to a temporary beside `path` and return its Replacement, not yet renamed (commit_all
+    renames it; discard it on any failure). A character device or FIFO is not ours to stage: it gets the
+    bytes now, and None is returned."""
+    payload = data.encode(encoding) if isinstance(data, str) else bytes(data)
+    target = path if isinstance(path, Target) else output_target(path)
     if not target.atomic:
         fd = open_stream(target)
         try:
             _write_all(fd, payload)
         except OSError as exc:
-            raise OutputError(f"cannot write {target.given}: {exc.strerror or exc}") from exc
+            raise write_failure(target.given, exc) from exc
         finally:
             os.close(fd)
-        return target
+        return None
     replacement = Replacement(target)
     try:
         fd = replacement.create()
         try:
             _write_all(fd, payload)
         except OSError as exc:
-            raise OutputError(f"cannot write {target.given}: {exc.strerror or exc}") from exc
-        replacement.commit()
+            raise write_failure(target.given, exc) from exc
     except BaseException:
         replacement.discard()
         raise
-    return target
+    return replacement
+
+
+def commit_all(replacements: "Sequence[Replacement | None]") -> None:
+    """Rename staged files into place in the order given (None: a stream, already written), each fsync'd
+    first. A failure (or an interrupt) discards the ones not renamed yet, and is raised: put the file that
+    names the others (a transcript) last, so that it never names files that did not arrive."""
+    pending = [r for r in replacements if r is not None]
+    try:
+        for r in pending:
+            r.commit()
+    except BaseException:
+        discard_all(pending)
+        raise
+
+
+def discard_all(replacements: "Sequence[Replacement | None]") -> None:
+    """Discard every staged file not renamed yet (never raises)."""
+    for r in replacements:
+        if r is not None:
+            r.discard()
 
 
 def _write_all(fd: int, data: bytes) -> None:

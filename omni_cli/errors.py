@@ -41,9 +41,17 @@ class StdoutClosed(OutputError):
 
 def known_failure(exc: BaseException) -> BaseException:
     """`exc`, or an OmniError that says what to do when `exc` is a failure with a known cure raised
-    below us as a plain exception (running out of device memory)."""
+    below us as a plain exception (running out of device memory; an OSError naming a file)."""
     if isinstance(exc, OmniError):
         return exc
+    if isinstance(exc, OSError) and exc.filename is not None and not isinstance(exc, BrokenPipeError):
+        # A file that could not be read or written, raised by code below a face's own checks: one line
+        # naming the file, as a Unix tool says it (a full disk names the file system that is full).
+        from .atomic import os_reason  # atomic imports this module
+
+        new = OmniError(f"{exc.filename}: {os_reason(exc, exc.filename)}")
+        new.__cause__ = exc
+        return new
     if type(exc).__name__ == "OutOfMemoryError" or (isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()):
         new = OmniError("out of device memory while answering: try a shorter prompt, a lower --max-codes or "
                         "--max-text-tokens, --text-only, or --dtype bfloat16")

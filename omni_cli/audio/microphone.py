@@ -461,3 +461,8 @@ def save_clip(clip: AudioClip, path: str | os.PathLike) -> Path:
     around), through atomic.atomic_write: a file that exists is whole. Returns the path."""
     atomic.atomic_write(path, wav_bytes(clip.pcm, clip.sample_rate))
     return Path(path)
+
+
+def stage_clip(clip: AudioClip, path: str | os.PathLike) -> "atomic.Replacement | None":
+    """`save_clip`, left under its temporary name (atomic.stage): for files renamed together (/save)."""
+    return atomic.stage(path, wav_bytes(clip.pcm, clip.sample_rate))

@@ -29,6 +29,7 @@ and soundfile are imported when a sink is used.
 
 from __future__ import annotations
 
+import errno
 import os
 import threading
 from pathlib import Path
@@ -261,10 +262,9 @@ class AudioFileSink(SinkBase):
                         subtype=self.subtype, closefd=False,
                     )
             except Exception as exc:
+                error = self._failure(exc)
                 self.abort()
-                if isinstance(exc, OutputError):
-                    raise
-                raise OutputError(f"cannot write {self.path}: {failure_reason(exc)}") from exc
+                raise error from exc
 
     def write(self, block: "np.ndarray") -> None:
         with self._lock:
@@ -285,36 +285,56 @@ class AudioFileSink(SinkBase):
             try:
                 self._file.write(data)
             except Exception as exc:
+                error = self._failure(exc)
                 self.abort()
-                if isinstance(exc, OutputError):
-                    raise
-                raise OutputError(f"cannot write {self.path}: {failure_reason(exc)}") from exc
+                raise error from exc
             self.samples += int(arr.shape[0])
 
     def close(self) -> None:
         """Finish the file: rename it into place (an empty file if nothing was ever started), or for a
         stream, end it."""
+        staged = self.close_staged()
+        if staged is not None:
+            try:
+                staged.commit()
+            except BaseException:
+                staged.discard()
+                self.closed, self.aborted = False, True  # no file came of it
+                raise
+
+    def close_staged(self) -> "atomic.Replacement | None":
+        """Finish the file's bytes but leave it under its temporary name: its Replacement, for the caller to
+        rename (atomic.commit_all, with files that belong with it) or discard. None for a stream (ended
+        here) or a sink already closed or aborted."""
         with self._lock:
             if self.closed or self.aborted:
-                return
+                return None
             if not self.started:
                 self.start(self.sample_rate)
+            staged = None
             try:
                 self._file.close()
                 self._file = None
                 if self._replacement is not None:
-                    self._replacement.commit()
-                    self._replacement = None
+                    staged, self._replacement = self._replacement, None
                 else:
                     fd, self._fd = self._fd, None
                     assert fd is not None  # start() opened the stream's descriptor
                     os.close(fd)
             except Exception as exc:
+                error = self._failure(exc)
                 self.abort()
-                if isinstance(exc, OutputError):
-                    raise
-                raise OutputError(f"cannot write {self.path}: {failure_reason(exc)}") from exc
+                raise error from exc
             self.closed = True
+            return staged
+
+    def _failure(self, exc: BaseException) -> OutputError:
+        """The one-line OutputError for a failure of libsndfile or of the file under it (a full disk is
+        "no space left on MOUNT", not libsndfile's "System error.")."""
+        if isinstance(exc, OutputError):
+            return exc
+        fd = self._replacement.fd if self._replacement is not None else self._fd
+        return atomic.write_failure(self.path, _system_cause(exc, fd))
 
     def abort(self) -> None:
         """Drop the temp file (a stream just stops); an already finished file stays."""
@@ -523,6 +543,25 @@ class TeeSink(SinkBase):
                 sink.abort()
             except Exception:
                 pass
+
+
+def _system_cause(exc: BaseException, fd: int | None) -> BaseException:
+    """libsndfile's "System error." (SF_ERR_SYSTEM) says nothing of the system's error: it is the errno
+    of libsndfile's last call, which cffi keeps for this thread, or else (that errno lost) a full disk
+    seen on the file's own file system. Any other `exc` as it is."""
+    if type(exc).__name__ != "LibsndfileError" or getattr(exc, "code", None) != 2:
+        return exc
+    import soundfile
+
+    ffi = getattr(soundfile, "_ffi", None)
+    code = getattr(ffi, "errno", 0) if ffi is not None else 0
+    if not code and fd is not None:
+        try:
+            if os.fstatvfs(fd).f_bavail == 0:
+                code = errno.ENOSPC
+        except (OSError, AttributeError):
+            pass
+    return OSError(code, os.strerror(code)) if code else exc
 
 
 def failure_reason(exc: BaseException) -> str:

@@ -7,7 +7,10 @@ server started by hand, or any other process, is never touched. It imports no to
 
 from __future__ import annotations
 
+import sys
+
 from ..errors import OmniError
+from .console import shown
 from .program import err_line
 
 
@@ -39,5 +42,5 @@ def show_or_stop(stop: bool) -> None:
     state = ("busy" if health.get("queued") else "held by a chat" if health.get("held") else "idle") \
         if health else "loading"
     keep = health.get("keep_alive")
-    print(f"pid {record['pid']}  {record.get('model', '?')}  {url}  {state}"
-          + (f"  (stops after {keep:g} s idle)" if keep else ""), flush=True)
+    line = f"pid {record['pid']}  {record.get('model', '?')}  {url}  {state}" + (f"  (stops after {keep:g} s idle)" if keep else "")
+    print(shown(line, sys.stdout), flush=True)  # the model's name is the record's: shown safely

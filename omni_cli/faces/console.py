@@ -6,6 +6,11 @@ with `file=None` looks up `sys.stdout` / `sys.stderr` each time it writes, so it
 prompt_toolkit's `patch_stdout` while a prompt is on screen. `TextOut` is where omni-say's reply text
 streams (stdout, or stderr when stdout carries WAV); `StreamWrapper` wraps words as they stream.
 
+The terminal shows text, not control sequences: whatever a model, a server or a file says (a reply, a
+model's name, a transcript's paths, an error's message) goes through `shown` (or `print_text`, on a
+rich console: never read as markup either), which escapes what would control a terminal
+(`terminal_text`) when the stream is one, and leaves the text exactly as it is into a pipe or a file.
+
 It knows nothing of models or of the engine; rich is imported when used.
 """
 
@@ -19,6 +24,36 @@ from typing import Any, Iterator
 
 from ..errors import OmniError, StdoutClosed
 from .program import err_line, silence_stdout
+
+
+# What would control a terminal rather than show on it: C0 but newline and tab (ESC begins colours, cursor
+# moves, clear-screen, window titles, hyperlinks; BEL, BS and CR move or sound), DEL, C1 (0x9b is a
+# one-byte CSI to many terminals), and the bidi embeddings, overrides and isolates that reorder what
+# follows them (Trojan Source). CR is dropped (a "\r\n" shows as the newline it is; a lone "\r" would
+# let text overwrite its own line); the others are shown escaped, as Python writes them (\x1b, \u202e).
+_CONTROLS = ({c: f"\\x{c:02x}" for c in (*range(0x00, 0x20), 0x7F, *range(0x80, 0xA0)) if chr(c) not in "\n\t"}
+             | {c: f"\\u{c:04x}" for c in (*range(0x202A, 0x202F), *range(0x2066, 0x206A))}
+             | {0x0D: None})
+
+
+def terminal_text(text: str) -> str:
+    """`text` made safe to show on a terminal: characters that would control it (see _CONTROLS) escaped
+    (ESC as `\x1b`) or dropped (CR); every other character, newline and tab included, as it is. Only
+    for text going to a terminal: a pipe or a file gets the text as the model made it (`shown`)."""
+    return text.translate(_CONTROLS)
+
+
+def shown(text: str, stream: Any) -> str:
+    """`text` as it should be written to `stream`: `terminal_text(text)` on a terminal, else unchanged.
+    The one check that every place writing untrusted text (a reply, a server's or a transcript's names,
+    a path, an error's message) goes through."""
+    return terminal_text(text) if isatty(stream) else text
+
+
+def print_text(console: Any, text: str, style: str | None = None, end: str = "\n") -> None:
+    """Print untrusted `text` (a name, a path, a message) on a rich `console` as text: never read as rich
+    markup, and shown safely on a terminal (`shown`)."""
+    console.print(shown(text, console.file), style=style, end=end, markup=False, highlight=False)
 
 
 def isatty(stream) -> bool:
@@ -58,10 +93,13 @@ def loading(err, what: str, enabled: bool = True) -> Iterator[None]:
     if not enabled or not err.is_terminal:
         yield
         return
+    from rich.text import Text
+
     start = time.perf_counter()
-    with err.status(f"Loading {what}...", spinner="dots"):
+    # `what` names a path or a server's model: text, not markup, and no control characters
+    with err.status(Text(f"Loading {terminal_text(what)}..."), spinner="dots"):
         yield
-    err.print(f"[dim]Loaded {what} in {time.perf_counter() - start:.1f} s[/dim]")
+    print_text(err, f"Loaded {what} in {time.perf_counter() - start:.1f} s", style="dim")
 
 
 def model_label(model: str | None) -> str:
@@ -86,6 +124,7 @@ class TextOut:
     def __init__(self, stream) -> None:
 
         self.stream = stream
+        self.terminal = isatty(stream)  # the reply's text is shown safely there (terminal_text), else as it is
         self.written = False
         self.stopped = False  # abort(): an interrupted reply prints nothing more
         # On a terminal, words wrap at its width as they stream; a pipe or a file gets the text as is.
@@ -93,6 +132,8 @@ class TextOut:
         self.wrapper = StreamWrapper(width) if width else None
 
     def write(self, text: str) -> None:
+        if self.terminal:
+            text = terminal_text(text)  # before the wrapper, which counts the cells as they will show
         if self.wrapper is not None:
             text = self.wrapper.feed(text)
         self._write(text)
@@ -148,7 +189,8 @@ def print_audio_devices() -> None:
 def _device_line(dev: dict) -> None:
     mark = "  (default)" if dev["default"] else ""
     api = f"{dev['hostapi']}, " if dev["hostapi"] else ""
-    print(f"{dev['index']:>3}  {dev['name']}  [{api}{dev['channels']} ch, {dev['samplerate']:.0f} Hz]{mark}", flush=True)
+    line = f"{dev['index']:>3}  {dev['name']}  [{api}{dev['channels']} ch, {dev['samplerate']:.0f} Hz]{mark}"
+    print(shown(line, sys.stdout), flush=True)  # the names are the sound system's
 
 
 

@@ -7,9 +7,10 @@
   with `--debug`.
 - `report_library_logs`: the library logs and never prints; while a command runs its records are
   `note: ...` (not with --quiet) and `warning: ...` lines on stderr.
-- Signals: `end_on_signals` (SIGTERM and SIGHUP end a command as Ctrl-C does) and `stop_on_interrupt`
+- Signals: `end_on_signals` (SIGTERM and SIGHUP end a command as Ctrl-C does), `stop_on_interrupt`
   (a Ctrl-C during a reply silences the sinks at once, then raises KeyboardInterrupt so the caller
-  closes the reply's event stream).
+  closes the reply's event stream), and `end_quietly_on_signals` (once the command is over, a late
+  signal ends the process at once with 130 / 128+N, never a traceback).
 
 It knows nothing of models, of options or of what a face does; it imports typer, nothing heavier.
 """
@@ -33,7 +34,11 @@ from ..errors import OmniError, StdoutClosed, known_failure
 
 
 def err_line(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
+    """`message` as one line on stderr, shown safely when stderr is a terminal (console.shown: a path,
+    a server's message or a library's note may hold control characters)."""
+    from .console import shown  # console imports this module
+
+    print(shown(message, sys.stderr), file=sys.stderr, flush=True)
 
 
 class _LineHandler(logging.Handler):
@@ -154,7 +159,14 @@ def run(app, name: str) -> None:
 
     cache_bytecode()  # before torch is imported
     try:
-        app(prog_name=name)
+        try:
+            app(prog_name=name)
+        finally:
+            # The command is over (its file renamed, "wrote" said): from here to the process's end (click's
+            # own exit, the bytecode, atexit, torch's finalizers) a signal ends it quietly, not with a traceback.
+            end_quietly_on_signals()
+    except KeyboardInterrupt as exc:  # a signal that came after the command's own handling, before the line above
+        exit_quietly(getattr(exc, "exit_code", 130))
     except SystemExit as exc:
         write_bytecode_later()  # a command that loaded no model (through a server, --help, ...)
         exit_at_once_if(lambda t: t.name.startswith("omni-"), exc)
@@ -172,6 +184,32 @@ def exit_at_once_if(picked, exc: SystemExit) -> None:
                 stream.flush()
         os._exit(code)
 
+
+
+def exit_quietly(code: int) -> None:
+    """End the process now with `code`, the streams flushed, nothing more said (no atexit, no finalizers:
+    what the command wrote is already whole)."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
+
+
+def _exit_on_late_signal(signum, frame) -> None:
+    exit_quietly(130 if signum == signal.SIGINT else 128 + int(signum))
+
+
+def end_quietly_on_signals() -> None:
+    """From now on SIGINT, SIGTERM and SIGHUP end the process at once with 130 / 128+N and no traceback
+    (a signal 0-20 ms after "wrote" landed in click's exit or the interpreter's atexit handlers, and its
+    KeyboardInterrupt or `Terminated` was printed as a traceback with exit 0). Signals that were ignored
+    stay ignored. Main thread only; elsewhere a no-op."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for signum in (signal.SIGINT, *ENDING_SIGNALS):
+        with contextlib.suppress(OSError, ValueError):
+            if signal.getsignal(signum) is not signal.SIG_IGN:
+                signal.signal(signum, _exit_on_late_signal)
 
 
 def process_started_at() -> float | None:

@@ -27,7 +27,7 @@ import typer
 from ..config import ReplyOptions
 from ..errors import OmniError, OutputError, UsageError
 from . import connect
-from .console import TextOut, consoles, print_audio_devices, safe_text_streams
+from .console import TextOut, consoles, print_audio_devices, safe_text_streams, shown
 from .inputs import gather_prompt, read_clips, read_images
 from .options import (
     ApiKeyOpt, AttentionKernelOpt, AudioDeviceOpt, CompileOpt, DebugOpt, DeviceOpt, DtypeOpt, GraphsOpt, GreedyOpt, KeepAliveOpt, KernelsOpt,
@@ -217,7 +217,7 @@ def _print_voices(model: str | None) -> None:
 
     connect.check_model(model)
     for name in model_voices(model):
-        print(name, flush=True)
+        print(shown(name, sys.stdout), flush=True)  # the checkpoint's names
 
 
 def _open_outputs(outputs: "_Outputs", output: Path | None, format: str | None, to_stdout: bool, play: bool,

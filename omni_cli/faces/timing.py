@@ -10,6 +10,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from .console import print_text
+
 
 def _fmt_seconds(value: float | None) -> str:
     if value is None:
@@ -91,9 +93,9 @@ class AudioClock:
 def print_timing(err, stats: dict, playback: dict | None = None, title: str = "timing", unit: str = "codes") -> None:
     rows = timing_lines(stats, playback, unit=unit)
     width = max(len(label) for label, _ in rows)
-    err.print(f"[dim]-- {title}[/dim]")
+    print_text(err, f"-- {title}", style="dim")
     for label, value in rows:
-        err.print(f"[dim]{label.ljust(width)}  {value}[/dim]")
+        print_text(err, f"{label.ljust(width)}  {value}", style="dim")  # a server's stats and a device's name
 
 
 def print_startup(err, startup: dict, after: dict, since_command: float | None = None) -> None:
@@ -107,9 +109,9 @@ def print_startup(err, startup: dict, after: dict, since_command: float | None =
     if since_command is not None:
         rows.append(("first audio after the command", f"{since_command:.2f} s"))
     width = max(len(label) for label, _ in rows)
-    err.print("[dim]-- start-up[/dim]")
+    print_text(err, "-- start-up", style="dim")
     for label, value in rows:
-        err.print(f"[dim]{label.ljust(width)}  {value}[/dim]")
+        print_text(err, f"{label.ljust(width)}  {value}", style="dim")
 
 
 

@@ -19,7 +19,10 @@ script meant.
 A reply's text streams to the `out` console while its speech plays through a `SpeakerSink` (one per
 turn). Ctrl-C during a reply aborts the sink at once (the sound stops), closes the reply's event
 stream (the engine's threads stop) and comes back to the prompt with the conversation as it was
-before that turn. Errors a person can act on are one line and the session goes on.
+before that turn. Ctrl-C during a slash command that blocks (a /load or /save of a slow file) stops
+it and comes back to the prompt with the session as it was before the command. Errors a person can
+act on are one line and the session goes on. What the model, a server or a file says is written with
+console.shown / print_text: escaped on a terminal, as it is into a pipe.
 
 What differs between model families (the voices and the default one, the default system prompt,
 whether the talker's steps are codes or frames and how many make a second, the sample rate) is read
@@ -39,7 +42,7 @@ from typing import Any, Callable
 from ...config import ReplyOptions
 from ...errors import OmniError, UsageError, known_failure
 from ...prompt import check_text
-from ..console import StreamWrapper, isatty, terminal_width
+from ..console import StreamWrapper, isatty, print_text, shown, terminal_width
 from ..program import InterruptTimes, Terminated, stop_on_interrupt
 from ..timing import AudioClock, print_timing, speech_steps
 from .commands import Commands
@@ -205,7 +208,8 @@ class ChatRepl(Commands, Transcripts):
                 try:
                     for event in events:
                         if isinstance(event, TextDelta):
-                            self._show(wrapper.feed(event.text) if wrapper else event.text)
+                            piece = shown(event.text, self.out.file)  # before the wrapper counts its cells
+                            self._show(wrapper.feed(piece) if wrapper else piece)
                             printed = True
                         elif isinstance(event, AudioBlock):
                             clock.tick()
@@ -240,8 +244,12 @@ class ChatRepl(Commands, Transcripts):
         return StreamWrapper(width) if width else None
 
     def _show(self, text: str) -> None:
+        """A piece of the reply, written as it is (shown safely already, on a terminal): rich would drop
+        BEL, BS and CR even into a pipe, where the text must stay as the model made it."""
         if text:
-            self.out.print(text, end="", markup=False, highlight=False)
+            file = self.out.file
+            file.write(text)
+            file.flush()
 
     def _end_reply(self, wrapper: StreamWrapper | None, printed: bool) -> None:
         """The word the wrapper still holds (also of a stopped reply: it was generated), then the line's end."""
@@ -282,7 +290,7 @@ class ChatRepl(Commands, Transcripts):
     def error(self, exc: BaseException) -> None:
         exc = known_failure(exc)
         if self.debug:
-            self.err.print("".join(traceback.format_exception(exc)), end="", markup=False, highlight=False)
+            print_text(self.err, "".join(traceback.format_exception(exc)), end="")
         detail = " ".join(str(exc).split())
         if isinstance(exc, OmniError):
             message = f"error: {detail}"
@@ -290,7 +298,7 @@ class ChatRepl(Commands, Transcripts):
         else:
             message = f"error: internal error: {type(exc).__name__}: {detail}"
             self.failures.append(1)
-        self.err.print(message, style="red", markup=False, highlight=False)
+        print_text(self.err, message, style="red")
 
     def command(self, line: str) -> str | None:
         name, _, arg = line.partition(" ")
@@ -312,23 +320,44 @@ class ChatRepl(Commands, Transcripts):
             "/image": self.cmd_image,
         }
         if name not in handlers:
-            self.err.print(f"error: unknown command '{name}': type /? for help", style="red", markup=False,
-                           highlight=False)
+            print_text(self.err, f"error: unknown command '{name}': type /? for help", style="red")
             self.failures.append(UsageError.exit_code)
             return None
         handler = handlers[name]
         if handler is None:
             return "bye"
+        before = self._snapshot()
         try:
             handler(arg)
         except Terminated:
             raise
+        except KeyboardInterrupt:
+            # A command that blocks (/load of a slow file, /save to a slow disk): Ctrl-C stops it and the
+            # session goes on with the conversation as it was before the command (not the program's exit).
+            self._restore(before)
+            self.say(f"interrupted: {name} stopped; the conversation is as it was")
         except Exception as exc:  # noqa: BLE001 - an OmniError, or a bug: one line either way, the session goes on
             self.error(exc)
         return None
 
+    # What a slash command may change, put back whole when it is interrupted halfway.
+    _KEPT = ("options", "muted", "loaded_from", "transcript", "attached", "shown", "attachments", "speech")
+
+    def _snapshot(self) -> dict:
+        saved = {name: getattr(self, name) for name in self._KEPT}
+        saved = {name: list(value) if isinstance(value, list) else value for name, value in saved.items()}
+        history = self.chat.history
+        return {**saved, "system": history.system, "turns": list(history.turns)}
+
+    def _restore(self, saved: dict) -> None:
+        for name in self._KEPT:
+            value = saved[name]
+            setattr(self, name, list(value) if isinstance(value, list) else value)
+        self.chat.history.system = saved["system"]
+        self.chat.history.turns[:] = saved["turns"]
+
     def say(self, message: str) -> None:
-        self.err.print(message, markup=False, highlight=False)
+        print_text(self.err, message)  # names from a transcript, a server or a path: text, shown safely
 
 
 def line_reader(stream=None) -> Callable[[str], str]:

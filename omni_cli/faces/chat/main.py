@@ -16,7 +16,7 @@ import typer
 
 from ...config import ReplyOptions
 from .. import connect
-from ..console import consoles, isatty, print_audio_devices, safe_text_streams
+from ..console import consoles, isatty, print_audio_devices, print_text, safe_text_streams
 from ..options import (
     ApiKeyOpt, AttentionKernelOpt, AudioDeviceOpt, CompileOpt, DebugOpt, DeviceOpt, DtypeOpt, GraphsOpt, GreedyOpt, KeepAliveOpt, KernelsOpt,
     ListDevicesOpt, LocalOpt, MaxCodesOpt, MaxContextOpt, MaxTextOpt, ModelOpt, OneLineErrors, SeedOpt, ServerOpt,
@@ -143,10 +143,12 @@ def _chat_in_terminal(repl, err, assistant, history_file, no_history) -> int:
     from .history import default_history_file, history_disabled_by_env, make_history, make_session
 
     path = None if (no_history or history_disabled_by_env()) else (history_file or default_history_file())
-    session = make_session(make_history(path, lambda m: err.print(m, style="yellow", markup=False)))
+    session = make_session(make_history(path, lambda m: print_text(err, m, style="yellow")))
     where = assistant.model_info.where
     sound = "muted" if repl.muted else f"voice {repl.voice}"
-    err.print(f"[dim]{assistant.name}{f' on {where}' if where else ''} · {sound} · /? for help · Ctrl-D to leave[/dim]")
+    # The model's name and where it runs may be a server's words: text, never markup or control characters.
+    print_text(err, f"{assistant.name}{f' on {where}' if where else ''} · {sound} · /? for help · Ctrl-D to leave",
+               style="dim")
 
     def read(prompt: str) -> str:
         # While the prompt is on screen, output from other threads goes above it (patch_stdout). A

@@ -2,8 +2,11 @@
 where the model's context starts, the attachments) and PATH.wav (every reply's speech, with where each
 is); `/load PATH` and `omni-chat --load PATH` resume one, so the next reply follows on from it.
 
-A part of `ChatRepl` (loop.py). A file that exists is whole (written atomically); one that is not a
-transcript changes nothing. It knows nothing of the model beyond the assistant's interface.
+A part of `ChatRepl` (loop.py). The files of one /save (the WAV, the recordings, the transcript) are
+written under temporary names first and renamed together at the end, the transcript last
+(atomic.stage, commit_all): a failure or a Ctrl-C before that leaves every old file as it was, and a
+transcript never names a WAV that did not arrive. A file replaced keeps its mode. One that is not a
+transcript changes nothing when loaded. It knows nothing of the model beyond the assistant's interface.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ import json
 import os
 from pathlib import Path
 
-from ...atomic import atomic_write
+from ... import atomic
 from ...errors import OmniError, UsageError
 from ...limits import read_regular_file
 from ...prompt import TRANSCRIPT_FORMAT
@@ -35,29 +38,36 @@ class Transcripts(SessionState):
             base = base.with_suffix("")
         json_path = base.with_name(base.name + ".json")
         wav_path = base.with_name(base.name + ".wav")
-        seconds = self._save_wav(wav_path) if self.speech else None
-        data = {
-            "format": TRANSCRIPT_FORMAT,
-            "model": self.assistant.name,
-            "voice": self.voice,
-            "system": self.chat.history.system,
-            "turns": self.transcript,
-            "context_from": self._context_from(),
-            "audio": wav_path.name if seconds is not None else None,
-            "audio_segments": self._segments(),
-            # Audio said with a message: {"turn": index, "audio": [files]} (recordings written beside).
-            "attachments": self._save_attachments(base),
-        }
-        atomic_write(json_path, json.dumps(data, ensure_ascii=False, indent=2) + "\n")
+        json_target = atomic.output_target(json_path)  # a folder there: said before any audio is written
+        staged: list = []  # renamed together at the end, the transcript last
+        try:
+            seconds = self._save_wav(wav_path, staged) if self.speech else None
+            data = {
+                "format": TRANSCRIPT_FORMAT,
+                "model": self.assistant.name,
+                "voice": self.voice,
+                "system": self.chat.history.system,
+                "turns": self.transcript,
+                "context_from": self._context_from(),
+                "audio": wav_path.name if seconds is not None else None,
+                "audio_segments": self._segments(),
+                # Audio said with a message: {"turn": index, "audio": [files]} (recordings written beside).
+                "attachments": self._save_attachments(base, staged),
+            }
+            staged.append(atomic.stage(json_target, json.dumps(data, ensure_ascii=False, indent=2) + "\n"))
+            atomic.commit_all(staged)
+        except BaseException:
+            atomic.discard_all(staged)
+            raise
         if seconds is None:
             self.say(f"saved {json_path} ({count(len(self.transcript) // 2, 'exchange')}; no speech to save)")
         else:
             self.say(f"saved {json_path} ({count(len(self.transcript) // 2, 'exchange')}) and {wav_path} ({seconds:.1f} s)")
 
-    def _save_attachments(self, base: Path) -> list[dict]:
+    def _save_attachments(self, base: Path, staged: list) -> list[dict]:
         """The attachments as the transcript names them: a file's path, or for a recording (/listen) the
-        name of a WAV written beside the transcript (BASE.listen-N.wav)."""
-        from ...audio.microphone import save_clip
+        name of a WAV written beside the transcript (BASE.listen-N.wav, staged: see cmd_save)."""
+        from ...audio.microphone import stage_clip
 
         out, n = [], 0
         for entry in self.attachments:
@@ -68,7 +78,7 @@ class Transcripts(SessionState):
                     continue
                 n += 1
                 path = base.with_name(f"{base.name}.listen-{n}.wav")
-                save_clip(clip, path)
+                staged.append(stage_clip(clip, path))
                 names.append(path.name)
             saved = {"turn": entry["turn"], "audio": names}
             if entry.get("images"):
@@ -173,18 +183,24 @@ class Transcripts(SessionState):
             at += len(audio)
         return out
 
-    def _save_wav(self, path: Path) -> float:
+    def _save_wav(self, path: Path, staged: list) -> float:
+        """Every reply's speech into a WAV at `path`, left under its temporary name in `staged`."""
         import numpy as np
 
         from ...audio.sinks import WavSink
 
         rate = self.assistant.sample_rate
-        with WavSink(path) as sink:  # checks the folder first; the file appears whole or not at all
+        sink = WavSink(path)  # checks the folder first
+        try:
             sink.start(rate)
             for i, (_, audio) in enumerate(self.speech):
                 if i:
                     sink.write(np.zeros(int(SAVE_GAP * rate), dtype=np.float32))
                 sink.write(audio)
+            staged.append(sink.close_staged())
+        except BaseException:
+            sink.abort()
+            raise
         return sink.seconds
 
 
