@@ -174,6 +174,7 @@ TIERS: dict[str, str | tuple[str, dict[str, str]]] = {
     "test_engine_scripted.py": "unit",
     "test_faces_defects.py": "cli",
     "test_graph_policy.py": "model",
+    "test_ownership.py": "cli",
     "test_paths.py": "unit",
     "test_pcm16.py": "unit",
     "test_api_shapes.py": ("unit", {"test_client_side_imports_no_torch": "e2e"}),
