@@ -1,5 +1,6 @@
 """Where omni-cli keeps things on disk: the user's data (omni-chat's input history, kept recordings), the
-caches (compiled kernels, bytecode, the background server's record and log), through platformdirs, so
+caches (compiled kernels, bytecode, the background server's record, lock, log and the user's server
+secret), through platformdirs, so
 each system gets its own convention from one place:
 
     data    Linux: $XDG_DATA_HOME/omni-cli, else ~/.local/share/omni-cli
@@ -55,5 +56,16 @@ def server_dir() -> Path:
 
 
 def keep_alive_record() -> Path:
-    """The record of the background omni-serve that omni-say/omni-chat started (pid, model, port, log)."""
+    """The record of the background omni-serve that omni-say/omni-chat started (pid, its start time, model,
+    port, log), written by that server itself once it listens."""
     return server_dir() / "omni-serve.json"
+
+
+def keep_alive_lock() -> Path:
+    """The lock file that commands hold while they find or start the background omni-serve."""
+    return server_dir() / "omni-serve.lock"
+
+
+def server_secret() -> Path:
+    """The user's own secret (0600) that an omni-serve of this user proves it knows (api/ownership.py)."""
+    return server_dir() / "secret"

@@ -175,28 +175,34 @@ def test_a_load_that_fails_is_one_line(place, tmp_path, fake_model):
     assert "Traceback" not in result.stderr and not out.exists()
 
 
-def test_two_commands_at_once_share_one_server(place, tmp_path):
-    """Both find no server and start one; the one that loses the port uses the other's."""
+def test_three_commands_at_once_share_one_server_and_its_record_names_it(place, tmp_path):
+    """All three find no server; one starts it (under the lock), the server records itself once it
+    listens, the other two wait for it. Before: each started a server and wrote the record, which in 1
+    of 5 trials named the one that lost the port and exited."""
     import subprocess
     import sys
+
+    from omni_cli.api import ownership
 
     env = {**place.env, "OMNI_LOCAL": ""}
     procs = [subprocess.Popen([sys.executable, "-m", "omni_cli.faces.say", "Hi", "--seed", "1", "--max-codes", "30",
                                "-o", str(tmp_path / f"{i}.wav")], env=env, cwd=REPO_ROOT,
                               stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-             for i in range(2)]
+             for i in range(3)]
     results = [(p.wait(timeout=300), p.stderr.read().decode()) for p in procs]
     for p in procs:
         p.stdout.close()
         p.stderr.close()
-    for code, err in results:
-        assert code == 0, err
-    assert place.record is not None
-    place.started.append(place.record["pid"])
     servers = subprocess.run(["pgrep", "-f", f"omni_cli.faces.serve .*--port {place.port}"], capture_output=True, text=True)
     place.started += [int(pid) for pid in servers.stdout.split()]
-    assert len(servers.stdout.split()) == 1, servers.stdout  # the loser's server has gone
-    assert all(len(sf.read(tmp_path / f"{i}.wav")[0]) > 0 for i in range(2))
+    for code, err in results:
+        assert code == 0, err
+    assert len(servers.stdout.split()) == 1, servers.stdout  # one server was started
+    record = place.record
+    assert record is not None and record["pid"] == int(servers.stdout) and _alive(record["pid"])
+    assert record["started"] == ownership.start_time(record["pid"])
+    assert sum("waiting for omni-serve" in err for _, err in results) == 2, [err for _, err in results]
+    assert all(len(sf.read(tmp_path / f"{i}.wav")[0]) > 0 for i in range(3))
 
 
 def test_a_record_of_a_process_that_is_not_a_server_is_ignored_and_left_alone(place, tmp_path):

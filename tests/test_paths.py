@@ -64,28 +64,35 @@ def test_macos_and_windows_follow_their_conventions(monkeypatch, tmp_path):
     assert paths.cache_dir("serve") == tmp_path / "Library" / "Caches" / "omni_cli" / "serve"
 
 
-def test_the_keep_alive_record_is_written_whole(monkeypatch, tmp_path):
-    """keep_alive wrote its record in place (a reader could see half of it); now through atomic_write."""
+def test_the_keep_alive_record_is_written_whole_and_private_by_the_server_itself(monkeypatch, tmp_path):
+    """keep_alive wrote its record in place (a reader could see half of it), from the command that started
+    the server; now the server writes it (record_self, once it has bound the port) through a temporary
+    file and a rename, mode 0600 even over an older record's 0644, and only when the keep-alive started it."""
+    import json
+    import os
+    import stat
+
     from omni_cli import atomic
     from omni_cli.api import keep_alive
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     assert keep_alive._record_file() == paths.keep_alive_record()
+    made = []
+    real = atomic.Replacement.create
+    monkeypatch.setattr(atomic.Replacement, "create", lambda self: made.append(self.target.path) or real(self))
+    monkeypatch.delenv(keep_alive.RECORD_ENV, raising=False)
+    keep_alive.record_self(8484, "some-model")  # a server started by hand: no record
+    assert not paths.keep_alive_record().exists() and made == []
     keep_alive.server_folder(make=True)
-    written = []
-    real = atomic.atomic_write
-    monkeypatch.setattr(atomic, "atomic_write", lambda path, data, **kw: written.append(Path(path)) or real(path, data, **kw))
-    import json
-
-
-    class Proc:
-        pid = 12345
-
-    monkeypatch.setattr(keep_alive.client, "listening", lambda url: False)
-    monkeypatch.setattr(keep_alive.subprocess, "Popen", lambda *a, **k: Proc())
-    monkeypatch.setattr(keep_alive, "_wait", lambda *a, **k: "remote")
-    assert keep_alive.start_server("some-model", [], 60.0) == "remote"
-    assert written == [paths.keep_alive_record()]
+    paths.keep_alive_record().write_text("{}")
+    paths.keep_alive_record().chmod(0o644)
+    monkeypatch.setenv(keep_alive.RECORD_ENV, "1")
+    keep_alive.record_self(8484, "some-model")
+    assert made == [paths.keep_alive_record()]
+    assert keep_alive.RECORD_ENV not in os.environ  # not passed on to what the server starts
     record = json.loads(paths.keep_alive_record().read_text())
-    assert record["pid"] == 12345 and record["port"] and sorted(p.name for p in paths.server_dir().iterdir()) == \
-        ["omni-serve-%d.log" % record["port"], "omni-serve.json"]
+    assert record["pid"] == os.getpid() and record["port"] == 8484 and record["started"]
+    assert stat.S_IMODE(paths.keep_alive_record().stat().st_mode) == 0o600
+    assert stat.S_IMODE(paths.server_dir().stat().st_mode) == 0o700  # server_folder(make=True): private
+    assert keep_alive.read_record() == record
+    assert sorted(p.name for p in paths.server_dir().iterdir()) == ["omni-serve.json"]  # no temporary file left

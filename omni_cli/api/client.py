@@ -107,12 +107,14 @@ def listening(url: str) -> bool:
     return True
 
 
-def health(url: str, timeout: float, hold: str | None = None, release: str | None = None) -> dict:
+def health(url: str, timeout: float, hold: str | None = None, release: str | None = None,
+           challenge: str | None = None) -> dict:
     """A server's `GET /health` (`hold`: as the client of that id that holds it open, `release`: that lets it
-    go: api/keep_alive.py), on a connection of its own (a proxy as for the server's other requests).
-    OSError or ValueError if it does not answer 200 in JSON within `timeout` seconds."""
+    go: api/keep_alive.py; `challenge`: a nonce the server proves the user's secret with, api/ownership.py),
+    on a connection of its own (a proxy as for the server's other requests), never with the API key.
+    OSError or ValueError if it does not answer 200 with a JSON object within `timeout` seconds."""
     conn = _Connection(base_url(url), {}, timeout)
-    query = "&".join(f"{k}={v}" for k, v in (("hold", hold), ("release", release)) if v)
+    query = "&".join(f"{k}={v}" for k, v in (("hold", hold), ("release", release), ("challenge", challenge)) if v)
     try:
         response = conn.request("GET", "/health" + (f"?{query}" if query else ""))
         body = response.read()
@@ -122,19 +124,50 @@ def health(url: str, timeout: float, hold: str | None = None, release: str | Non
         conn.close()
     if response.status_code != 200:
         raise OSError(f"GET /health: {response.status_code}")
-    return json.loads(body)
+    answer = json.loads(body)
+    if not isinstance(answer, dict):
+        raise ValueError("GET /health: not a JSON object")  # noqa: TRY004 - the callers take ValueError: not an answer
+    return answer
+
+
+def ask_proof(url: str, timeout: float) -> dict | None:
+    """A server's `/health` with a fresh challenge (api/ownership.py): its answer, whose "proof" is what it
+    proved (pid, started, port, key) or None where it answered without proving it is this user's
+    omni-serve; None for no answer within `timeout`. Nothing but the nonce is sent: no key, no prompt."""
+    from urllib.parse import urlsplit
+
+    from . import ownership
+
+    nonce = ownership.new_nonce()
+    try:
+        port = urlsplit(base_url(url)).port
+        answer = health(url, timeout, challenge=nonce)
+    except (OSError, ValueError):
+        return None
+    return {**answer, "proof": ownership.verify(answer.get("proof"), nonce, port)}
+
+
+def proven_health(url: str, timeout: float) -> dict | None:
+    """`ask_proof`'s answer from a server that proved it is this user's omni-serve, else None."""
+    found = ask_proof(url, timeout)
+    return found if found is not None and found["proof"] is not None else None
 
 
 def find_local_server(model: str | None, api_key: str | None = None) -> "RemoteAssistant | None":
     """An omni-serve on the default address serving the same model, or None (nothing there, another
-    model, or no answer within PROBE_TIMEOUT)."""
+    model, no answer within PROBE_TIMEOUT, or a server that does not prove it is this user's: that one
+    is sent neither the key nor a prompt)."""
     if not listening(DEFAULT_URL):  # the common case: a refused connection costs no HTTP client import
+        return None
+    key = model_key(model)
+    found = proven_health(DEFAULT_URL, PROBE_TIMEOUT)
+    if found is None or found["proof"]["key"] != key:
         return None
     try:
         remote = RemoteAssistant.connect(DEFAULT_URL, api_key, timeout=PROBE_TIMEOUT)
     except OmniError:
         return None
-    return remote if remote.info.get("key") == model_key(model) else None
+    return remote if remote.info.get("key") == key else None
 
 
 class RemoteAssistant(WarmsUp):

@@ -8,12 +8,22 @@ against 15 s for a command that loads the model itself, its caches warm).
 goes to a log file in the cache folder), waits until it serves, and returns a `RemoteAssistant` for it.
 The server stops itself after `keep_alive` seconds without a request (omni-serve `--keep-alive`).
 
-A record in the cache folder (`omni-serve.json`: pid, model, port; paths.keep_alive_record()) says which
-server was started this way; it is written whole or not at all (atomic.atomic_write), so a command that
-reads it while another writes it never sees half a record. The next command on the same model waits for it while it is still loading; a command on another
-model stops it if it is idle (one model in memory at a time, as ollama swaps them) and starts its own;
-a server this module did not start (nor a process that took a recorded pid after a reboot) is never
-stopped, and if it holds the port the command loads the model itself.
+Ownership (api/ownership.py has the checks):
+- The server writes its own record (`omni-serve.json`: pid, its start time, port, model key, log;
+  paths.keep_alive_record()) once it has bound the port (`record_self`), whole (a temporary file and a
+  rename) and 0600, in a 0700 folder. Commands find or start the server under a lock (`fcntl.flock` on
+  paths.keep_alive_lock(), held until the server they started has written its record or exited), so
+  commands started at once leave one server, and the record names it.
+- A record is believed only while its pid runs with the recorded start time; one that names no such
+  process, or is not a record (pid -1, 0, 1, 10**30, text), is ignored, and removed under the lock.
+- A server is used (sent the API key, a prompt) only once it has proven the user's secret on the port
+  (`client.proven_health`), and stopped only when that proof names the recorded pid and start time and
+  the pid still has that start time when the signal goes. A server that cannot prove it (still loading:
+  it listens before it serves; another user's; something else on the port) is never stopped; where it
+  holds the port the command loads the model itself.
+
+The next command on the same model waits for a server that is still loading; a command on another model
+stops it if it is idle and proven (one model in memory at a time, as ollama swaps them) and starts its own.
 
 It knows no terminal (the caller says what it does) and imports no torch.
 """
@@ -22,18 +32,19 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import urlsplit
 
 from .. import atomic, paths
 from ..errors import OmniError, UsageError
-from . import client
+from . import client, ownership
 from .client import RemoteAssistant, ServerError, model_key
 
 START_TIMEOUT = 900.0  # seconds a command waits for the server to load (a fresh 30B read from disk)
@@ -48,111 +59,216 @@ def parse_duration(text: str) -> float:
     return float(match.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600}[match.group(2)]
 
 
+RECORD_ENV = "OMNI_SERVE_RECORD"  # set for the server `start_server` starts: it writes its own record
+LOCK_WAIT = 120.0  # seconds a command waits for another to finish finding or starting the server
+RECORD_WAIT = 60.0  # seconds a command holds the lock waiting for its server to write its record (Python's start)
+
+
 def server_folder(make: bool = False) -> Path:
-    """Where the background server's record and log are kept (`make`: create it)."""
+    """Where the background server's record and log are kept (`make`: create it, private to the user)."""
     folder = paths.server_dir()
     if make:
-        folder.mkdir(parents=True, exist_ok=True)
+        folder.mkdir(parents=True, exist_ok=True, mode=0o700)
     return folder
+
+
+def log_file(port: int) -> Path:
+    """The background server's log (its stdout and stderr)."""
+    return server_folder() / f"omni-serve-{port}.log"
 
 
 def _record_file() -> Path:
     return paths.keep_alive_record()
 
 
-def read_record() -> dict | None:
-    """The background server's record if its process still runs, else None."""
-    try:
-        record = json.loads(_record_file().read_text())
-        pid = int(record["pid"])
-    except (OSError, ValueError, KeyError, TypeError):
+def _valid(record: object) -> dict | None:
+    """`record` if it has the shape a server writes (a pid that may be signalled, a port, a start time,
+    a model key), else None."""
+    if not isinstance(record, dict):
         return None
-    return record if _is_server(pid) else None
+    port = record.get("port")
+    if (ownership.valid_pid(record.get("pid")) is None or isinstance(port, bool) or not isinstance(port, int)
+            or not 0 < port < 65536 or not isinstance(record.get("started"), str)
+            or not isinstance(record.get("key"), str)):
+        return None
+    return record
 
 
-def _is_server(pid: int) -> bool:
-    """Whether `pid` runs and is an omni-serve. A record outlives a reboot, after which its pid may be any
-    process's: one that is not a server must never be waited for, nor sent SIGTERM. (Where the command
-    line cannot be read, a running process is taken for the server.)"""
+def _load_record() -> object:
     try:
-        os.kill(pid, 0)
-    except OSError:
-        return False
+        return json.loads(_record_file().read_text())
+    except (OSError, ValueError, UnicodeDecodeError):
+        return None
+
+
+def read_record(remove_stale: bool = False) -> dict | None:
+    """The background server's record if its process still runs (the recorded pid with the recorded start
+    time), else None. `remove_stale`: a record that is not one, or names no such process, is removed
+    (under the lock only: a reader could otherwise remove a new server's record)."""
+    record = _valid(_load_record())
+    if record is not None and ownership.running(record["pid"], record["started"]):
+        return record
+    if remove_stale:
+        with contextlib.suppress(OSError):
+            _record_file().unlink()
+    return None
+
+
+def record_self(port: int, model: str | None) -> None:
+    """omni-serve, once it has bound `port`: write its own record if `start_server` started it (RECORD_ENV;
+    a server started by hand writes none and is never stopped by the commands). Whole and 0600; a record
+    that cannot be written is a warning: the server works, but no command will stop it, nor wait for it."""
+    if os.environ.pop(RECORD_ENV, "") != "1":
+        return
+    record = {"pid": os.getpid(), "started": ownership.start_time(os.getpid()), "port": port,
+              "key": model_key(model), "model": str(model or "the default model"), "log": str(log_file(port))}
     try:
-        return b"omni_cli.faces.serve" in Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return not Path("/proc/self").exists()  # no /proc (macOS): trust the pid
+        server_folder(make=True)
+        with atomic.Replacement(_record_file()) as out:
+            assert out.fd is not None
+            os.fchmod(out.fd, 0o600)  # not an older record's mode
+            data = json.dumps(record).encode("utf-8")
+            while data:
+                data = data[os.write(out.fd, data):]
+    except (OSError, OmniError) as exc:
+        logging.getLogger(__name__).warning("cannot write the background server's record: %s", exc)
 
 
 def forget(pid: int) -> None:
     """The server `pid` is stopping: remove its record (not a newer server's)."""
-    try:
-        if json.loads(_record_file().read_text()).get("pid") == pid:
+    record = _valid(_load_record())
+    if record is not None and record["pid"] == pid:
+        with contextlib.suppress(OSError):
             _record_file().unlink()
-    except (OSError, ValueError, AttributeError):
-        pass
+
+
+@contextlib.contextmanager
+def _find_or_start_lock(folder: Path, wait: float) -> Iterator[bool]:
+    """Hold the lock under which a command finds or starts the background server (True), or give up after
+    `wait` seconds (False). Where there is no flock (Windows), no lock: two first commands may then both
+    start one, and the one that loses the port exits."""
+    try:
+        import fcntl
+    except ImportError:
+        yield True
+        return
+    fd = os.open(folder / paths.keep_alive_lock().name, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o600)
+    try:
+        deadline = time.monotonic() + wait
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    yield False
+                    return
+                time.sleep(0.05)
+        yield True
+    finally:
+        os.close(fd)  # which lets the lock go
 
 
 def start_server(model: str | None, flags: list[str], keep_alive: float, api_key: str | None = None,
                  note=lambda text: None) -> RemoteAssistant | None:
     """A `RemoteAssistant` for a background omni-serve of `model` (started now, or one still loading),
-    or None when there can be none (the port held by a server this module did not start, or by a busy
-    one of another model; no cache folder): the caller loads the model itself. `flags`: omni-serve's
-    load flags (device, dtype, graphs); `note` hears what is done, and why when None."""
+    or None when there can be none (the port held by a server this module did not start or cannot prove
+    is ours, or by a busy one of another model; no cache folder): the caller loads the model itself.
+    `flags`: omni-serve's load flags (device, dtype, graphs); `note` hears what is done, and why when None."""
     url = client.DEFAULT_URL
     where = urlsplit(url)
     assert where.hostname is not None and where.port is not None, f"{url} names no host and port"
     key = model_key(model)
-    record = read_record()
-    if record is not None and record.get("port") == where.port:
-        if record.get("key") == key:
-            note(f"waiting for omni-serve (pid {record['pid']}), still loading {model or 'the model'}")
-            return _wait(url, api_key, pid=int(record["pid"]), log=Path(record.get("log", "")))
-        if not _stop_idle(url, int(record["pid"])):
-            note(f"the background omni-serve at {url} is busy with another model (a reply, or an open chat), so "
-                 "the model loads in this process")
-            return None
-    if client.listening(url):  # someone else's server: leave it alone
-        note(f"another server answers at {url}, so the model loads in this process")
-        return None
     try:
-        log = server_folder(make=True) / f"omni-serve-{where.port}.log"
+        folder = server_folder(make=True)
+        log = log_file(where.port)
         log.touch()
     except OSError as exc:
         note(f"cannot keep a background server's log in {server_folder()} ({exc.strerror or exc}), so the model "
              "loads in this process")
         return None
-    command = [sys.executable, "-m", "omni_cli.faces.serve", "--host", where.hostname, "--port", str(where.port),
-               "--keep-alive", f"{keep_alive:g}", "--no-warm-up", *(["-m", str(model)] if model else []), *flags]
-    # The server asks for the key this command sends (none: none), through the environment, not the
-    # command line that `ps` shows.
-    env = {k: v for k, v in os.environ.items() if k != client.API_KEY_ENV}
-    if api_key:
-        env[client.API_KEY_ENV] = api_key
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True,
-                                env=env)
-    try:
-        record = {"pid": proc.pid, "key": key, "model": str(model or "the default model"), "port": where.port,
-                  "log": str(log)}
-        atomic.atomic_write(_record_file(), json.dumps(record))
-    except (OSError, OmniError):
-        pass  # the server works without it; only the next command cannot tell that it is ours
-    minutes = f"{keep_alive / 60:g} min" if keep_alive >= 60 else f"{keep_alive:g} s"
-    note(f"loading the model in a background omni-serve (pid {proc.pid}), kept for {minutes} after the last "
-         "request so the next command answers at once; --keep-alive 0 loads it in this process instead")
+    with _find_or_start_lock(folder, LOCK_WAIT) as locked:
+        if not locked:
+            note(f"another command has been starting a background omni-serve for {LOCK_WAIT:.0f} s, so the model "
+                 "loads in this process")
+            return None
+        record = read_record(remove_stale=True)
+        if record is not None and record["port"] == where.port and not client.listening(url):
+            # A server writes its record once it listens: a recorded process that does not is no server of ours.
+            with contextlib.suppress(OSError):
+                _record_file().unlink()
+            record = None
+        if record is not None and record["port"] == where.port and record["key"] == key:
+            proc = None
+        else:
+            if record is not None and record["port"] == where.port and not _stop_idle(url, record):
+                note(f"the background omni-serve at {url} is busy with another model (a reply, an open chat, or "
+                     "still loading), so the model loads in this process")
+                return None
+            if client.listening(url):  # someone else's server (or one that cannot prove it is ours): left alone
+                return _someone_elses(url, api_key, key, note)
+            proc = _spawn(model, flags, keep_alive, api_key, where, log)
+            minutes = f"{keep_alive / 60:g} min" if keep_alive >= 60 else f"{keep_alive:g} s"
+            note(f"loading the model in a background omni-serve (pid {proc.pid}), kept for {minutes} after the last "
+                 "request so the next command answers at once; --keep-alive 0 loads it in this process instead")
+            _await_record(proc)
+    if proc is None:
+        assert record is not None
+        note(f"waiting for omni-serve (pid {record['pid']}), still loading {model or 'the model'}")
+        try:
+            return _wait(url, api_key, pid=record["pid"], started=record["started"],
+                         log=Path(str(record.get("log", ""))))
+        except NotOurs:
+            return _someone_elses(url, api_key, key, note)
     try:
         return _wait(url, api_key, proc=proc, log=log)
     except ServerError:
         if not client.listening(url):
             raise
-    # Another command started its server at the same moment and took the port first: use that one.
-    remote = RemoteAssistant.connect(url, api_key, timeout=START_TIMEOUT)  # waits while it loads
-    if remote.info.get("key") != key:
-        remote.close()
-        note(f"another server answers at {url}, so the model loads in this process")
-        return None
-    return remote
+    # Something took the port before our server could (an omni-serve started by hand, an older version's).
+    return _someone_elses(url, api_key, key, note)
+
+
+def serve_command(host: str, port: int, keep_alive: float, model: str | None, flags: list[str]) -> list[str]:
+    """The command line of the background omni-serve."""
+    return [sys.executable, "-m", "omni_cli.faces.serve", "--host", host, "--port", str(port),
+            "--keep-alive", f"{keep_alive:g}", "--no-warm-up", *(["-m", str(model)] if model else []), *flags]
+
+
+def _spawn(model, flags: list[str], keep_alive: float, api_key: str | None, where, log: Path) -> subprocess.Popen:
+    command = serve_command(where.hostname, where.port, keep_alive, model, flags)
+    # The server asks for the key this command sends (none: none), through the environment, not the
+    # command line that `ps` shows; and it writes its own record once it has bound the port.
+    env = {k: v for k, v in os.environ.items() if k != client.API_KEY_ENV}
+    env[RECORD_ENV] = "1"
+    if api_key:
+        env[client.API_KEY_ENV] = api_key
+    with open(log, "wb") as out:
+        return subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True,
+                                env=env)
+
+
+def _await_record(proc: subprocess.Popen, wait: float = RECORD_WAIT) -> None:
+    """Wait (holding the lock) until the server `proc` has written its record, or exited: the next command
+    then finds it. Past `wait` the lock goes anyway (that command then sees the port taken and loads its
+    model itself)."""
+    deadline = time.monotonic() + wait
+    while time.monotonic() < deadline and proc.poll() is None:
+        record = _valid(_load_record())
+        if record is not None and record["pid"] == proc.pid:
+            return
+        time.sleep(0.02)
+
+
+def _someone_elses(url: str, api_key: str | None, key: str, note) -> RemoteAssistant | None:
+    """The port is taken, not by the recorded server: use it if it proves it is the user's omni-serve of
+    this model (only then is it sent the key), else None."""
+    found = client.proven_health(url, client.PROBE_TIMEOUT)
+    if found is not None and found["proof"]["key"] == key:
+        with contextlib.suppress(ServerError):
+            return RemoteAssistant.connect(url, api_key, timeout=START_TIMEOUT)  # waits while it loads
+    note(f"another server answers at {url}, so the model loads in this process")
+    return None
 
 
 class Hold:
@@ -198,26 +314,33 @@ def hold(url: str) -> Hold | None:
     return Hold(url, holder, max(0.2, float(idle) / 3))
 
 
-def _alive(proc: subprocess.Popen | None, pid: int | None) -> bool:
-    if proc is not None:
-        return proc.poll() is None
-    assert pid is not None, "_alive needs the process or its pid"
-    return _is_server(pid)
+class NotOurs(ServerError):
+    """The server on the port answers, but does not prove it is the one this command waits for."""
 
 
 def _wait(url: str, api_key: str | None, proc: subprocess.Popen | None = None, pid: int | None = None,
-          log: Path | None = None) -> RemoteAssistant:
-    """Poll until the server answers `GET /v1/models`. It listens before it loads, so a connection waits
-    in its backlog until it serves; one that fails (not listening yet, or a read timeout) is tried again
-    while the process runs. A ServerError with the server's own last error line if it exits first."""
+          started: str | None = None, log: Path | None = None) -> RemoteAssistant:
+    """Poll until the server (`proc`, or the process `pid` that started at `started`) proves itself on
+    `url`, then connect (`GET /v1/models`, the first request with the key). It listens before it loads,
+    so a connection waits in its backlog until it serves; one that fails (not listening yet, or a read
+    timeout) is tried again while the process runs. A ServerError with the server's own last error line
+    if it exits first; NotOurs if another server answers there."""
     deadline = time.monotonic() + START_TIMEOUT
+    expected = proc.pid if proc is not None else pid
     while time.monotonic() < deadline:
-        if not _alive(proc, pid):
+        alive = proc.poll() is None if proc is not None else ownership.running(pid, started)
+        if not alive:
             raise ServerError(f"the background omni-serve stopped before it served: {_last_error(log)}")
-        try:
-            return RemoteAssistant.connect(url, api_key, timeout=5.0)
-        except ServerError:
-            time.sleep(0.05)
+        found = client.ask_proof(url, 5.0)
+        if found is not None and (found["proof"] is None or found["proof"]["pid"] != expected):
+            # It serves, but is not the server waited for (something else took the port): never sent the key.
+            raise NotOurs(f"the server at {url} does not prove it is the background omni-serve (pid {expected})")
+        if found is not None:
+            try:
+                return RemoteAssistant.connect(url, api_key, timeout=5.0)
+            except ServerError:
+                pass
+        time.sleep(0.05)
     raise ServerError(f"the background omni-serve did not serve within {START_TIMEOUT:.0f} s (its log: {log})")
 
 
@@ -231,40 +354,47 @@ def _last_error(log: Path | None) -> str:
     return (errors or lines or [f"no output (log: {log})"])[-1]
 
 
-def _stop_idle(url: str, pid: int) -> bool:
-    """Stop the background server `pid` (another model's) if it serves no request now; True once it is gone."""
-    try:
-        health = client.health(url, client.PROBE_TIMEOUT)
-        if health.get("queued", 0) or health.get("held"):
-            return False  # busy with another command's reply, or held by an open chat
-    except (OSError, ValueError):
-        pass  # still loading, or not answering: stopping it loses nothing
-    os.kill(pid, signal.SIGTERM)
-    return _gone(pid, STOP_TIMEOUT)
+def _proven(url: str, record: dict) -> dict | None:
+    """The `/health` of the server on `url` if it proves it is the recorded one (the user's secret, the
+    recorded pid and start time), else None."""
+    found = client.proven_health(url, client.PROBE_TIMEOUT)
+    if found is None or found["proof"]["pid"] != record["pid"] or found["proof"]["started"] != record["started"]:
+        return None
+    return found
 
 
-def stop_background(wait: float = STOP_TIMEOUT, busy_too: bool = False) -> tuple[dict | None, bool]:
-    """Stop the background omni-serve this module started (`omni-say --stop`): (its record, whether it is
-    gone). One that is serving a reply or held by an open chat is left running unless `busy_too`. A
-    server it did not start is never stopped; no record: (None, True)."""
+def _stop_idle(url: str, record: dict) -> bool:
+    """Stop the recorded background server (another model's) if it proves it is the one recorded and
+    serves no request now; True once it is gone. One that cannot prove it (still loading, or not ours)
+    is left running."""
+    found = _proven(url, record)
+    if found is None or found.get("queued", 0) or found.get("held"):
+        return False  # not proven ours, or busy with another command's reply, or held by an open chat
+    ownership.terminate(record["pid"], record["started"])
+    return _gone(record, STOP_TIMEOUT)
+
+
+def stop_background(wait: float = STOP_TIMEOUT, busy_too: bool = False) -> tuple[dict | None, str]:
+    """Stop the background omni-serve this module started (`omni-say --stop`): (its record, what came of
+    it: "stopped", "busy" (a reply, or an open chat; stopped anyway with `busy_too`), "unproven" (it does
+    not prove it is the recorded server: still loading, or not ours), "running" (did not stop within
+    `wait`)). No record of a running server: (None, "none"). Nothing is signalled but the recorded server."""
     record = read_record()
     if record is None:
-        return None, True
-    port = record.get("port") or urlsplit(client.DEFAULT_URL).port
-    assert port is not None, f"{client.DEFAULT_URL} names no port"
-    url = f"http://127.0.0.1:{int(port)}"
-    pid = int(record["pid"])
-    if busy_too:
-        with contextlib.suppress(OSError):
-            os.kill(pid, signal.SIGTERM)
-        return record, _gone(pid, wait)
-    return record, _stop_idle(url, pid)
+        return None, "none"
+    found = _proven(f"http://127.0.0.1:{record['port']}", record)
+    if found is None:
+        return record, "unproven"
+    if not busy_too and (found.get("queued", 0) or found.get("held")):
+        return record, "busy"
+    ownership.terminate(record["pid"], record["started"])
+    return record, "stopped" if _gone(record, wait) else "running"
 
 
-def _gone(pid: int, wait: float) -> bool:
+def _gone(record: dict, wait: float) -> bool:
     deadline = time.monotonic() + wait
     while time.monotonic() < deadline:
-        if not _alive(None, pid):
+        if not ownership.running(record["pid"], record["started"]):
             return True
         time.sleep(0.05)
     return False

@@ -6,7 +6,8 @@ order; each response says how many were ahead of it (`X-Omni-Queue-Position`). A
 the request's asyncio task through a queue; when the client goes away (Starlette cancels the streaming
 task, or a whole-reply request sees the disconnect), the job is cancelled: a queued job is skipped, a
 running one is stopped at once (`Engine.interrupt`: its event stream raises, its threads stop).
-`--api-key` makes every endpoint but `/health` need `Authorization: Bearer <key>`. A bad body is a 400
+`--api-key` makes every endpoint but `/health` need `Authorization: Bearer <key>`; `/health?challenge=N`
+also answers the proof that this server is the user's own (api/ownership.py). A bad body is a 400
 with an OpenAI-shaped error; no request can take the server down.
 
 It knows no terminal (serve.py is the face) and no model family; it imports torch only through the
@@ -36,6 +37,7 @@ from ..errors import OmniError, UsageError
 from ..media import read_audio, read_image
 from ..prompt import Conversation
 from ..runtime.events import AudioBlock, Done, TextDelta, TurnInterrupted
+from . import ownership
 from . import protocol as p
 
 log = logging.getLogger(__name__)
@@ -199,8 +201,11 @@ def create_app(assistant, name: str, api_key: str | None = None, key: str | None
         # steps: "compiling" while omni-serve compiles in the background, then "compiled"; else "plain"
         steps = ("compiling" if getattr(assistant, "compiling", False) else "compiled" if runtime.get("compile")
                  else "plain")
-        return JSONResponse({"status": "ok", "model": name, "queued": worker.waiting, "served": worker.served,
-                             "keep_alive": keep, "held": held, "steps": steps})
+        answer = {"status": "ok", "model": name, "queued": worker.waiting, "served": worker.served,
+                  "keep_alive": keep, "held": held, "steps": steps}
+        if "challenge" in request.query_params:  # the commands' check that this server is the user's own
+            answer["proof"] = ownership.answer(request.query_params["challenge"], _bound_port(request), key)
+        return JSONResponse(answer)
 
     async def models(request: Request) -> Response:
         worker.asked += 1
@@ -342,6 +347,13 @@ async def _next_item(job: Job, request: Request):
             if await request.is_disconnected():
                 job.cancel()
                 return None
+
+
+def _bound_port(request: Request) -> int | None:
+    """The port this server listens on, as the connection's server address says (not the Host header,
+    which the client writes)."""
+    server = request.scope.get("server") or (None, None)
+    return server[1] if len(server) > 1 and isinstance(server[1], int) else None
 
 
 def runtime_info(assistant) -> dict | None:

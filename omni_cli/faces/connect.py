@@ -2,7 +2,8 @@
 
 Where the model runs is decided here, once, in this order:
 1. `--server URL`: that server (an error if it does not answer or serves another model);
-2. an omni-serve on the default address that serves the same model (unless `--local`);
+2. an omni-serve on the default address that serves the same model (unless `--local`) and proves it is
+   this user's (api/ownership.py: a challenge on /health, before the API key or a prompt is sent);
 3. with a keep-alive (`--keep-alive`, default 5 min): a background omni-serve started now, which keeps the
    model loaded for the next command (api/keep_alive.py);
 4. else the model loaded in this process.
@@ -65,8 +66,9 @@ def check_model(model: str | None) -> None:
 
 def find_server(where: Where) -> Any | None:
     """The server to use instead of loading the model, or None: `--server URL` (a ServerError if it
-    does not answer), else an omni-serve on the default address serving the same model (said on
-    stderr), unless --local. No torch is imported on this path."""
+    does not answer; the person named it, so it is trusted as it is), else an omni-serve on the default
+    address serving the same model and proving it is this user's (said on stderr), unless --local. No
+    torch is imported on this path."""
     from ..api.client import RemoteAssistant, find_local_server, model_key
 
     model = where.model

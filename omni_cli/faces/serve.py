@@ -86,12 +86,13 @@ def serve(
                              "reach it could use this machine; give a key, or keep the default 127.0.0.1")
         defaults = ReplyOptions(seed=seed, greedy=greedy, temperature=temperature, top_p=top_p, top_k=top_k,
                                 max_text_tokens=max_text_tokens, max_codes=max_codes).check()
-        from ..api.keep_alive import parse_duration
+        from ..api.keep_alive import parse_duration, record_self
 
         idle = parse_duration(keep_alive) if keep_alive else None
         import socket
 
         listener = _listen(host, port, socket)  # a port in use is an error before a minute of loading
+        record_self(listener.getsockname()[1], model)  # started by omni-say's keep-alive: its record, now it listens
         connect.check_model(model)
         where = connect.Where(model=model, runtime=runtime_options(
             device, dtype, graphs, bool(compile), max_context, kernels, attention_kernel, codes_capacity))
