@@ -203,6 +203,8 @@ class ReplyOptions:
             raise UsageError(f"top_p must be above 0 and at most 1 (got {self.top_p:g})")
         if self.top_k is not None and self.top_k < 0:
             raise UsageError(f"top_k must be 0 (off) or more (got {self.top_k})")
+        if self.seed is not None and not (-(2**63) <= self.seed < 2**63):
+            raise UsageError(f"seed must be a 64-bit integer, between -2**63 and 2**63-1 (got {self.seed:.3g})")
         for name in ("max_text_tokens", "max_codes"):
             value = getattr(self, name)
             if value is not None and value < 1:
