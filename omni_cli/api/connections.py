@@ -27,7 +27,8 @@ import json
 import logging
 import resource
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import h11
 import uvicorn
@@ -124,9 +125,11 @@ class GuardedH11Protocol(H11Protocol):
             self.transport.close()
 
     def _make_room(self) -> None:
-        if len(self.connections) <= self.cap:
+        # A closed connection stays in the set until the loop runs its connection_lost: not counted.
+        open_ = [c for c in self.connections if c.transport is not None and not c.transport.is_closing()]
+        if len(open_) <= self.cap:
             return
-        idle = [c for c in self.connections if c is not self and isinstance(c, GuardedH11Protocol) and c.idle()]
+        idle = [c for c in open_ if c is not self and isinstance(c, GuardedH11Protocol) and c.idle()]
         victim = min(idle, key=lambda c: c.opened) if idle else self
         self.evicting("%d connections open (the cap): closing the oldest idle one", self.cap)
         victim.transport.close()

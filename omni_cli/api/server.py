@@ -540,7 +540,8 @@ def too_deep(body: bytes | bytearray, depth: int) -> bool:
 
 class Guard:
     """Refusals made from the request's head alone, for every route (pure ASGI, before routing): without
-    an API key, a `Host` that is not a loopback name of this server's port (a DNS-rebinding page) and an
+    an API key, a `Host` that is not a loopback name (at this server's port, if it says one: a
+    DNS-rebinding page's is its own name) and an
     `Origin` that is not a loopback origin of it (a page's cross-site request) are 403s; a POST whose body
     is not `application/json` is a 415 (the only kinds a page can send without CORS's preflight are
     forms and `text/plain`)."""
@@ -561,7 +562,7 @@ class Guard:
         port = (scope.get("server") or (None, None))[1]
         if self.keyless:
             host, origin = headers.get("host"), headers.get("origin")
-            if host is None or not _loopback_at("//" + host, port):
+            if host is None or not _loopback_at("//" + host, port, default_port=port):
                 return p.RequestError(f"Host {host!r} is not this machine's loopback name: a server without an "
                                       "API key answers only http://localhost or 127.0.0.1 at its port", 403,
                                       param="Host", code="forbidden_host")
@@ -577,8 +578,10 @@ class Guard:
         return None
 
 
-def _loopback_at(url: str, port: int | None, schemes: tuple[str, ...] | None = None) -> bool:
-    """Whether `url` (a `//host:port` or an origin) names a loopback host at `port` (any, if None)."""
+def _loopback_at(url: str, port: int | None, schemes: tuple[str, ...] | None = None,
+                 default_port: int | None = None) -> bool:
+    """Whether `url` (a `//host:port` or an origin) names a loopback host at `port` (any, if None); a URL
+    without a port means `default_port`, else its scheme's (an origin's http://localhost is port 80)."""
     try:
         parts = urlsplit(url)
         given = parts.port
@@ -589,7 +592,7 @@ def _loopback_at(url: str, port: int | None, schemes: tuple[str, ...] | None = N
     if not parts.hostname or not p.is_loopback(parts.hostname):
         return False
     if given is None:
-        given = 443 if parts.scheme == "https" else 80
+        given = default_port if default_port is not None else 443 if parts.scheme == "https" else 80
     return port is None or given == port
 
 
