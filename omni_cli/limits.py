@@ -61,6 +61,16 @@ class Limits:
     prompt_file_bytes: int = 16 * MiB
     # One attachment file (`--image`, `--audio`, `/image`, `/audio`) before it is decoded.
     attachment_bytes: int = 256 * MiB
+    # omni-serve's connections (api/connections.py, api/server.py): a client that has not sent a whole
+    # request head this long after connecting (or after its last reply) is dropped, so idle sockets cannot
+    # pile up; a body may pause this long between two pieces, and take this long in all (64 MiB at the
+    # default cap is ~0.5 MB/s), else a 408.
+    header_seconds: float = 10.0
+    body_stall_seconds: float = 10.0
+    body_seconds: float = 120.0
+    # Connections open at once; a new one beyond it closes the oldest idle one (no request under way), so
+    # that idle sockets can never lock out the user's own commands nor use up the process's open files.
+    connections: int = 64
 
     def prompt_chars(self, context_tokens: int) -> int:
         """The most characters a prompt may have when `context_tokens` tokens are left for it."""

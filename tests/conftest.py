@@ -221,6 +221,8 @@ TIERS: dict[str, str | tuple[str, dict[str, str]]] = {
     "test_structure.py": "unit",
     "test_sampling.py": "unit",
     "test_serve.py": "e2e",
+    "test_serve_fuzz.py": "cli",
+    "test_serve_hostile.py": "unit",
     "test_sink_thread.py": ("unit", {"test_an_interrupted_turn_aborts_the_wav_on_its_own_thread": "model",
                                      "test_a_completed_turn_closes_the_wav_on_its_own_thread": "model"}),
     "test_sinks.py": "unit",

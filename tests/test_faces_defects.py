@@ -140,7 +140,7 @@ def test_a_released_holder_no_longer_holds_the_server():
 
     app = create_app(ServedFake(), "fake")
     app.state.keep_alive = 300.0
-    with TestClient(app) as http:
+    with TestClient(app, base_url="http://localhost") as http:
         assert http.get("/health").json()["held"] is False
         assert http.get("/health?hold=a").json()["held"] is True
         assert http.get("/health?hold=b").json()["held"] is True
@@ -267,7 +267,7 @@ def test_v1_models_shows_no_path_of_the_servers_machine(tmp_path):
     folder.mkdir(parents=True)
     key = model_key(folder)
     assert key == model_key(str(folder) + "/") and key != model_key(tmp_path)  # the same folder, however typed
-    with TestClient(create_app(ServedFake(), "my-model", key=key)) as http:
+    with TestClient(create_app(ServedFake(), "my-model", key=key), base_url="http://localhost") as http:
         body = http.get("/v1/models").text
     assert "secret-folder" not in body and str(tmp_path) not in body and key in body
 

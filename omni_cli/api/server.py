@@ -10,8 +10,19 @@ running one is stopped at once (`Engine.interrupt`: its event stream raises, its
 also answers the proof that this server is the user's own (api/ownership.py). A bad body is a 400
 with an OpenAI-shaped error; no request can take the server down.
 
-It knows no terminal (serve.py is the face) and no model family; it imports torch only through the
-assistant it is given.
+What a request may cost is bounded (`Limits`): the body is read in pieces on the event loop, its size
+checked against `Content-Length` first and counted as it comes (413 over `body_bytes`), a body that
+stalls or drags is a 408; everything that takes time with what was read (the JSON's depth scanned and the
+JSON parsed, base64 and the audio and images decoded, a whole reply's audio encoded) runs on a worker
+thread, so that the loop always answers `/health` at once. A server without a key refuses (403) a
+request whose `Host` is not a loopback name of its port (DNS rebinding) or whose `Origin` is another
+site's (a web page the user visits); a POST must be `application/json` (415: a page's form or `text/plain`
+fetch). Every refusal and every failure is an OpenAI-shaped JSON error; nothing a client sends is a 500.
+`stop_replies` (omni-serve calls it when a shutdown begins) stops the running reply and the queued ones:
+a stream then ends with a last chunk and `[DONE]`, a waiting request gets a 503.
+
+Connections (head deadlines, the cap) are api/connections.py's. It knows no terminal (serve.py is the
+face) and no model family; it imports torch only through the assistant it is given.
 """
 
 from __future__ import annotations
@@ -22,18 +33,24 @@ import hmac
 import json
 import logging
 import queue
+import re
 import threading
 import time
+from urllib.parse import urlsplit
 
 import anyio
 import numpy as np
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from ..config import ReplyOptions
 from ..errors import OmniError, UsageError
+from ..limits import DEFAULT, LimitError, Limits
 from ..media import read_audio, read_image
 from ..prompt import Conversation
 from ..runtime.events import AudioBlock, Done, TextDelta, TurnInterrupted
@@ -44,6 +61,10 @@ log = logging.getLogger(__name__)
 
 _END = object()  # the last item a job puts on its queue
 POLL = 0.05  # seconds between disconnect checks of a whole-reply request
+PREPARERS = 2  # requests read and decoded at once on threads (the engine works on one; the next is made ready)
+JOIN_SECONDS = 10.0  # how long a shutdown waits for the engine's worker to end the stopped reply
+SHUTTING_DOWN = "the server is shutting down"
+HOLDERS = 256  # clients remembered as holding the server open (/health?hold=ID)
 
 
 class Job:
@@ -58,6 +79,12 @@ class Job:
         self.items: asyncio.Queue = asyncio.Queue()
         self.cancelled = threading.Event()
         self.worker: EngineWorker | None = None
+        self.why: str | None = None  # why the server stopped it (a shutdown), for its client
+
+    def stop(self, why: str) -> None:
+        """The server stops the job (its reply ends with a last chunk saying `why`)."""
+        self.why = why
+        self.cancel()
 
     def cancel(self) -> None:
         """The client left: skip the job if it waits, stop its reply now if it runs."""
@@ -80,6 +107,8 @@ class Job:
             events = assistant.stream(req.prompt, req.options, conversation=conv, **media)
             try:
                 for event in events:
+                    if self.cancelled.is_set():  # stopped before its turn began (`interrupt` had no turn)
+                        break
                     self.put(event)
             finally:
                 events.close()  # stops the engine's threads if the reply did not end
@@ -99,11 +128,13 @@ class EngineWorker:
         self.lock = threading.Lock()
         self.waiting = 0  # jobs queued or running
         self.served = 0
+        self.closing = False  # a shutdown began: no new job
         self.asked = 0  # HTTP requests of any kind (a client that holds the server open pings /health)
         # When each client that holds the server (an open omni-chat: /health?hold=ID) last said so; it lets go
         # with /health?release=ID when it ends.
         self.holders: dict[str, float] = {}
         self.running: Job | None = None
+        self.open: set[Job] = set()  # queued or running
         self.after_first_job = None  # called once, on this thread, when the first job has ended (omni-serve)
         self.thread = threading.Thread(target=self._main, name="omni-serve-worker", daemon=True)
         self.thread.start()
@@ -114,6 +145,7 @@ class EngineWorker:
         with self.lock:
             ahead = self.waiting
             self.waiting += 1
+            self.open.add(job)
         self.jobs.put(job)
         return ahead
 
@@ -122,6 +154,13 @@ class EngineWorker:
         with self.lock:
             if self.running is job:
                 self.assistant.interrupt()
+
+    def stop_all(self, why: str) -> None:
+        """Stop the running job and skip the queued ones (a shutdown)."""
+        with self.lock:
+            jobs = list(self.open)
+        for job in jobs:
+            job.stop(why)
 
     def stop(self) -> None:
         self.jobs.put(None)
@@ -141,6 +180,7 @@ class EngineWorker:
             finally:
                 with self.lock:
                     self.running = None
+                    self.open.discard(job)
                     self.waiting -= 1
                     self.served += 1
                 then, self.after_first_job = self.after_first_job, None
@@ -149,10 +189,11 @@ class EngineWorker:
 
 
 def create_app(assistant, name: str, api_key: str | None = None, key: str | None = None,
-               defaults: ReplyOptions | None = None) -> Starlette:
+               defaults: ReplyOptions | None = None, limits: Limits = DEFAULT) -> Starlette:
     """The ASGI app serving `assistant` as model `name`. `api_key`: the Bearer token every request needs;
     `key`: how the commands recognise the model (`client.model_key`); `defaults`: reply options a
-    request's own fields override."""
+    request's own fields override; `limits`: what one request may cost (body, depth, read times).
+    `app.state.stop_replies()` ends the replies for a shutdown."""
     worker = EngineWorker(assistant)
     defaults = defaults or ReplyOptions()
     eos = set(assistant.eos_ids)
@@ -190,6 +231,8 @@ def create_app(assistant, name: str, api_key: str | None = None, key: str | None
         keep = getattr(request.app.state, "keep_alive", None)
         holder, released = request.query_params.get("hold"), request.query_params.get("release")
         if holder:
+            if len(worker.holders) >= HOLDERS and holder[:64] not in worker.holders:  # bounded: drop the oldest
+                del worker.holders[min(worker.holders, key=worker.holders.__getitem__)]
             worker.holders[holder[:64]] = time.monotonic()
         if released:
             worker.holders.pop(released[:64], None)
@@ -215,36 +258,23 @@ def create_app(assistant, name: str, api_key: str | None = None, key: str | None
         worker.asked += 1
         if (no := refused(request)) is not None:
             return no
+        if worker.closing:
+            return error(p.RequestError(SHUTTING_DOWN, 503, code="server_shutting_down"))
         try:
-            body = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            return error(p.RequestError(f"the body is not JSON: {exc}"))
-        try:
-            req = p.parse_chat_request(body)
-            if req.model is not None and req.model != name:
-                raise p.RequestError(f"this server serves {name!r}, not {req.model!r}", 404, param="model",
-                                     code="model_not_found")
-            if req.spoken and not assistant.has_audio:
-                raise p.RequestError("this model has no talker: ask for modalities [\"text\"]", param="modalities")
-            req.options = with_defaults(req.options, defaults).check()
-            clips = [read_audio(data, f"input_audio {n + 1}") for n, data in enumerate(req.audio)]
-            pictures = [read_image(data, f"image_url {n + 1}") for n, data in enumerate(req.images)]
-            for i, turn in enumerate(req.turns):  # earlier turns' files, read as the last message's
-                if "media" in turn:
-                    files = turn["media"]
-                    turn["media"] = {
-                        "audio": [read_audio(d, f"turn {i + 1}'s input_audio {n + 1}") for n, d in enumerate(files["audio"])],
-                        "images": [read_image(d, f"turn {i + 1}'s image_url {n + 1}") for n, d in enumerate(files["images"])]}
-        except p.RequestError as exc:
-            return error(exc)
-        except UsageError as exc:
-            return error(p.api_error(exc))
+            body = await read_body(request, limits)
+            req, clips, pictures = await anyio.to_thread.run_sync(prepare, body, limiter=preparers())
+        except ClientDisconnect:
+            return Response(status_code=499)
+        except (p.RequestError, UsageError) as exc:
+            return error(_as_request_error(exc))
         job = Job(req, asyncio.get_running_loop(), clips, pictures)
         ahead = worker.submit(job)
         headers = {p.QUEUE_HEADER: str(ahead)}
         first = await _first_item(job, request)
         if first is None:  # the client left while the request waited
             return Response(status_code=499)
+        if first is _END and job.why is not None:  # stopped (a shutdown) while it waited
+            return error(p.RequestError(job.why, 503, code="server_shutting_down"), headers)
         if isinstance(first, BaseException):
             return error(_as_request_error(first), headers)
         ids = p.new_ids()
@@ -252,6 +282,42 @@ def create_app(assistant, name: str, api_key: str | None = None, key: str | None
             return StreamingResponse(_stream(job, first, req, ids), media_type="text/event-stream",
                                      headers={**headers, "Cache-Control": "no-cache"})
         return await _whole(job, first, req, ids, request, headers)
+
+    def prepare(body: bytearray) -> tuple[p.ChatRequest, list, list]:
+        """Worker thread: the body parsed and checked, its audio and images decoded (the event loop must
+        not: a 12000x12000 PNG takes seconds)."""
+        req = p.parse_chat_request(parse_json(body, limits.json_depth))
+        if req.model is not None and req.model != name:
+            raise p.RequestError(f"this server serves {name!r}, not {req.model!r}", 404, param="model",
+                                 code="model_not_found")
+        if req.spoken and not assistant.has_audio:
+            raise p.RequestError("this model has no talker: ask for modalities [\"text\"]", param="modalities")
+        req.options = with_defaults(req.options, defaults).check()
+        # Seconds and pixels from the headers, before anything is decoded.
+        clips = [read_audio(data, f"input_audio {n + 1}", limits=limits) for n, data in enumerate(req.audio)]
+        pictures = [read_image(data, f"image_url {n + 1}", limits=limits) for n, data in enumerate(req.images)]
+        for i, turn in enumerate(req.turns):  # earlier turns' files, read as the last message's
+            if "media" in turn:
+                files = turn["media"]
+                turn["media"] = {
+                    "audio": [read_audio(d, f"turn {i + 1}'s input_audio {n + 1}", limits=limits)
+                              for n, d in enumerate(files["audio"])],
+                    "images": [read_image(d, f"turn {i + 1}'s image_url {n + 1}", limits=limits)
+                               for n, d in enumerate(files["images"])]}
+        return req, clips, pictures
+
+    limiter: list[anyio.CapacityLimiter] = []
+
+    def preparers() -> anyio.CapacityLimiter:
+        """The threads that prepare requests (made in the loop, at the first request)."""
+        if not limiter:
+            limiter.append(anyio.CapacityLimiter(PREPARERS))
+        return limiter[0]
+
+    def stop_replies() -> None:
+        """A shutdown begins: no new request, the queued ones refused, the running reply stopped."""
+        worker.closing = True
+        worker.stop_all(SHUTTING_DOWN)
 
     def _finish(reply) -> str:
         return "stop" if reply.text_ids and reply.text_ids[-1] in eos else "length"
@@ -261,7 +327,7 @@ def create_app(assistant, name: str, api_key: str | None = None, key: str | None
         return {"stats": stats, "audio_seconds": len(reply.audio) / reply.sample_rate if len(reply.audio) else 0.0}
 
     async def _stream(job: Job, first, req: p.ChatRequest, ids):
-        audio_id = ids[1]
+        audio_id, ended, samples = ids[1], False, 0
         try:
             yield p.sse(p.chunk(ids, name, {"role": "assistant", "content": None if req.spoken else ""}))
             item = first
@@ -270,17 +336,23 @@ def create_app(assistant, name: str, api_key: str | None = None, key: str | None
                     delta = {"audio": {"id": audio_id, "transcript": item.text}} if req.spoken else {"content": item.text}
                     yield p.sse(p.chunk(ids, name, delta))
                 elif isinstance(item, AudioBlock):
+                    samples += len(item.pcm)
                     yield p.sse(p.chunk(ids, name, {"audio": {"id": audio_id, "data": p.b64(p.pcm16(item.pcm)),
                                                                "expires_at": ids[2] + 3600}}))
                 elif isinstance(item, Done):
+                    ended = True
                     reply = item.reply
                     yield p.sse(p.chunk(ids, name, {}, _finish(reply), omni=_omni(reply)))
                     if req.include_usage:
                         yield p.sse(p.chunk(ids, name, None, usage=p.usage(reply.stats.get("prompt_tokens", 0),
                                                                          len(reply.text_ids))))
                 elif isinstance(item, BaseException):  # failed mid-reply: the stream says so and ends
+                    ended = True
                     yield p.sse(_as_request_error(item).body())
                 item = await job.items.get()
+            if not ended and job.why is not None:  # stopped by the server (a shutdown): a last chunk says so
+                yield p.sse(p.chunk(ids, name, {}, "stop", omni={
+                    "stats": {}, "audio_seconds": samples / assistant.sample_rate, "stopped": job.why}))
             yield p.sse("[DONE]")
         finally:
             job.cancel()  # the client left (or the reply ended): its reply stops now
@@ -302,14 +374,20 @@ def create_app(assistant, name: str, api_key: str | None = None, key: str | None
                     return Response(status_code=499)
         finally:
             job.cancel()
-        if reply is None:  # the events ended (_END) without Done nor an error
-            raise RuntimeError("the reply's events ended without its last one (Done)")
-        audio = None
-        if req.spoken:
-            audio = p.audio_file(np.concatenate(pcm) if pcm else np.zeros(0, np.float32), req.audio_format)
-        use = p.usage(reply.stats.get("prompt_tokens", 0), len(reply.text_ids))
-        return JSONResponse(p.completion(ids, name, reply.text, _finish(reply), use, audio, _omni(reply)),
-                            headers=headers)
+        if reply is None:  # the events ended (_END) without Done nor an error: stopped (a shutdown)
+            return error(p.RequestError(job.why or "the reply ended without its last event", 503 if job.why else 500,
+                                        code="server_shutting_down" if job.why else "server_error"), headers)
+
+        def whole() -> bytes:  # a thread: encoding minutes of audio (FLAC, MP3) and base64 take a while
+            audio = None
+            if req.spoken:
+                audio = p.audio_file(np.concatenate(pcm) if pcm else np.zeros(0, np.float32), req.audio_format)
+            use = p.usage(reply.stats.get("prompt_tokens", 0), len(reply.text_ids))
+            return json.dumps(p.completion(ids, name, reply.text, _finish(reply), use, audio, _omni(reply)),
+                              ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+
+        return Response(await anyio.to_thread.run_sync(whole, limiter=preparers()), media_type="application/json",
+                        headers=headers)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -318,15 +396,19 @@ def create_app(assistant, name: str, api_key: str | None = None, key: str | None
         async with anyio.create_task_group():
             pass
         yield
+        stop_replies()  # where the server did not say a shutdown began (an in-process test's app)
         worker.stop()
+        await anyio.to_thread.run_sync(worker.thread.join, JOIN_SECONDS)  # the stopped reply's threads end first
         log.info("omni-serve stopped")
 
     app = Starlette(routes=[
         Route("/health", health, methods=["GET"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/chat/completions", completions, methods=["POST"]),
-    ], lifespan=lifespan)
+    ], lifespan=lifespan, middleware=[Middleware(Guard, keyless=api_key is None)],
+        exception_handlers={HTTPException: _http_error, Exception: _failed})
     app.state.worker = worker
+    app.state.stop_replies = stop_replies
     return app
 
 
@@ -375,7 +457,9 @@ def with_defaults(options: ReplyOptions, defaults: ReplyOptions) -> ReplyOptions
 
 
 def _as_request_error(exc: BaseException) -> p.RequestError:
-    if isinstance(exc, UsageError):
+    if isinstance(exc, p.RequestError):
+        return exc
+    if isinstance(exc, UsageError):  # a LimitError keeps its status and names the API's field
         return p.api_error(exc)
     if isinstance(exc, OmniError):
         return p.RequestError(str(exc), 500, code="server_error")
@@ -383,5 +467,156 @@ def _as_request_error(exc: BaseException) -> p.RequestError:
     return p.RequestError(f"the reply failed: {type(exc).__name__}: {exc}", 500, code="server_error")
 
 
+# Refusals made before the body is read (or with the rest of it unread) close the connection: what the
+# client still sends would otherwise be taken for its next request.
+CLOSES = frozenset({403, 408, 413, 415})
+
+
 def error(exc: p.RequestError, headers: dict | None = None) -> JSONResponse:
+    headers = {**(headers or {}), **({"Connection": "close"} if exc.status in CLOSES else {})}
     return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+
+
+# -- the body ------------------------------------------------------------------------------------------
+
+
+async def read_body(request: Request, limits: Limits) -> bytearray:
+    """The request's body, read in the pieces it comes in: a 413 (`LimitError`) as soon as `Content-Length`
+    or the bytes come over `limits.body_bytes`, a 408 if it pauses longer than `body_stall_seconds` or
+    takes longer than `body_seconds` in all (uvicorn has no body timeout). Cheap: no parsing here."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limits.body_bytes:
+        raise _too_big(limits)
+    body = bytearray()
+    pieces = request.stream().__aiter__()
+    deadline = time.monotonic() + limits.body_seconds
+    while True:
+        left = deadline - time.monotonic()
+        with anyio.move_on_after(max(0.0, min(limits.body_stall_seconds, left))) as waited:
+            try:
+                piece = await pieces.__anext__()
+            except StopAsyncIteration:
+                return body
+        if waited.cancelled_caught:
+            said = (f"it stopped for {limits.body_stall_seconds:g} s" if left > limits.body_stall_seconds
+                    else f"it took over {limits.body_seconds:g} s")
+            raise p.RequestError(f"the request's body came too slowly ({said}, {len(body)} bytes read)", 408,
+                                 code="request_timeout")
+        body += piece
+        if len(body) > limits.body_bytes:
+            raise _too_big(limits)
+
+
+def _too_big(limits: Limits) -> LimitError:
+    return LimitError(f"the request's body is over {limits.body_bytes} bytes (omni-serve --max-body-mb): send "
+                      "smaller media, or fewer turns", 413)
+
+
+def parse_json(body: bytes | bytearray, depth: int) -> object:
+    """`body` as JSON, nesting at most `depth` levels (scanned before parsing: Python's parser recurses)."""
+    if too_deep(body, depth):
+        raise LimitError(f"the body's JSON nests deeper than {depth} levels")
+    try:
+        return json.loads(body)
+    except RecursionError:  # not found by the scan (an odd encoding): the parser's own limit
+        raise LimitError(f"the body's JSON nests deeper than {depth} levels") from None
+    except (ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError, or an integer of 4300+ digits
+        raise p.RequestError(f"the body is not JSON: {str(exc)[:200]}") from None
+
+
+# A JSON string (its escapes included): what is inside one is text, not structure.
+_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+_STEP = np.zeros(256, np.int8)  # +1 for a byte that opens a level, -1 for one that closes it
+_STEP[list(b"[{")] = 1
+_STEP[list(b"]}")] = -1
+_SCAN = 1 << 22  # bytes of brackets counted at a time (the cumulative sum's memory: 16 MiB)
+
+
+def too_deep(body: bytes | bytearray, depth: int) -> bool:
+    """Whether `body`'s brackets, outside its strings, nest more than `depth` levels: C-speed passes (a
+    regular expression drops the strings, numpy sums the rest), linear in the body's size."""
+    if body.count(b"[") + body.count(b"{") <= depth:  # most bodies: too few brackets to nest that deep
+        return False
+    skeleton = np.frombuffer(_STRING.sub(b"", body), np.uint8)
+    level = 0
+    for start in range(0, len(skeleton), _SCAN):
+        levels = np.cumsum(_STEP[skeleton[start:start + _SCAN]], dtype=np.int64) + level
+        if len(levels) and int(levels.max()) > depth:
+            return True
+        level = int(levels[-1]) if len(levels) else level
+    return False
+
+
+# -- who may ask ---------------------------------------------------------------------------------------
+
+
+class Guard:
+    """Refusals made from the request's head alone, for every route (pure ASGI, before routing): without
+    an API key, a `Host` that is not a loopback name (at this server's port, if it says one: a
+    DNS-rebinding page's is its own name) and an
+    `Origin` that is not a loopback origin of it (a page's cross-site request) are 403s; a POST whose body
+    is not `application/json` is a 415 (the only kinds a page can send without CORS's preflight are
+    forms and `text/plain`)."""
+
+    def __init__(self, app, keyless: bool) -> None:
+        self.app = app
+        self.keyless = keyless
+
+    async def __call__(self, scope, receive, send) -> None:
+        why = self.refusal(scope) if scope["type"] == "http" else None
+        if why is not None:
+            await error(why)(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+    def refusal(self, scope) -> p.RequestError | None:
+        headers = Headers(scope=scope)
+        port = (scope.get("server") or (None, None))[1]
+        if self.keyless:
+            host, origin = headers.get("host"), headers.get("origin")
+            if host is None or not _loopback_at("//" + host, port, default_port=port):
+                return p.RequestError(f"Host {host!r} is not this machine's loopback name: a server without an "
+                                      "API key answers only http://localhost or 127.0.0.1 at its port", 403,
+                                      param="Host", code="forbidden_host")
+            if origin is not None and not _loopback_at(origin, port, schemes=("http", "https")):
+                return p.RequestError(f"Origin {origin[:100]!r} is another site: a server without an API key "
+                                      "answers no web page but its own machine's", 403, param="Origin",
+                                      code="forbidden_origin")
+        if scope["method"] == "POST":
+            kind = headers.get("content-type", "").partition(";")[0].strip().lower()
+            if kind != "application/json":
+                return p.RequestError(f"the body must be application/json (got {kind or 'no Content-Type'!r})",
+                                      415, param="Content-Type", code="unsupported_media_type")
+        return None
+
+
+def _loopback_at(url: str, port: int | None, schemes: tuple[str, ...] | None = None,
+                 default_port: int | None = None) -> bool:
+    """Whether `url` (a `//host:port` or an origin) names a loopback host at `port` (any, if None); a URL
+    without a port means `default_port`, else its scheme's (an origin's http://localhost is port 80)."""
+    try:
+        parts = urlsplit(url)
+        given = parts.port
+    except ValueError:  # a port that is not a number, a bracket unclosed
+        return False
+    if schemes is not None and parts.scheme not in schemes:
+        return False
+    if not parts.hostname or not p.is_loopback(parts.hostname):
+        return False
+    if given is None:
+        given = default_port if default_port is not None else 443 if parts.scheme == "https" else 80
+    return port is None or given == port
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    """Starlette's own refusals (an unknown path, a method a route does not take), in the API's shape."""
+    status = getattr(exc, "status_code", 400)
+    detail = getattr(exc, "detail", None) or "refused"
+    return error(p.RequestError(f"{request.method} {request.url.path[:100]}: {detail}", status))
+
+
+async def _failed(request: Request, exc: Exception) -> Response:
+    """Last resort (a bug of ours, never a client's doing): one line, in the API's shape."""
+    log.error("request failed", exc_info=exc)
+    return error(p.RequestError(f"the server failed: {type(exc).__name__}: {str(exc)[:200]}", 500,
+                                code="server_error"))

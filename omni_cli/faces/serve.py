@@ -5,7 +5,11 @@ the same model (or with `--server URL`).
 Flags: the model and device flags of the other commands, the reply defaults (sampling, limits; a
 request's own fields win), `--host`, `--port`, `--api-key` (or $OMNI_API_KEY). Without a key the server
 listens on a loopback address only: another host is a usage error (exit 2), since anyone who can reach
-it could use the GPU. Ctrl-C or SIGTERM stop it: a reply in progress is cut, the port freed.
+it could use the GPU; it then answers only requests made to a loopback name and from no other web site
+(api/server.py's `Guard`). `--max-body-mb` caps a request's body; a client must send its request's head
+within 10 s and may keep at most 64 connections open (api/connections.py; `Limits`). Ctrl-C or SIGTERM
+stop it cleanly: the reply in progress is stopped and its stream ended (a last chunk, `[DONE]`), the
+queued requests refused (503), the engine's worker joined, the port freed; exit 130 (Ctrl-C) or 143.
 `--keep-alive DURATION` stops it after that long without a request (omni-say starts it so in the
 background: api/keep_alive.py). On a GPU it serves at once with plain CUDA graphs and compiles its steps
 in the background, taking them between two requests (`Assistant.compile_beside`, runtime/beside.py);
@@ -26,6 +30,8 @@ import typer
 from ..api.protocol import DEFAULT_PORT, is_loopback
 from ..config import ReplyOptions
 from ..errors import UsageError
+from ..limits import DEFAULT as DEFAULT_LIMITS
+from ..limits import MiB
 from . import connect
 from .console import make_console
 from .options import (
@@ -65,6 +71,7 @@ def serve(
     max_text_tokens: MaxTextOpt = None,
     max_codes: MaxCodesOpt = None,
     max_context: MaxContextOpt = 4096,
+    max_body_mb: Annotated[float, typer.Option("--max-body-mb", min=0.001, metavar="MB", help="The largest request body taken, in MiB (media included, as base64); a larger one is refused (413) before it is read.")] = DEFAULT_LIMITS.body_bytes / MiB,
     keep_alive: Annotated[Optional[str], typer.Option("--keep-alive", metavar="DURATION", show_default=False, help="Stop after DURATION without a request (e.g. 300, 5m, 1h; default: run until stopped).")] = None,
     warm_up: Annotated[bool, typer.Option("--warm-up/--no-warm-up", help="Answer one short unheard request before serving, so that the first request is served as fast as the later ones.")] = True,
     debug: DebugOpt = False,
@@ -103,7 +110,11 @@ def serve(
             t = time.perf_counter()
             assistant.warm_up()  # so that the first request is served like the later ones
             assistant.startup["the warm-up reply"] = time.perf_counter() - t
-        _serve(assistant, model, listener, api_key, defaults, idle, beside=compile is None, now=warm_up)
+        from dataclasses import replace
+
+        limits = replace(DEFAULT_LIMITS, body_bytes=int(max_body_mb * MiB))
+        _serve(assistant, model, listener, api_key, defaults, idle, beside=compile is None, now=warm_up,
+               limits=limits)
     except BaseException as exc:  # noqa: BLE001 - every way out is reported, none with a traceback
         if isinstance(exc, (SystemExit, typer.Exit)):
             raise
@@ -120,30 +131,33 @@ def _listen(host: str, port: int, socket):
         sock.close()
         raise UsageError(f"cannot listen on {host}:{port}: {exc.strerror or exc} (is another omni-serve running? "
                          "pick another --port)") from None
-    sock.listen(128)
+    from ..api.connections import BACKLOG
+
+    sock.listen(BACKLOG)
     return sock
 
 
 def _serve(assistant, model, listener, api_key, defaults: ReplyOptions, idle: float | None = None,
-           beside: bool = False, now: bool = True) -> None:
+           beside: bool = False, now: bool = True, limits=DEFAULT_LIMITS) -> None:
     """Serve until stopped. `beside`: compile the steps in the background (`_compile_beside`), from the
     start when `now` (the warm-up reply has run), else once the first request is answered (`--no-warm-up`:
     a request is likely waiting already, and the compiler would slow its reply)."""
     import threading
 
-    import uvicorn
-
+    from ..api import connections
     from ..api.client import model_key
     from ..api.server import create_app
 
-    app = create_app(assistant, assistant.name, api_key=api_key, key=model_key(model), defaults=defaults)
+    app = create_app(assistant, assistant.name, api_key=api_key, key=model_key(model), defaults=defaults,
+                     limits=limits)
     host, port = listener.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
     err_line(f"omni-serve: {assistant.name} at http://{shown}:{port}/v1 (OpenAI-compatible chat completions)"
          + ("" if api_key else " · loopback only, no API key") + " · Ctrl-C to stop")
-    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=1, lifespan="on",
-                            access_log=bool(os.environ.get("OMNI_ACCESS_LOG")))
-    server = uvicorn.Server(config)
+    # The grace period only matters if a stopped reply does not end (`stop_replies` ends them first).
+    config = connections.config(app, limits, log_level="warning", timeout_graceful_shutdown=5, lifespan="on",
+                                access_log=bool(os.environ.get("OMNI_ACCESS_LOG")))
+    server = connections.Server(config, before_shutdown=app.state.stop_replies)
     if beside:
         if now:
             _compile_beside(assistant)
@@ -210,8 +224,11 @@ def main() -> None:
         serve_app(prog_name="omni-serve")
     except SystemExit as exc:
         sys.stdout.flush()
-        # Stopped while it compiles in the background: that thread may be inside CUDA or the compiler.
-        exit_at_once_if(lambda t: t.name == "omni-compile", exc)
+        # Stopped while it compiles in the background (that thread may be inside CUDA or the compiler), or
+        # while an engine thread still ends a stopped reply (the worker was not joined in time): the
+        # interpreter's tear-down under such a thread aborts the process ("terminate called without an
+        # active exception"), so the process ends at once instead.
+        exit_at_once_if(lambda t: t.name.startswith("omni-") and t.name != "omni-serve-idle", exc)
         raise exc
 
 
