@@ -41,9 +41,11 @@ class LimitError(UsageError):
 class Limits:
     """The caps, each with the reason for its default."""
 
-    # A request body's bytes, read before any parsing (base64 media included: a 5-minute WAV at 24 kHz
-    # PCM16 is 14 MB, 19 MB in base64). Over it: 413.
-    body_bytes: int = 64 * MiB
+    # A request body's bytes, read before any parsing (base64 media included: 16 MiB holds a 4-minute
+    # WAV at 24 kHz PCM16, a 6-minute one at 16 kHz, far more in FLAC or Opus). Over it: 413. Parsing the
+    # JSON holds Python's GIL in one call, about 1.4 ms a MiB, so this cap also bounds how long the
+    # server's event loop (its /health) can wait: measured 27-37 ms at most with a 15.8 MB image body.
+    body_bytes: int = 16 * MiB
     # How deeply a request's JSON may nest (OpenAI's bodies nest 5 levels; Python's parser recurses).
     json_depth: int = 32
     # A prompt longer than the context (tokens) times this many characters cannot fit whatever it
@@ -63,8 +65,8 @@ class Limits:
     attachment_bytes: int = 256 * MiB
     # omni-serve's connections (api/connections.py, api/server.py): a client that has not sent a whole
     # request head this long after connecting (or after its last reply) is dropped, so idle sockets cannot
-    # pile up; a body may pause this long between two pieces, and take this long in all (64 MiB at the
-    # default cap is ~0.5 MB/s), else a 408.
+    # pile up; a body may pause this long between two pieces, and take this long in all (16 MiB at the
+    # default cap in 120 s is ~0.14 MB/s), else a 408.
     header_seconds: float = 10.0
     body_stall_seconds: float = 10.0
     body_seconds: float = 120.0

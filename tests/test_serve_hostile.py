@@ -301,7 +301,7 @@ def test_health_answers_at_once_while_a_request_is_decoded(served, monkeypatch):
     from omni_cli.api import server
 
     def slow(reader):
-        def read(data, name=None):
+        def read(data, name=None, limits=None):
             time.sleep(0.5)  # a 12000x12000 PNG takes 9-17 s; sleep frees the GIL as Pillow's decoder does
             return reader(data, name)
         return read
@@ -402,3 +402,21 @@ def test_a_signal_during_a_streamed_reply_ends_it_and_the_server_cleanly(sig):
     assert lines[-1] == "[DONE]", lines[-3:]  # before: cut without [DONE], or SIGABRT
     assert code == 128 + sig, (code, "".join(err))
     assert "terminate called" not in "".join(err)
+
+
+@pytest.mark.parametrize("size", [0, 5, (1 << 20) // 4 * 3, 3 * (1 << 20) + 7])
+def test_base64_decoded_in_slices_is_the_same_bytes_and_as_strict(size):
+    """The API's media are decoded slice by slice (the event loop gets the GIL between slices): the same
+    bytes as one call, and the same refusals (a character out of the alphabet, padding inside, a bad length)."""
+    import base64
+    import os
+
+    from omni_cli.api.protocol import B64_SLICE, b64_bytes
+
+    data = os.urandom(size)
+    text = base64.b64encode(data).decode()
+    assert b64_bytes(text) == data
+    for bad in (text[:B64_SLICE] + "!" + text[B64_SLICE + 1:] if len(text) > B64_SLICE else text + "!",
+                "QUJD" * (B64_SLICE // 4) + "QQ==" + "QUJD", "QUJ" * (1 + size % 5)):
+        with pytest.raises(ValueError):
+            b64_bytes(bad)
