@@ -215,9 +215,9 @@ def test_closed_stdin_is_no_stdin(tmp_path):
 
 @pytest.mark.e2e
 def test_prompt_longer_than_the_context(run_cli, tmp_path):
-    # Longer than the tokenizer's own model_max_length (32768) too, where transformers used to log
-    # "Token indices sequence length is longer than..." ahead of our error.
-    result = run_cli("-o", tmp_path / "x.wav", "--seed", "0", input="hello " * 34000, cwd=tmp_path)
+    # Under the characters' cap (16 a token of the 4072 left), so it is tokenized: 10,000 tokens.
+    # (A prompt over that cap is refused before tokenizing: tests/test_limits.py.)
+    result = run_cli("-o", tmp_path / "x.wav", "--seed", "0", input="hello " * 10000, cwd=tmp_path)
     assert result.returncode == 2, result.stderr
     lines = result.stderr.splitlines()
     assert len(lines) == 2, result.stderr

@@ -292,20 +292,27 @@ class AudioFileSink(SinkBase):
 
     def close(self) -> None:
         """Finish the file: rename it into place (an empty file if nothing was ever started), or for a
-        stream, end it."""
-        staged = self.close_staged()
-        if staged is not None:
-            try:
-                staged.commit()
-            except BaseException:
-                staged.discard()
-                self.closed, self.aborted = False, True  # no file came of it
-                raise
+        stream, end it. The rename is made under the sink's lock: an `abort()` from another thread (a
+        signal's handler) waits for it, so the file is then whole, or it was never renamed and is gone."""
+        with self._lock:
+            staged = self._finish_bytes()
+            if staged is not None:
+                try:
+                    staged.commit()
+                except BaseException:
+                    staged.discard()
+                    self.closed, self.aborted = False, True  # no file came of it
+                    raise
 
     def close_staged(self) -> "atomic.Replacement | None":
         """Finish the file's bytes but leave it under its temporary name: its Replacement, for the caller to
         rename (atomic.commit_all, with files that belong with it) or discard. None for a stream (ended
         here) or a sink already closed or aborted."""
+        with self._lock:
+            return self._finish_bytes()
+
+    def _finish_bytes(self) -> "atomic.Replacement | None":
+        """close_staged's work, for close() to do under the lock it already holds."""
         with self._lock:
             if self.closed or self.aborted:
                 return None
