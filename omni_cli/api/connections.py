@@ -15,6 +15,10 @@ uvicorn itself does not have, and the uvicorn `Server` that stops the replies be
   and logs each with a traceback (1.6 million lines in minutes, before).
 - h11's protocol errors (a malformed or oversized head) are answered with an OpenAI-shaped JSON 400,
   not uvicorn's plain text.
+- A response sent before the request's body was read (a 413 for a body over the cap) is followed by a
+  lingering close, as web servers do: our side of the connection is shut, what the client still sends is
+  read and dropped for up to `LINGER_SECONDS`, then it is closed. Closing at once, with the body still
+  arriving, makes the kernel reset the connection, and the client loses the answer it had been sent.
 
 It knows uvicorn, h11 and asyncio, and nothing of the API's routes, models or terminals (api/server.py
 is the app, faces/serve.py the face).
@@ -43,6 +47,7 @@ BACKLOG = 128  # connections the kernel holds before we accept them (uvicorn's d
 # many times asyncio retries a failed accept in one tick)
 LOG_EVERY = 10.0  # seconds between two reports of the same kind of connection trouble
 RESERVED_FILES = 64  # open files kept for everything but connections (the model's files, pipes, logs)
+LINGER_SECONDS = 2.0  # the most a connection is read and dropped after its answer (a lingering close)
 
 
 class Throttled:
@@ -87,6 +92,9 @@ class GuardedH11Protocol(H11Protocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        # The request cycles close the connection through this: a lingering close where the body is unread.
+        self.transport = _Lingering(transport, self)  # type: ignore[assignment]
+        self.lingering = False
         self.opened = time.monotonic()
         self.head_timer: asyncio.TimerHandle | None = None
         self._await_head()
@@ -97,9 +105,29 @@ class GuardedH11Protocol(H11Protocol):
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
+        if self.lingering:
+            return  # the rest of a body that was answered already: dropped
         super().data_received(data)
         if self.conn.their_state is not h11.IDLE:  # a whole head came: the request runs on its own time
             self._head_arrived()
+
+    def eof_received(self) -> None:
+        if self.lingering:  # the client has sent all it had: the close need wait no longer
+            self.transport.close()
+            return
+        super().eof_received()
+
+    def linger(self, transport: asyncio.Transport) -> None:
+        """Shut our side, drop what still comes, close after LINGER_SECONDS (or when the client is done)."""
+        self.lingering = True
+        self._head_arrived()
+        self.flow.resume_reading()  # reading may have been paused while the body filled uvicorn's buffer
+        try:
+            transport.write_eof()
+        except (OSError, RuntimeError):
+            transport.close()
+            return
+        self.loop.call_later(LINGER_SECONDS, transport.close)
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
@@ -147,6 +175,30 @@ class GuardedH11Protocol(H11Protocol):
         except h11.LocalProtocolError:  # a response had begun already: just close
             pass
         self.transport.close()
+
+
+class _Lingering:
+    """The connection's transport as the request cycles see it: `close()` lingers (see the module's
+    docstring) when the client is still sending a body; everything else is the transport's own."""
+
+    def __init__(self, transport: asyncio.Transport, protocol: GuardedH11Protocol) -> None:
+        self._transport = transport
+        self._protocol = protocol
+
+    def close(self) -> None:
+        protocol, transport = self._protocol, self._transport
+        if protocol.lingering or transport.is_closing():
+            transport.close()
+        elif protocol.conn.their_state is h11.SEND_BODY and transport.can_write_eof():
+            protocol.linger(transport)
+        else:
+            transport.close()
+
+    def is_closing(self) -> bool:
+        return self._protocol.lingering or self._transport.is_closing()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
 
 
 class Server(uvicorn.Server):
