@@ -595,6 +595,8 @@ BAD_BODIES = [
     ("modalities video", {"modalities": ["video"]}, "modalities", "modalities"),
     ("modalities empty", {"modalities": []}, "modalities", "modalities"),
     ("modalities audio alone", {"modalities": ["audio"]}, "modalities", "modalities"),
+    ("modalities of nulls", {"modalities": [None, None]}, "modalities", "modalities"),  # found by the fuzz: a 500
+    ("modalities mixed", {"modalities": ["text", 1]}, "modalities", "modalities"),
     ("stream with audio.format wav", {"stream": True, "modalities": ["text", "audio"], "audio": {"format": "wav"}},
      "audio.format", "audio.format"),
     ("unknown audio.format", {"modalities": ["text", "audio"], "audio": {"format": "aac"}}, "audio.format",

@@ -121,7 +121,8 @@ def parse_chat_request(body: object) -> ChatRequest:
     # A field given as null means its default, as in OpenAI's API.
     modalities = body.get("modalities")
     modalities = ["text"] if modalities is None else modalities
-    if not isinstance(modalities, list) or sorted(modalities) not in (["text"], ["audio", "text"]):
+    if (not isinstance(modalities, list) or not all(isinstance(m, str) for m in modalities)
+            or sorted(modalities) not in (["text"], ["audio", "text"])):
         raise RequestError('modalities must be ["text"] or ["text", "audio"]', param="modalities")
     stream = bool(_typed(body, "stream", bool, False))
     audio = "audio" in modalities
