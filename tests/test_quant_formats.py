@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import math
+import os
 from pathlib import Path
 
 import numpy as np
@@ -201,7 +202,13 @@ def test_compressed_tensors_pack_quantized_unpacks_to_its_formula(symmetric, gro
 
 @pytest.fixture(scope="module")
 def ct():
-    return pytest.importorskip("compressed_tensors")
+    try:
+        import compressed_tensors
+    except ImportError:
+        if os.environ.get("OMNI_CI", "") not in ("", "0"):
+            pytest.fail("compressed-tensors is missing: the test extra installs it for these tests")
+        pytest.skip("compressed-tensors is not installed")
+    return compressed_tensors
 
 
 @pytest.mark.parametrize("symmetric,strategy", [(True, "group"), (False, "group"), (True, "channel"), (False, "channel")])
