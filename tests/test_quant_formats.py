@@ -77,6 +77,8 @@ def test_int4_round_trip_is_within_half_a_step(group_size, symmetric, scale_dtyp
     assert packed.spec.kind == "int4" and packed.spec.symmetric is symmetric and packed.spec.group_size == group_size
     assert packed.qweight.shape == (48, 16) and packed.scales.shape == (48, 128 // (group_size or 128))
     assert packed.scales.dtype == scale_dtype and (packed.zeros is None) is symmetric
+    groups = 128 // (group_size or 128)
+    assert packed.nbytes == 48 * 128 // 2 + 48 * groups * (packed.scales.element_size() + (0 if symmetric else 1))
     err = (packed.dequantize() - w).abs()
     step = group_steps(w, packed)
     # half a step; a scale rounded to its dtype may have shrunk by up to half that dtype's eps (bfloat16:
