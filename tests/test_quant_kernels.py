@@ -4,7 +4,8 @@ bit order, zero point, group or block index in the kernels shows as a large erro
 
 Two bounds: against the reference that rounds the dequantized weight to the activations' dtype (what the
 kernels promise: a layer holding that weight), at most 1 unit in the last place of float16; against the
-exact float32 product of the dequantized weight, a relative error under 1e-2 (float16 inputs). float16,
+exact float32 product of the dequantized weight, a relative error (Frobenius) under 2e-3 with float16
+inputs (measured about 3e-4: the float16 roundings of the weight and of the output). float16,
 not bfloat16: the interpreter rounds casts to bfloat16 toward zero (see tests/test_kernels.py).
 
 Triton is not a dependency of the CPU package; CI (.ci/run) installs it, and there a missing triton
@@ -104,7 +105,7 @@ def test_the_reference_reads_value_i_at_bits_4i():
 
 
 @pytest.mark.parametrize("rows", [1, 2])
-@pytest.mark.parametrize("N,K,g", [(64, 256, 32), (96, 320, 64), (200, 384, 128)])  # K past a 256 block
+@pytest.mark.parametrize("N,K,g", [(64, 256, 32), (96, 320, 64), (136, 384, 128)])  # K past a 256 block
 def test_int4_symmetric_is_dequantize_then_multiply(qk, rows, N, K, g):
     torch.manual_seed(N + K + rows)
     qweight, scales, _ = random_int4(N, K, g, zeros=False)
@@ -113,7 +114,7 @@ def test_int4_symmetric_is_dequantize_then_multiply(qk, rows, N, K, g):
     y = qk.int4_gemv(x, qweight, scales, group_size=g)
     assert y.shape == (rows, N) and y.dtype == DT
     assert ulps(y, layer(x, w)) <= 1
-    assert rel(y, x.float() @ w.T) < 1e-2
+    assert rel(y, x.float() @ w.T) < 2e-3
     # A zero point of 7 instead of 8 is far off: the kernel really subtracts 8.
     assert rel(y, x.float() @ dequantize_int4(qweight, scales, torch.full_like(scales, 7), g).T) > 0.1
     assert torch.equal(qk.int4_gemv(x[0], qweight, scales, group_size=g), y[0])  # a single row [K]
@@ -128,7 +129,7 @@ def test_int4_with_zero_points(qk, zdtype, sdtype):
     w = dequantize_int4(qweight, scales, zeros, g)
     y = qk.int4_gemv(x, qweight, scales, zeros, group_size=g)
     assert ulps(y, layer(x, w)) <= 1
-    assert rel(y, x.float() @ w.T) < 1e-2
+    assert rel(y, x.float() @ w.T) < 2e-3
     assert rel(y, x.float() @ dequantize_int4(qweight, scales, None, g).T) > 0.1  # the zeros are used
 
 
@@ -144,7 +145,7 @@ def test_int4_in_float32(qk):
 
 
 @pytest.mark.parametrize("rows", [1, 2])
-@pytest.mark.parametrize("N,K,block", [(200, 320, (128, 128)), (96, 160, (64, 32)), (64, 192, None)])
+@pytest.mark.parametrize("N,K,block", [(136, 320, (128, 128)), (96, 160, (64, 32)), (64, 192, None)])
 def test_fp8_is_dequantize_then_multiply(qk, rows, N, K, block):
     torch.manual_seed(N + rows)
     weight = (torch.randn(N, K) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
@@ -157,7 +158,7 @@ def test_fp8_is_dequantize_then_multiply(qk, rows, N, K, block):
     y = qk.fp8_gemv(x, weight, scale, block=block)
     assert y.shape == (rows, N) and y.dtype == DT
     assert ulps(y, layer(x, w)) <= 1
-    assert rel(y, x.float() @ w.T) < 1e-2
+    assert rel(y, x.float() @ w.T) < 2e-3
     if block is None:
         assert torch.equal(qk.fp8_gemv(x, weight, scale[:, None], block=None), y)  # [N, 1] reads as [N]
     else:  # one mean multiplier in place of the blocks' own is far off: each block reads its scale
