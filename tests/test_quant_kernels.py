@@ -120,7 +120,8 @@ def test_int4_symmetric_is_dequantize_then_multiply(qk, rows, N, K, g):
     assert torch.equal(qk.int4_gemv(x[0], qweight, scales, group_size=g), y[0])  # a single row [K]
 
 
-@pytest.mark.parametrize("zdtype,sdtype", [(torch.uint8, DT), (torch.int32, torch.float32), (torch.uint8, torch.bfloat16)])
+@pytest.mark.parametrize("zdtype,sdtype",
+                         [(torch.uint8, DT), (torch.int32, torch.float32), (torch.uint8, torch.bfloat16)])
 def test_int4_with_zero_points(qk, zdtype, sdtype):
     torch.manual_seed(3)
     N, K, g = 72, 320, 32
@@ -185,7 +186,8 @@ def test_int4_picked_gemv_reads_the_picked_experts(qk, per_pick):
     summed = qk.int4_picked_gemv(x, qweight, scales, idx, zeros, group_size=g, weights=weight)
     assert summed.shape == (N,)
     assert ulps(summed, total.to(DT)) <= 1
-    assert ulps(summed, (torch.stack(per[::-1]).float() * weight[:, None].float()).sum(0).to(DT)) > 8  # each weight scales its own pick
+    mispaired = (torch.stack(per[::-1]).float() * weight[:, None].float()).sum(0).to(DT)
+    assert ulps(summed, mispaired) > 8  # each weight scales its own pick
 
 
 def test_shapes_that_do_not_fit_are_refused(qk):

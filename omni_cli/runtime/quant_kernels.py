@@ -125,7 +125,7 @@ def _blocks(N: int, K: int) -> dict:
     """Rows per program and the reduction's block. Untuned (no GPU this far): the bf16 kernels' 4 rows for
     small outputs, 8 otherwise; a reduction block of 256 columns (32 packed words a row) or K if smaller."""
     block_k = min(256, max(16, triton.next_power_of_2(K)))
-    return dict(BLOCK_N=4 if N <= 2048 else 8, BLOCK_K=block_k, num_warps=4)
+    return {"BLOCK_N": 4 if N <= 2048 else 8, "BLOCK_K": block_k, "num_warps": 4}
 
 
 def _check_int4(K: int, group_size: int, qshape: tuple[int, ...], sshape: tuple[int, ...],
@@ -163,8 +163,9 @@ def int4_picked_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
                      weights: torch.Tensor | None = None) -> torch.Tensor:
     """Expert idx[p]'s int4 weight (qweight [E, N, K/8], scales and zeros [E, N, K/g]) times input p for
     each pick p of idx [k] (read on the device): x is one row [K] for every pick, or one row per pick
-    [k, K]. Returns [k, N]; with `weights` [k], the picks scaled and summed, [N]."""
-    E, N, _ = qweight.shape
+    [k, K]. Returns [k, N]; with `weights` [k], the picks scaled and summed, [N]. The picks are not
+    checked against E (that would be a host sync): an index out of range reads out of bounds."""
+    N = qweight.shape[1]
     K = x.shape[-1]
     _check_int4(K, group_size, tuple(qweight.shape), tuple(scales.shape),
                 tuple(zeros.shape) if zeros is not None else None)
@@ -203,7 +204,8 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
         bn, bk = block
         want = [triton.cdiv(N, bn), triton.cdiv(K, bk)]
         if list(scale.shape) != want:
-            raise ValueError(f"fp8: block scales {list(scale.shape)} should be {want} for {[N, K]} in blocks {[bn, bk]}")
+            raise ValueError(f"fp8: block scales {list(scale.shape)} should be {want} for {[N, K]} "
+                             f"in blocks {[bn, bk]}")
     else:
         bn, bk = 1, 1
         if scale.numel() != N or scale.shape[0] != N:
