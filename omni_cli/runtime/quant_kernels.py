@@ -1,10 +1,11 @@
 """Triton kernels for the one-token decode over quantized weights: matrix-vector products that read the
 packed weight once and dequantize it in registers, block by block, never as a whole matrix.
 
-- `int4_gemv(x, qweight, scales, zeros=, group_size=)`: rows x [..., K] times a 4-bit weight [N, K].
+- `int4_gemv(x, qweight, scales, zeros=, group_size=, gate=)`: rows x [..., K] times a 4-bit weight [N, K];
+  with `gate`, each row is [gate | up] and the input SiLU(gate) * up (the down projection's).
 - `fp8_gemv(x, weight, scale, block=)`: rows x [..., K] times an e4m3 weight [N, K] with block or
   per-channel scales.
-- `int4_picked_gemv(x, qweight, scales, idx, zeros=, group_size=, weights=)`: the int4 product over the
+- `int4_picked_gemv(x, qweight, scales, idx, zeros=, group_size=, weights=, gate=)`: the int4 product over the
   experts `idx` picks from a bank [E, N, K] (idx on the device: no host sync), as `kernels.picked_gemv`.
 
 The layouts they read (the in-memory form; turning a checkpoint's layout into it is not done here):
@@ -34,9 +35,23 @@ import triton.language as tl
 
 
 @triton.jit
-def _int4_rows(x_ptr, q_ptr, s_ptr, z_ptr, rows, N, K, G, ZEROS: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_K: tl.constexpr):
-    """float32 [BLOCK_N]: rows `rows` of the int4 weight (q_ptr [N, K/8], s_ptr/z_ptr [N, K/G]) times x [K]."""
+def _input(x_ptr, cols, K, GATE: tl.constexpr):
+    """A block of the product's input in float32; with GATE, SiLU(gate) * up over a [gate | up] row (2K
+    long), each op rounded to the activations' dtype as the eager ops round."""
+    mask = cols < K
+    if GATE:
+        g = tl.load(x_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(x_ptr + K + cols, mask=mask, other=0.0).to(tl.float32)
+        act = (g * tl.sigmoid(g)).to(x_ptr.dtype.element_ty).to(tl.float32)
+        return (act * u).to(x_ptr.dtype.element_ty).to(tl.float32)
+    return tl.load(x_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _int4_rows(x_ptr, q_ptr, s_ptr, z_ptr, rows, N, K, G, ZEROS: tl.constexpr, GATE: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """float32 [BLOCK_N]: rows `rows` of the int4 weight (q_ptr [N, K/8], s_ptr/z_ptr [N, K/G]) times the
+    input [K] (with GATE, made from a [gate | up] row)."""
     BLOCK_W: tl.constexpr = BLOCK_K // 8
     KW = K // 8
     KG = K // G
@@ -57,24 +72,23 @@ def _int4_rows(x_ptr, q_ptr, s_ptr, z_ptr, rows, N, K, G, ZEROS: tl.constexpr, B
         else:
             z = 8.0
         w = ((q - z) * s).to(x_ptr.dtype.element_ty).to(tl.float32)
-        x = tl.load(x_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
-        acc += w * x[None, :]
+        acc += w * _input(x_ptr, cols, K, GATE)[None, :]
     return tl.sum(acc, axis=1)
 
 
 @triton.jit
 def _int4_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, out_ptr, N, K, G, x_row, ZEROS: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                      GATE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m = tl.program_id(1)
-    y = _int4_rows(x_ptr + m * x_row, q_ptr, s_ptr, z_ptr, rows, N, K, G, ZEROS, BLOCK_N, BLOCK_K)
+    y = _int4_rows(x_ptr + m * x_row, q_ptr, s_ptr, z_ptr, rows, N, K, G, ZEROS, GATE, BLOCK_N, BLOCK_K)
     tl.store(out_ptr + m * N + rows, y.to(out_ptr.dtype.element_ty), mask=rows < N)
 
 
 @triton.jit
 def _int4_picked_kernel(x_ptr, q_ptr, s_ptr, z_ptr, idx_ptr, rw_ptr, out_ptr, N, K, G, x_stride,
-                        TOPK: tl.constexpr, ZEROS: tl.constexpr, SUM: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr):
+                        TOPK: tl.constexpr, ZEROS: tl.constexpr, GATE: tl.constexpr, SUM: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     q_expert = N * (K // 8)
     s_expert = N * (K // G)
@@ -83,7 +97,7 @@ def _int4_picked_kernel(x_ptr, q_ptr, s_ptr, z_ptr, idx_ptr, rw_ptr, out_ptr, N,
         for p in tl.static_range(TOPK):
             e = tl.load(idx_ptr + p).to(tl.int64)
             y = _int4_rows(x_ptr + p * x_stride, q_ptr + e * q_expert, s_ptr + e * s_expert, z_ptr + e * s_expert,
-                           rows, N, K, G, ZEROS, BLOCK_N, BLOCK_K).to(out_ptr.dtype.element_ty).to(tl.float32)
+                           rows, N, K, G, ZEROS, GATE, BLOCK_N, BLOCK_K).to(out_ptr.dtype.element_ty).to(tl.float32)
             rw = tl.load(rw_ptr + p).to(tl.float32)
             total += (y * rw).to(out_ptr.dtype.element_ty).to(tl.float32)
         tl.store(out_ptr + rows, total.to(out_ptr.dtype.element_ty), mask=rows < N)
@@ -91,7 +105,7 @@ def _int4_picked_kernel(x_ptr, q_ptr, s_ptr, z_ptr, idx_ptr, rw_ptr, out_ptr, N,
         p = tl.program_id(1)
         e = tl.load(idx_ptr + p).to(tl.int64)
         y = _int4_rows(x_ptr + p * x_stride, q_ptr + e * q_expert, s_ptr + e * s_expert, z_ptr + e * s_expert,
-                       rows, N, K, G, ZEROS, BLOCK_N, BLOCK_K)
+                       rows, N, K, G, ZEROS, GATE, BLOCK_N, BLOCK_K)
         tl.store(out_ptr + p * N + rows, y.to(out_ptr.dtype.element_ty), mask=rows < N)
 
 
@@ -140,33 +154,43 @@ def _check_int4(K: int, group_size: int, qshape: tuple[int, ...], sshape: tuple[
         raise ValueError(f"int4: zeros {list(zshape)} must have the scales' shape {list(sshape)}")
 
 
+def _width(x: torch.Tensor, K: int, gate: bool) -> None:
+    if x.shape[-1] != (2 * K if gate else K):
+        want = f"2K={2 * K} ([gate | up])" if gate else f"K={K}"
+        raise ValueError(f"int4: x {list(x.shape)} does not end in the weight's {want}")
+
+
 def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None = None,
-              *, group_size: int = 128) -> torch.Tensor:
-    """Rows x [..., K] times the int4 weight qweight [N, K/8] (int32) with scales [N, K/g] and, if given,
-    zero points zeros [N, K/g] (else 8: symmetric): [..., N] in x's dtype."""
+              *, group_size: int = 128, gate: bool = False) -> torch.Tensor:
+    """Rows x [..., K] (with `gate`, [..., 2K]: each row [gate | up], the input SiLU(gate) * up) times the
+    int4 weight qweight [N, K/8] (int32) with scales [N, K/g] and, if given, zero points zeros [N, K/g]
+    (else 8: symmetric): [..., N] in x's dtype."""
     N = qweight.shape[0]
-    K = x.shape[-1]
+    K = qweight.shape[-1] * 8
+    _width(x, K, gate)
     _check_int4(K, group_size, tuple(qweight.shape), tuple(scales.shape),
                 tuple(zeros.shape) if zeros is not None else None)
     x = x.contiguous()
     qweight, scales = qweight.contiguous(), scales.contiguous()
     out = torch.empty(*x.shape[:-1], N, device=x.device, dtype=x.dtype)
     blocks = _blocks(N, K)
-    _int4_gemv_kernel[(triton.cdiv(N, blocks["BLOCK_N"]), x.numel() // K)](
-        x, qweight, scales, zeros.contiguous() if zeros is not None else scales, out, N, K, group_size, K,
-        ZEROS=zeros is not None, **blocks)
+    _int4_gemv_kernel[(triton.cdiv(N, blocks["BLOCK_N"]), x.numel() // x.shape[-1])](
+        x, qweight, scales, zeros.contiguous() if zeros is not None else scales, out, N, K, group_size,
+        x.shape[-1], ZEROS=zeros is not None, GATE=gate, **blocks)
     return out
 
 
 def int4_picked_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, idx: torch.Tensor,
                      zeros: torch.Tensor | None = None, *, group_size: int = 128,
-                     weights: torch.Tensor | None = None) -> torch.Tensor:
+                     weights: torch.Tensor | None = None, gate: bool = False) -> torch.Tensor:
     """Expert idx[p]'s int4 weight (qweight [E, N, K/8], scales and zeros [E, N, K/g]) times input p for
     each pick p of idx [k] (read on the device): x is one row [K] for every pick, or one row per pick
-    [k, K]. Returns [k, N]; with `weights` [k], the picks scaled and summed, [N]. The picks are not
-    checked against E (that would be a host sync): an index out of range reads out of bounds."""
+    [k, K] (with `gate`, [k, 2K]: SiLU(gate) * up, the gate/up product's output). Returns [k, N]; with
+    `weights` [k], the picks scaled and summed, [N]. The picks are not checked against E (that would be a
+    host sync): an index out of range reads out of bounds."""
     N = qweight.shape[1]
-    K = x.shape[-1]
+    K = qweight.shape[-1] * 8
+    _width(x, K, gate)
     _check_int4(K, group_size, tuple(qweight.shape), tuple(scales.shape),
                 tuple(zeros.shape) if zeros is not None else None)
     top_k = idx.numel()
@@ -186,7 +210,7 @@ def int4_picked_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
     _int4_picked_kernel[grid](
         x, qweight, scales, zeros.contiguous() if zeros is not None else scales, idx,
         weights.contiguous() if weights is not None else x, out, N, K, group_size, x_stride, TOPK=top_k,
-        ZEROS=zeros is not None, SUM=weights is not None, **blocks)
+        ZEROS=zeros is not None, GATE=gate, SUM=weights is not None, **blocks)
     return out
 
 
