@@ -1,0 +1,244 @@
+"""Triton kernels for the one-token decode over quantized weights: matrix-vector products that read the
+packed weight once and dequantize it in registers, block by block, never as a whole matrix.
+
+- `int4_gemv(x, qweight, scales, zeros=, group_size=, gate=)`: rows x [..., K] times a 4-bit weight [N, K];
+  with `gate`, each row is [gate | up] and the input SiLU(gate) * up (the down projection's).
+- `fp8_gemv(x, weight, scale, block=)`: rows x [..., K] times an e4m3 weight [N, K] with block or
+  per-channel scales.
+- `int4_picked_gemv(x, qweight, scales, idx, zeros=, group_size=, weights=, gate=)`: the int4 product over the
+  experts `idx` picks from a bank [E, N, K] (idx on the device: no host sync), as `kernels.picked_gemv`.
+
+The layouts they read (the in-memory form; turning a checkpoint's layout into it is not done here):
+- int4: `qweight` int32 [N, K/8], eight values along K a word, value i of a word at bits 4i..4i+3,
+  unsigned 0..15. The weight is (q - z) * s with z = 8 (symmetric) or the group's zero point from `zeros`
+  [N, K/g] (any integer dtype), and s from `scales` [N, K/g] (bfloat16, float16 or float32). K must be a
+  multiple of 8 and of the group size g; g a multiple of 8.
+- FP8: `weight` float8_e4m3fn [N, K], weight = w * s: block scales [ceil(N/bn), ceil(K/bk)] (the multiplier,
+  as the block-FP8 checkpoints' `weight_scale_inv` holds it; edge blocks are partial), or per-channel
+  scales [N] / [N, 1].
+
+Rounding follows `kernels.py`: the dequantized weight is computed in float32 ((q - z) * s, or w * s) and
+rounded to the activations' dtype, which is what an eager layer holding the dequantized weight in that
+dtype would use; the product accumulates in float32 and is rounded once to x's dtype. The summation order
+differs from cuBLAS's, so a result can differ from `F.linear` in the last bit.
+
+What it does not know: models, checkpoint formats and their packing orders (GPTQ's, AWQ's), act-order
+(`g_idx`) permutations, asymmetric FP8 or per-tensor FP8 scales. The block shapes are a guess, not tuned:
+nothing here has been timed on a GPU yet. Importing it needs triton.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _input(x_ptr, cols, K, GATE: tl.constexpr):
+    """A block of the product's input in float32; with GATE, SiLU(gate) * up over a [gate | up] row (2K
+    long), each op rounded to the activations' dtype as the eager ops round."""
+    mask = cols < K
+    if GATE:
+        g = tl.load(x_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(x_ptr + K + cols, mask=mask, other=0.0).to(tl.float32)
+        act = (g * tl.sigmoid(g)).to(x_ptr.dtype.element_ty).to(tl.float32)
+        return (act * u).to(x_ptr.dtype.element_ty).to(tl.float32)
+    return tl.load(x_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _int4_rows(x_ptr, q_ptr, s_ptr, z_ptr, rows, N, K, G, ZEROS: tl.constexpr, GATE: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """float32 [BLOCK_N]: rows `rows` of the int4 weight (q_ptr [N, K/8], s_ptr/z_ptr [N, K/G]) times the
+    input [K] (with GATE, made from a [gate | up] row)."""
+    BLOCK_W: tl.constexpr = BLOCK_K // 8
+    KW = K // 8
+    KG = K // G
+    shifts = tl.arange(0, 8) * 4
+    row_ok = rows[:, None] < N
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        words = k0 // 8 + tl.arange(0, BLOCK_W)
+        packed = tl.load(q_ptr + rows[:, None] * KW + words[None, :], mask=row_ok & (words[None, :] < KW), other=0)
+        # [BLOCK_N, BLOCK_W, 8] -> [BLOCK_N, BLOCK_K]: column 8w + i is nibble i of word w
+        q = tl.reshape((packed[:, :, None] >> shifts[None, None, :]) & 0xF, [BLOCK_N, BLOCK_K]).to(tl.float32)
+        cols = k0 + tl.arange(0, BLOCK_K)
+        mask = row_ok & (cols[None, :] < K)
+        at = rows[:, None] * KG + cols[None, :] // G
+        s = tl.load(s_ptr + at, mask=mask, other=0.0).to(tl.float32)
+        if ZEROS:
+            z = tl.load(z_ptr + at, mask=mask, other=0).to(tl.float32)
+        else:
+            z = 8.0
+        w = ((q - z) * s).to(x_ptr.dtype.element_ty).to(tl.float32)
+        acc += w * _input(x_ptr, cols, K, GATE)[None, :]
+    return tl.sum(acc, axis=1)
+
+
+@triton.jit
+def _int4_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, out_ptr, N, K, G, x_row, ZEROS: tl.constexpr,
+                      GATE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m = tl.program_id(1)
+    y = _int4_rows(x_ptr + m * x_row, q_ptr, s_ptr, z_ptr, rows, N, K, G, ZEROS, GATE, BLOCK_N, BLOCK_K)
+    tl.store(out_ptr + m * N + rows, y.to(out_ptr.dtype.element_ty), mask=rows < N)
+
+
+@triton.jit
+def _int4_picked_kernel(x_ptr, q_ptr, s_ptr, z_ptr, idx_ptr, rw_ptr, out_ptr, N, K, G, x_stride,
+                        TOPK: tl.constexpr, ZEROS: tl.constexpr, GATE: tl.constexpr, SUM: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    q_expert = N * (K // 8)
+    s_expert = N * (K // G)
+    if SUM:  # each pick rounded to the output's dtype, scaled, rounded again, summed in top-k order
+        total = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for p in tl.static_range(TOPK):
+            e = tl.load(idx_ptr + p).to(tl.int64)
+            y = _int4_rows(x_ptr + p * x_stride, q_ptr + e * q_expert, s_ptr + e * s_expert, z_ptr + e * s_expert,
+                           rows, N, K, G, ZEROS, GATE, BLOCK_N, BLOCK_K).to(out_ptr.dtype.element_ty).to(tl.float32)
+            rw = tl.load(rw_ptr + p).to(tl.float32)
+            total += (y * rw).to(out_ptr.dtype.element_ty).to(tl.float32)
+        tl.store(out_ptr + rows, total.to(out_ptr.dtype.element_ty), mask=rows < N)
+    else:  # one pick per program row of the grid: out [TOPK, N]
+        p = tl.program_id(1)
+        e = tl.load(idx_ptr + p).to(tl.int64)
+        y = _int4_rows(x_ptr + p * x_stride, q_ptr + e * q_expert, s_ptr + e * s_expert, z_ptr + e * s_expert,
+                       rows, N, K, G, ZEROS, GATE, BLOCK_N, BLOCK_K)
+        tl.store(out_ptr + p * N + rows, y.to(out_ptr.dtype.element_ty), mask=rows < N)
+
+
+@triton.jit
+def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, N, K, x_row, BN, BK, s_row, BLOCKED: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m = tl.program_id(1)
+    x_ptr += m * x_row
+    row_ok = rows[:, None] < N
+    if not BLOCKED:  # per-channel: one multiplier a row, applied to each weight as the dequantized layer has it
+        s_rows = tl.load(s_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        mask = row_ok & (cols[None, :] < K)
+        w = tl.load(w_ptr + rows[:, None] * K + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        if BLOCKED:
+            s = tl.load(s_ptr + (rows[:, None] // BN) * s_row + cols[None, :] // BK, mask=mask, other=0.0)
+            w = w * s.to(tl.float32)
+        else:
+            w = w * s_rows[:, None]
+        w = w.to(x_ptr.dtype.element_ty).to(tl.float32)
+        x = tl.load(x_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
+        acc += w * x[None, :]
+    y = tl.sum(acc, axis=1)
+    tl.store(out_ptr + m * N + rows, y.to(out_ptr.dtype.element_ty), mask=rows < N)
+
+
+def _blocks(N: int, K: int) -> dict:
+    """Rows per program and the reduction's block. Untuned (no GPU this far): the bf16 kernels' 4 rows for
+    small outputs, 8 otherwise; a reduction block of 256 columns (32 packed words a row) or K if smaller."""
+    block_k = min(256, max(16, triton.next_power_of_2(K)))
+    return {"BLOCK_N": 4 if N <= 2048 else 8, "BLOCK_K": block_k, "num_warps": 4}
+
+
+def _check_int4(K: int, group_size: int, qshape: tuple[int, ...], sshape: tuple[int, ...],
+                zshape: tuple[int, ...] | None) -> None:
+    if K % 8 or group_size % 8 or K % group_size:
+        raise ValueError(f"int4: K={K} must be a multiple of 8 and of group_size={group_size} (itself a multiple of 8)")
+    n_groups = K // group_size
+    if qshape[-1] != K // 8 or sshape[-1] != n_groups or sshape[:-1] != qshape[:-1]:
+        raise ValueError(f"int4: qweight {list(qshape)} and scales {list(sshape)} do not fit K={K}, "
+                         f"group_size={group_size}")
+    if zshape is not None and zshape != sshape:
+        raise ValueError(f"int4: zeros {list(zshape)} must have the scales' shape {list(sshape)}")
+
+
+def _width(x: torch.Tensor, K: int, gate: bool) -> None:
+    if x.shape[-1] != (2 * K if gate else K):
+        want = f"2K={2 * K} ([gate | up])" if gate else f"K={K}"
+        raise ValueError(f"int4: x {list(x.shape)} does not end in the weight's {want}")
+
+
+def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None = None,
+              *, group_size: int = 128, gate: bool = False) -> torch.Tensor:
+    """Rows x [..., K] (with `gate`, [..., 2K]: each row [gate | up], the input SiLU(gate) * up) times the
+    int4 weight qweight [N, K/8] (int32) with scales [N, K/g] and, if given, zero points zeros [N, K/g]
+    (else 8: symmetric): [..., N] in x's dtype."""
+    N = qweight.shape[0]
+    K = qweight.shape[-1] * 8
+    _width(x, K, gate)
+    _check_int4(K, group_size, tuple(qweight.shape), tuple(scales.shape),
+                tuple(zeros.shape) if zeros is not None else None)
+    x = x.contiguous()
+    qweight, scales = qweight.contiguous(), scales.contiguous()
+    out = torch.empty(*x.shape[:-1], N, device=x.device, dtype=x.dtype)
+    blocks = _blocks(N, K)
+    _int4_gemv_kernel[(triton.cdiv(N, blocks["BLOCK_N"]), x.numel() // x.shape[-1])](
+        x, qweight, scales, zeros.contiguous() if zeros is not None else scales, out, N, K, group_size,
+        x.shape[-1], ZEROS=zeros is not None, GATE=gate, **blocks)
+    return out
+
+
+def int4_picked_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, idx: torch.Tensor,
+                     zeros: torch.Tensor | None = None, *, group_size: int = 128,
+                     weights: torch.Tensor | None = None, gate: bool = False) -> torch.Tensor:
+    """Expert idx[p]'s int4 weight (qweight [E, N, K/8], scales and zeros [E, N, K/g]) times input p for
+    each pick p of idx [k] (read on the device): x is one row [K] for every pick, or one row per pick
+    [k, K] (with `gate`, [k, 2K]: SiLU(gate) * up, the gate/up product's output). Returns [k, N]; with
+    `weights` [k], the picks scaled and summed, [N]. The picks are not checked against E (that would be a
+    host sync): an index out of range reads out of bounds."""
+    N = qweight.shape[1]
+    K = qweight.shape[-1] * 8
+    _width(x, K, gate)
+    _check_int4(K, group_size, tuple(qweight.shape), tuple(scales.shape),
+                tuple(zeros.shape) if zeros is not None else None)
+    top_k = idx.numel()
+    x = x.contiguous()
+    if x.dim() > 1 and x.shape[0] not in (1, top_k):
+        raise ValueError(f"int4_picked_gemv: x {list(x.shape)} has neither one row nor one per pick ({top_k})")
+    x_stride = 0 if x.dim() == 1 or x.shape[0] == 1 else x.stride(0)
+    qweight, scales, idx = qweight.contiguous(), scales.contiguous(), idx.contiguous()
+    blocks = _blocks(N, K)
+    grid: tuple[int, ...]
+    if weights is None:
+        out = torch.empty(top_k, N, device=x.device, dtype=x.dtype)
+        grid = (triton.cdiv(N, blocks["BLOCK_N"]), top_k)
+    else:
+        out = torch.empty(N, device=x.device, dtype=x.dtype)
+        grid = (triton.cdiv(N, blocks["BLOCK_N"]),)
+    _int4_picked_kernel[grid](
+        x, qweight, scales, zeros.contiguous() if zeros is not None else scales, idx,
+        weights.contiguous() if weights is not None else x, out, N, K, group_size, x_stride, TOPK=top_k,
+        ZEROS=zeros is not None, GATE=gate, SUM=weights is not None, **blocks)
+    return out
+
+
+def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+             *, block: tuple[int, int] | None = (128, 128)) -> torch.Tensor:
+    """Rows x [..., K] times the float8_e4m3fn weight [N, K] dequantized as weight * scale: with `block`
+    (bn, bk), scale [ceil(N/bn), ceil(K/bk)], one multiplier a block; with block=None, per-channel scale
+    [N] or [N, 1]. Returns [..., N] in x's dtype."""
+    N, K = weight.shape
+    if x.shape[-1] != K:
+        raise ValueError(f"fp8: x {list(x.shape)} does not fit the weight {[N, K]}")
+    if weight.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"fp8: the weight is {weight.dtype}, not torch.float8_e4m3fn")
+    if block is not None:
+        bn, bk = block
+        want = [triton.cdiv(N, bn), triton.cdiv(K, bk)]
+        if list(scale.shape) != want:
+            raise ValueError(f"fp8: block scales {list(scale.shape)} should be {want} for {[N, K]} "
+                             f"in blocks {[bn, bk]}")
+    else:
+        bn, bk = 1, 1
+        if scale.numel() != N or scale.shape[0] != N:
+            raise ValueError(f"fp8: per-channel scales {list(scale.shape)} should be [{N}] or [{N}, 1]")
+    x = x.contiguous()
+    weight, scale = weight.contiguous(), scale.contiguous()
+    out = torch.empty(*x.shape[:-1], N, device=x.device, dtype=x.dtype)
+    blocks = _blocks(N, K)
+    _fp8_gemv_kernel[(triton.cdiv(N, blocks["BLOCK_N"]), x.numel() // K)](
+        x, weight, scale, out, N, K, K, bn, bk, scale.shape[-1] if block is not None else 1,
+        BLOCKED=block is not None, **blocks)
+    return out

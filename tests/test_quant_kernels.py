@@ -1,0 +1,229 @@
+"""runtime/quant_kernels.py on a CPU, through Triton's interpreter: each kernel against dequantize-then-
+multiply, with the dequantization written here independently (plain torch, explicit shifts), so a wrong
+bit order, zero point, group or block index in the kernels shows as a large error.
+
+Two bounds: against the reference that rounds the dequantized weight to the activations' dtype (what the
+kernels promise: a layer holding that weight), at most 1 unit in the last place of float16; against the
+exact float32 product of the dequantized weight, a relative error (Frobenius) under 2e-3 with float16
+inputs (measured about 3e-4: the float16 roundings of the weight and of the output). float16,
+not bfloat16: the interpreter rounds casts to bfloat16 toward zero (see tests/test_kernels.py).
+
+Triton is not a dependency of the CPU package; CI (.ci/run) installs it, and there a missing triton
+fails these tests instead of skipping them."""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+DT = torch.float16
+
+
+@pytest.fixture(scope="module")
+def qk():
+    if os.environ.get("TRITON_INTERPRET") != "1":  # set by conftest.py where there is no GPU
+        pytest.skip("a machine with a GPU: the kernels' GPU tests run there")
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        if os.environ.get("OMNI_CI", "") not in ("", "0"):
+            pytest.fail("triton is missing: .ci/run installs it for these tests")
+        pytest.skip("triton is not installed")
+    return importlib.import_module("omni_cli.runtime.quant_kernels")
+
+
+# --- the reference, independent of the module --------------------------------------------------------
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """q [..., K] of 0..15 -> int32 [..., K/8]: value i of each group of eight at bits 4i..4i+3."""
+    q = q.to(torch.int64)
+    word = torch.zeros(*q.shape[:-1], q.shape[-1] // 8, dtype=torch.int64)
+    for i in range(8):
+        word |= q[..., i::8] << (4 * i)
+    word = torch.where(word >= 2**31, word - 2**32, word)  # the same 32 bits as a signed int32
+    return word.to(torch.int32)
+
+
+def dequantize_int4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+                    group_size: int) -> torch.Tensor:
+    """float32 [..., K]: (q - zero) * scale, q unpacked nibble by nibble with explicit shifts."""
+    words = qweight.to(torch.int64) & 0xFFFFFFFF
+    nibbles = [(words >> (4 * i)) & 0xF for i in range(8)]
+    q = torch.stack(nibbles, dim=-1).flatten(-2).double()  # column 8w + i = nibble i of word w
+    zero = zeros.double() if zeros is not None else torch.full_like(scales, 8, dtype=torch.float64)
+    zero = zero.repeat_interleave(group_size, dim=-1)
+    scale = scales.double().repeat_interleave(group_size, dim=-1)
+    return ((q - zero) * scale).float()
+
+
+def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None) -> torch.Tensor:
+    """float32 [N, K]: weight * scale, block scales expanded over their (bn, bk) tiles (the edges cut)."""
+    N, K = weight.shape
+    if block is None:
+        return weight.float() * scale.reshape(N, 1).float()
+    bn, bk = block
+    full = scale.float().repeat_interleave(bn, dim=0).repeat_interleave(bk, dim=1)[:N, :K]
+    return weight.float() * full
+
+
+def ulps(a: torch.Tensor, b: torch.Tensor) -> float:
+    """The largest difference in units of b's spacing in DT (at least that of 1/64)."""
+    spacing = torch.maximum(b.float().abs(), torch.tensor(1 / 64)) * torch.finfo(DT).eps
+    return ((a.float() - b.float()).abs() / spacing).max().item()
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def layer(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """An eager layer holding the dequantized weight in x's dtype: float32 product, rounded once."""
+    return F.linear(x.float(), w.to(x.dtype).float()).to(x.dtype)
+
+
+def random_int4(N: int, K: int, g: int, zeros: bool, zdtype=torch.uint8, sdtype=DT):
+    q = torch.randint(0, 16, (N, K))
+    scales = (torch.rand(N, K // g) * 0.02 + 0.005).to(sdtype)
+    z = torch.randint(0, 16, (N, K // g)).to(zdtype) if zeros else None
+    return pack_int4(q), scales, z
+
+
+# --- tests ---------------------------------------------------------------------------------------------
+
+def test_the_reference_reads_value_i_at_bits_4i():
+    word = torch.tensor([[0x76543210, 0x0FEDCBA9, -0x0FEDCBA1]], dtype=torch.int64).to(torch.int32)
+    q = dequantize_int4(word, torch.ones(1, 3), torch.zeros(1, 3), 8)
+    assert q[0, :8].tolist() == list(range(8))
+    assert q[0, 8:16].tolist() == [9, 10, 11, 12, 13, 14, 15, 0]
+    assert q[0, 16:].tolist() == [15, 5, 4, 3, 2, 1, 0, 15]  # 0xF012345F: the sign bit is nibble 7
+    values = torch.randint(0, 16, (3, 64))
+    assert torch.equal(dequantize_int4(pack_int4(values), torch.ones(3, 2), torch.zeros(3, 2), 32), values.float())
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+@pytest.mark.parametrize("N,K,g", [(64, 256, 32), (40, 320, 64), (72, 384, 128)])  # K past a 256 block
+def test_int4_symmetric_is_dequantize_then_multiply(qk, rows, N, K, g):
+    torch.manual_seed(N + K + rows)
+    qweight, scales, _ = random_int4(N, K, g, zeros=False)
+    x = torch.randn(rows, K, dtype=DT)
+    w = dequantize_int4(qweight, scales, None, g)
+    y = qk.int4_gemv(x, qweight, scales, group_size=g)
+    assert y.shape == (rows, N) and y.dtype == DT
+    assert ulps(y, layer(x, w)) <= 1
+    assert rel(y, x.float() @ w.T) < 2e-3
+    # A zero point of 7 instead of 8 is far off: the kernel really subtracts 8.
+    assert rel(y, x.float() @ dequantize_int4(qweight, scales, torch.full_like(scales, 7), g).T) > 0.02
+    if rows == 2 and N == 64:  # a single row [K]
+        assert torch.equal(qk.int4_gemv(x[0], qweight, scales, group_size=g), y[0])
+
+
+@pytest.mark.parametrize("zdtype,sdtype",
+                         [(torch.uint8, DT), (torch.int32, torch.float32), (torch.uint8, torch.bfloat16)])
+def test_int4_with_zero_points(qk, zdtype, sdtype):
+    torch.manual_seed(3)
+    N, K, g = 72, 320, 32
+    qweight, scales, zeros = random_int4(N, K, g, zeros=True, zdtype=zdtype, sdtype=sdtype)
+    x = torch.randn(2, K, dtype=DT)
+    w = dequantize_int4(qweight, scales, zeros, g)
+    y = qk.int4_gemv(x, qweight, scales, zeros, group_size=g)
+    assert ulps(y, layer(x, w)) <= 1
+    assert rel(y, x.float() @ w.T) < 2e-3
+    assert rel(y, x.float() @ dequantize_int4(qweight, scales, None, g).T) > 0.1  # the zeros are used
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+def test_int4_gate_is_silu_gate_times_up_then_the_product(qk, rows):
+    torch.manual_seed(6 + rows)
+    N, K, g = 40, 320, 64
+    qweight, scales, zeros = random_int4(N, K, g, zeros=True)
+    gate_up = torch.randn(rows, 2 * K, dtype=DT)
+    w = dequantize_int4(qweight, scales, zeros, g)
+    y = qk.int4_gemv(gate_up, qweight, scales, zeros, group_size=g, gate=True)
+    assert ulps(y, layer(F.silu(gate_up[:, :K]) * gate_up[:, K:], w)) <= 1
+    assert ulps(y, layer(gate_up[:, K:], w)) > 8  # the gate is really applied
+
+
+def test_int4_in_float32(qk):
+    torch.manual_seed(4)
+    N, K, g = 64, 128, 64
+    qweight, scales, zeros = random_int4(N, K, g, zeros=True, sdtype=torch.float32)
+    x = torch.randn(1, K)
+    ref = x.double() @ dequantize_int4(qweight, scales, zeros, g).double().T
+    y = qk.int4_gemv(x, qweight, scales, zeros, group_size=g)
+    assert y.dtype == torch.float32
+    assert rel(y, ref) < 1e-5
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+@pytest.mark.parametrize("N,K,block", [(136, 320, (128, 128)), (96, 160, (64, 32)), (64, 192, None)])
+def test_fp8_is_dequantize_then_multiply(qk, rows, N, K, block):
+    torch.manual_seed(N + rows)
+    weight = (torch.randn(N, K) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
+    if block is None:
+        scale = torch.rand(N) * 1e-3 + 1e-4
+    else:
+        scale = torch.rand(-(-N // block[0]), -(-K // block[1])) * 1e-3 + 1e-4
+    x = torch.randn(rows, K, dtype=DT)
+    w = dequantize_fp8(weight, scale, block)
+    y = qk.fp8_gemv(x, weight, scale, block=block)
+    assert y.shape == (rows, N) and y.dtype == DT
+    assert ulps(y, layer(x, w)) <= 1
+    assert rel(y, x.float() @ w.T) < 2e-3
+    if block is None:
+        assert torch.equal(qk.fp8_gemv(x, weight, scale[:, None], block=None), y)  # [N, 1] reads as [N]
+    else:  # one mean multiplier in place of the blocks' own is far off: each block reads its scale
+        assert rel(y, x.float() @ (weight.float() * scale.float().mean()).T) > 0.05
+
+
+@pytest.mark.parametrize("per_pick", [False, True])
+def test_int4_picked_gemv_reads_the_picked_experts(qk, per_pick):
+    torch.manual_seed(5)
+    E, N, K, g, k = 5, 24, 128, 32, 3
+    qweight, scales, zeros = random_int4(E * N, K, g, zeros=True)
+    qweight, scales, zeros = qweight.view(E, N, -1), scales.view(E, N, -1), zeros.view(E, N, -1)
+    idx = torch.tensor([4, 0, 2])
+    x = torch.randn(k, K, dtype=DT) if per_pick else torch.randn(K, dtype=DT)
+    xs = x if per_pick else x.expand(k, K)
+    per = [layer(xs[p], dequantize_int4(qweight[e], scales[e], zeros[e], g)) for p, e in enumerate(idx.tolist())]
+    y = qk.int4_picked_gemv(x, qweight, scales, idx, zeros, group_size=g)
+    assert y.shape == (k, N)
+    assert ulps(y, torch.stack(per)) <= 1
+    weight = torch.softmax(torch.randn(k), -1).to(DT)
+    total = torch.zeros(N)
+    for p in range(k):  # each pick rounded, scaled and rounded, summed in top-k order (as kernels.picked_gemv)
+        total += (per[p].float() * weight[p].float()).to(DT).float()
+    summed = qk.int4_picked_gemv(x, qweight, scales, idx, zeros, group_size=g, weights=weight)
+    assert summed.shape == (N,)
+    assert ulps(summed, total.to(DT)) <= 1
+    mispaired = (torch.stack(per[::-1]).float() * weight[:, None].float()).sum(0).to(DT)
+    assert ulps(summed, mispaired) > 8  # each weight scales its own pick
+    # The down projection's form: the gate/up output [k, 2K] in, SiLU(gate) * up taken per pick.
+    gate_up = torch.randn(k, 2 * K, dtype=DT)
+    acts = F.silu(gate_up[:, :K]) * gate_up[:, K:]
+    down = torch.stack([layer(acts[p], dequantize_int4(qweight[e], scales[e], zeros[e], g))
+                        for p, e in enumerate(idx.tolist())])
+    assert ulps(qk.int4_picked_gemv(gate_up, qweight, scales, idx, zeros, group_size=g, gate=True), down) <= 1
+
+
+def test_shapes_that_do_not_fit_are_refused(qk):
+    qweight, scales, zeros = random_int4(16, 64, 32, zeros=True)
+    x = torch.randn(64, dtype=DT)
+    with pytest.raises(ValueError, match="group_size"):
+        qk.int4_gemv(x, qweight, scales, group_size=64)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        qk.int4_gemv(x, qweight, scales, group_size=12)
+    with pytest.raises(ValueError, match="K=64"):
+        qk.int4_gemv(torch.randn(60, dtype=DT), qweight, scales, group_size=32)
+    with pytest.raises(ValueError, match=r"2K=128 \(\[gate"):
+        qk.int4_gemv(x, qweight, scales, group_size=32, gate=True)
+    with pytest.raises(ValueError, match="zeros"):
+        qk.int4_gemv(x, qweight, scales, zeros[:, :1], group_size=32)
+    w8 = torch.randn(16, 64).to(torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="block scales"):
+        qk.fp8_gemv(x, w8, torch.ones(1, 2), block=(8, 64))
+    with pytest.raises(ValueError, match="per-channel"):
+        qk.fp8_gemv(x, w8, torch.ones(8), block=None)
