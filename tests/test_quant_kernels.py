@@ -227,3 +227,27 @@ def test_shapes_that_do_not_fit_are_refused(qk):
         qk.fp8_gemv(x, w8, torch.ones(1, 2), block=(8, 64))
     with pytest.raises(ValueError, match="per-channel"):
         qk.fp8_gemv(x, w8, torch.ones(8), block=None)
+
+
+@pytest.mark.parametrize("how", ["int4 symmetric g32", "int4 zero points g64", "int4 per channel", "fp8 blocks",
+                                 "fp8 per channel"])
+def test_the_formats_weights_go_into_the_kernels_as_they_are(qk, how):
+    """omni_cli.quant.formats' canonical layout is the kernels' layout: a weight quantized there multiplies
+    here as its own `dequantize()` does (the two were written apart: this ties them)."""
+    from omni_cli.quant import formats
+
+    torch.manual_seed(len(how))
+    N, K = 48, 256
+    w = torch.randn(N, K) * 0.02
+    x = torch.randn(2, K, dtype=DT)
+    if how.startswith("int4"):
+        group = {"g32": 32, "g64": 64}.get(how.split()[-1])
+        packed = formats.quantize_int4(w, group_size=group, symmetric="symmetric" in how, scale_dtype=torch.float16)
+        y = qk.int4_gemv(x, packed.qweight, packed.scales, packed.zeros, group_size=group or K)
+    else:
+        block = (32, 64) if "blocks" in how else None
+        packed = formats.quantize_fp8(w, block=block, scale_dtype=torch.float32)
+        y = qk.fp8_gemv(x, packed.qweight, packed.scales, block=block)
+    reference = packed.dequantize(torch.float32)
+    assert ulps(y, layer(x, reference)) <= 1
+    assert rel(y, x.float() @ reference.T) < 2e-3
