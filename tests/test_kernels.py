@@ -8,37 +8,20 @@ fails these tests instead of skipping them."""
 from __future__ import annotations
 
 import copy
-import importlib
-import os
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from interpreted import DT, kernel_module, ulps
 from omni_cli.runtime import fused
-
-# float16: the interpreter rounds a cast to bfloat16 toward zero where a GPU rounds to nearest; its float16
-# casts round as a GPU's. The kernels do the same with either: they cast to the activations' dtype.
-DT = torch.float16
 
 
 @pytest.fixture(scope="module")
 def kernels():
-    if os.environ.get("TRITON_INTERPRET") != "1":  # set by conftest.py where there is no GPU
-        pytest.skip("a machine with a GPU: tests/test_gpu.py runs the kernels there")
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        if os.environ.get("OMNI_CI", "") not in ("", "0"):
-            pytest.fail("triton is missing: .ci/run installs it for these tests")
-        pytest.skip("triton is not installed")
-    return importlib.import_module("omni_cli.runtime.kernels")
+    return kernel_module("omni_cli.runtime.kernels")
 
 
-def ulps(a: torch.Tensor, b: torch.Tensor) -> float:
-    """The largest difference in units of b's spacing in DT (at least that of 1/64)."""
-    spacing = torch.maximum(b.float().abs(), torch.tensor(1 / 64)) * torch.finfo(DT).eps
-    return ((a.float() - b.float()).abs() / spacing).max().item()
 
 
 @pytest.mark.parametrize("rows", [1, 2])

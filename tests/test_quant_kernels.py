@@ -13,27 +13,17 @@ fails these tests instead of skipping them."""
 
 from __future__ import annotations
 
-import importlib
-import os
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-DT = torch.float16
+from interpreted import DT, kernel_module, ulps
 
 
 @pytest.fixture(scope="module")
 def qk():
-    if os.environ.get("TRITON_INTERPRET") != "1":  # set by conftest.py where there is no GPU
-        pytest.skip("a machine with a GPU: the kernels' GPU tests run there")
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        if os.environ.get("OMNI_CI", "") not in ("", "0"):
-            pytest.fail("triton is missing: .ci/run installs it for these tests")
-        pytest.skip("triton is not installed")
-    return importlib.import_module("omni_cli.runtime.quant_kernels")
+    return kernel_module("omni_cli.runtime.quant_kernels")
 
 
 # --- the reference, independent of the module --------------------------------------------------------
@@ -70,10 +60,6 @@ def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, 
     return weight.float() * full
 
 
-def ulps(a: torch.Tensor, b: torch.Tensor) -> float:
-    """The largest difference in units of b's spacing in DT (at least that of 1/64)."""
-    spacing = torch.maximum(b.float().abs(), torch.tensor(1 / 64)) * torch.finfo(DT).eps
-    return ((a.float() - b.float()).abs() / spacing).max().item()
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -6,15 +6,14 @@ path against the reference path."""
 from __future__ import annotations
 
 import copy
-import importlib
 import io
-import os
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from interpreted import DT, kernel_module, ulps
 from omni_cli.quant.formats import QuantSpec, quantize_fp8, quantize_int4
 from omni_cli.quant.linear import QuantLinear, quantize_linears
 
@@ -194,26 +193,12 @@ def test_cpu_auto_never_calls_a_kernel(monkeypatch):
 
 # --- the kernel path, through Triton's interpreter ------------------------------------------------------
 
-DT = torch.float16
-
 
 @pytest.fixture(scope="module")
 def qk():
-    if os.environ.get("TRITON_INTERPRET") != "1":  # set by conftest.py where there is no GPU
-        pytest.skip("a machine with a GPU: the kernels' GPU tests run there")
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        if os.environ.get("OMNI_CI", "") not in ("", "0"):
-            pytest.fail("triton is missing: .ci/run installs it for these tests")
-        pytest.skip("triton is not installed")
-    return importlib.import_module("omni_cli.runtime.quant_kernels")
+    return kernel_module("omni_cli.runtime.quant_kernels")
 
 
-def ulps(a: torch.Tensor, b: torch.Tensor) -> float:
-    """The largest difference in units of b's spacing in DT (at least that of 1/64)."""
-    spacing = torch.maximum(b.float().abs(), torch.tensor(1 / 64)) * torch.finfo(DT).eps
-    return ((a.float() - b.float()).abs() / spacing).max().item()
 
 
 @pytest.mark.parametrize("rows,bias", [(1, False), (2, False), (2, True)])
