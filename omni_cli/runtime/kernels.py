@@ -42,8 +42,9 @@ NONE, NORM, GATE = 0, 1, 2  # what a kernel does to x before the product
 
 
 @triton.jit
-def _input(x_ptr, nw_ptr, cols, K, rstd, PROLOGUE: tl.constexpr):
-    """A block of the product's input, as the layer's eager modules would have made it, in float32."""
+def prologue_input(x_ptr, nw_ptr, cols, K, rstd, PROLOGUE: tl.constexpr):
+    """A block of the product's input, as the layer's eager modules would have made it, in float32 (the
+    quantized products of runtime/quant_kernels.py take theirs from here too: NONE or GATE)."""
     mask = cols < K
     if PROLOGUE == 1:  # RMSNorm: float32 statistic, the normed value cast back, then scaled (the library's order)
         x = tl.load(x_ptr + cols, mask=mask, other=0.0).to(tl.float32)
@@ -75,7 +76,7 @@ def _row_block(x_ptr, w_ptr, nw_ptr, rows, N, K, rstd, PROLOGUE: tl.constexpr, B
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
-        x = _input(x_ptr, nw_ptr, cols, K, rstd, PROLOGUE)
+        x = prologue_input(x_ptr, nw_ptr, cols, K, rstd, PROLOGUE)
         w = tl.load(w_ptr + rows[:, None] * K + cols[None, :], mask=(rows[:, None] < N) & (cols[None, :] < K),
                     other=0.0)
         acc += w.to(tl.float32) * x[None, :]

@@ -33,25 +33,14 @@ import torch
 import triton
 import triton.language as tl
 
-
-@triton.jit
-def _input(x_ptr, cols, K, GATE: tl.constexpr):
-    """A block of the product's input in float32; with GATE, SiLU(gate) * up over a [gate | up] row (2K
-    long), each op rounded to the activations' dtype as the eager ops round."""
-    mask = cols < K
-    if GATE:
-        g = tl.load(x_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(x_ptr + K + cols, mask=mask, other=0.0).to(tl.float32)
-        act = (g * tl.sigmoid(g)).to(x_ptr.dtype.element_ty).to(tl.float32)
-        return (act * u).to(x_ptr.dtype.element_ty).to(tl.float32)
-    return tl.load(x_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+from .kernels import GATE, NONE, prologue_input
 
 
 @triton.jit
-def _int4_rows(x_ptr, q_ptr, s_ptr, z_ptr, rows, N, K, G, ZEROS: tl.constexpr, GATE: tl.constexpr,
+def _int4_rows(x_ptr, q_ptr, s_ptr, z_ptr, rows, N, K, G, ZEROS: tl.constexpr, PROLOGUE: tl.constexpr,
                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """float32 [BLOCK_N]: rows `rows` of the int4 weight (q_ptr [N, K/8], s_ptr/z_ptr [N, K/G]) times the
-    input [K] (with GATE, made from a [gate | up] row)."""
+    input [K] (PROLOGUE GATE: made from a [gate | up] row, as kernels.prologue_input makes it)."""
     BLOCK_W: tl.constexpr = BLOCK_K // 8
     KW = K // 8
     KG = K // G
@@ -72,22 +61,22 @@ def _int4_rows(x_ptr, q_ptr, s_ptr, z_ptr, rows, N, K, G, ZEROS: tl.constexpr, G
         else:
             z = 8.0
         w = ((q - z) * s).to(x_ptr.dtype.element_ty).to(tl.float32)
-        acc += w * _input(x_ptr, cols, K, GATE)[None, :]
+        acc += w * prologue_input(x_ptr, x_ptr, cols, K, 0.0, PROLOGUE)[None, :]
     return tl.sum(acc, axis=1)
 
 
 @triton.jit
 def _int4_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, out_ptr, N, K, G, x_row, ZEROS: tl.constexpr,
-                      GATE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                      PROLOGUE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m = tl.program_id(1)
-    y = _int4_rows(x_ptr + m * x_row, q_ptr, s_ptr, z_ptr, rows, N, K, G, ZEROS, GATE, BLOCK_N, BLOCK_K)
+    y = _int4_rows(x_ptr + m * x_row, q_ptr, s_ptr, z_ptr, rows, N, K, G, ZEROS, PROLOGUE, BLOCK_N, BLOCK_K)
     tl.store(out_ptr + m * N + rows, y.to(out_ptr.dtype.element_ty), mask=rows < N)
 
 
 @triton.jit
 def _int4_picked_kernel(x_ptr, q_ptr, s_ptr, z_ptr, idx_ptr, rw_ptr, out_ptr, N, K, G, x_stride,
-                        TOPK: tl.constexpr, ZEROS: tl.constexpr, GATE: tl.constexpr, SUM: tl.constexpr,
+                        TOPK: tl.constexpr, ZEROS: tl.constexpr, PROLOGUE: tl.constexpr, SUM: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     q_expert = N * (K // 8)
@@ -97,7 +86,7 @@ def _int4_picked_kernel(x_ptr, q_ptr, s_ptr, z_ptr, idx_ptr, rw_ptr, out_ptr, N,
         for p in tl.static_range(TOPK):
             e = tl.load(idx_ptr + p).to(tl.int64)
             y = _int4_rows(x_ptr + p * x_stride, q_ptr + e * q_expert, s_ptr + e * s_expert, z_ptr + e * s_expert,
-                           rows, N, K, G, ZEROS, GATE, BLOCK_N, BLOCK_K).to(out_ptr.dtype.element_ty).to(tl.float32)
+                           rows, N, K, G, ZEROS, PROLOGUE, BLOCK_N, BLOCK_K).to(out_ptr.dtype.element_ty).to(tl.float32)
             rw = tl.load(rw_ptr + p).to(tl.float32)
             total += (y * rw).to(out_ptr.dtype.element_ty).to(tl.float32)
         tl.store(out_ptr + rows, total.to(out_ptr.dtype.element_ty), mask=rows < N)
@@ -105,7 +94,7 @@ def _int4_picked_kernel(x_ptr, q_ptr, s_ptr, z_ptr, idx_ptr, rw_ptr, out_ptr, N,
         p = tl.program_id(1)
         e = tl.load(idx_ptr + p).to(tl.int64)
         y = _int4_rows(x_ptr + p * x_stride, q_ptr + e * q_expert, s_ptr + e * s_expert, z_ptr + e * s_expert,
-                       rows, N, K, G, ZEROS, GATE, BLOCK_N, BLOCK_K)
+                       rows, N, K, G, ZEROS, PROLOGUE, BLOCK_N, BLOCK_K)
         tl.store(out_ptr + p * N + rows, y.to(out_ptr.dtype.element_ty), mask=rows < N)
 
 
@@ -176,7 +165,7 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
     blocks = _blocks(N, K)
     _int4_gemv_kernel[(triton.cdiv(N, blocks["BLOCK_N"]), x.numel() // x.shape[-1])](
         x, qweight, scales, zeros.contiguous() if zeros is not None else scales, out, N, K, group_size,
-        x.shape[-1], ZEROS=zeros is not None, GATE=gate, **blocks)
+        x.shape[-1], ZEROS=zeros is not None, PROLOGUE=GATE if gate else NONE, **blocks)
     return out
 
 
@@ -210,7 +199,7 @@ def int4_picked_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
     _int4_picked_kernel[grid](
         x, qweight, scales, zeros.contiguous() if zeros is not None else scales, idx,
         weights.contiguous() if weights is not None else x, out, N, K, group_size, x_stride, TOPK=top_k,
-        ZEROS=zeros is not None, GATE=gate, SUM=weights is not None, **blocks)
+        ZEROS=zeros is not None, PROLOGUE=GATE if gate else NONE, SUM=weights is not None, **blocks)
     return out
 
 
