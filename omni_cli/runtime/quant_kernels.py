@@ -149,16 +149,22 @@ def _width(x: torch.Tensor, K: int, gate: bool) -> None:
         raise ValueError(f"int4: x {list(x.shape)} does not end in the weight's {want}")
 
 
+def _int4_sizes(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+                group_size: int, gate: bool) -> tuple[int, int]:
+    """(N, K) of an int4 weight [..., N, K/8] (one, or a bank of experts), its scales, zeros and input checked."""
+    N, K = qweight.shape[-2], qweight.shape[-1] * 8
+    _width(x, K, gate)
+    _check_int4(K, group_size, tuple(qweight.shape), tuple(scales.shape),
+                tuple(zeros.shape) if zeros is not None else None)
+    return N, K
+
+
 def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None = None,
               *, group_size: int = 128, gate: bool = False) -> torch.Tensor:
     """Rows x [..., K] (with `gate`, [..., 2K]: each row [gate | up], the input SiLU(gate) * up) times the
     int4 weight qweight [N, K/8] (int32) with scales [N, K/g] and, if given, zero points zeros [N, K/g]
     (else 8: symmetric): [..., N] in x's dtype."""
-    N = qweight.shape[0]
-    K = qweight.shape[-1] * 8
-    _width(x, K, gate)
-    _check_int4(K, group_size, tuple(qweight.shape), tuple(scales.shape),
-                tuple(zeros.shape) if zeros is not None else None)
+    N, K = _int4_sizes(x, qweight, scales, zeros, group_size, gate)
     x = x.contiguous()
     qweight, scales = qweight.contiguous(), scales.contiguous()
     out = torch.empty(*x.shape[:-1], N, device=x.device, dtype=x.dtype)
@@ -177,11 +183,7 @@ def int4_picked_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
     [k, K] (with `gate`, [k, 2K]: SiLU(gate) * up, the gate/up product's output). Returns [k, N]; with
     `weights` [k], the picks scaled and summed, [N]. The picks are not checked against E (that would be a
     host sync): an index out of range reads out of bounds."""
-    N = qweight.shape[1]
-    K = qweight.shape[-1] * 8
-    _width(x, K, gate)
-    _check_int4(K, group_size, tuple(qweight.shape), tuple(scales.shape),
-                tuple(zeros.shape) if zeros is not None else None)
+    N, K = _int4_sizes(x, qweight, scales, zeros, group_size, gate)
     top_k = idx.numel()
     x = x.contiguous()
     if x.dim() > 1 and x.shape[0] not in (1, top_k):
