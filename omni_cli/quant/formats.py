@@ -172,8 +172,9 @@ def quantize_int4(weight: torch.Tensor, group_size: int | None = 128, symmetric:
 
 
 def _expand_blocks(scales: torch.Tensor, shape: tuple[int, int], block: tuple[int, int]) -> torch.Tensor:
+    """Block scales [..., ceil(N/rows), ceil(K/cols)] -> one a value [..., N, K]."""
     n, k = shape
-    return scales.repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)[:n, :k]
+    return scales.repeat_interleave(block[0], -2).repeat_interleave(block[1], -1)[..., :n, :k]
 
 
 def quantize_fp8(weight: torch.Tensor, block: tuple[int, int] | None = (128, 128),
@@ -199,15 +200,20 @@ def quantize_fp8(weight: torch.Tensor, block: tuple[int, int] | None = (128, 128
 
 
 def dequantize(packed: PackedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The float [N, K] a packed weight stands for, computed in float32 and then cast to `dtype`."""
+    """The float [..., N, K] a packed weight stands for (a bank of experts keeps its leading dims),
+    computed in float32 and then cast to `dtype`."""
     n, k = packed.shape
     spec = packed.spec
+    lead = packed.qweight.shape[:-2]
     if spec.kind == "int4":
         groups = packed.scales.shape[-1]
-        codes = unpack_int4(packed.qweight, k).float().reshape(n, groups, k // groups)
-        zero = packed.zeros.float() if packed.zeros is not None else torch.full((n, groups), float(SYMMETRIC_ZERO))
-        w = (codes - zero.to(codes.device)[..., None]) * packed.scales.float()[..., None]
-        return w.reshape(n, k).to(dtype)
+        codes = unpack_int4(packed.qweight, k).float().reshape(*lead, n, groups, k // groups)
+        if packed.zeros is not None:
+            zero = packed.zeros.to(codes.device).float()[..., None]
+        else:
+            zero = torch.tensor(float(SYMMETRIC_ZERO), device=codes.device)
+        w = (codes - zero) * packed.scales.float()[..., None]
+        return w.reshape(*lead, n, k).to(dtype)
     q = packed.qweight.float()
     if spec.block is None:
         return (q * packed.scales.float()).to(dtype)

@@ -42,6 +42,14 @@ def _as_bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(_BITS[t.element_size()])
 
 
+def quantize_weight(weight: torch.Tensor, spec: QuantSpec) -> PackedWeight:
+    """Round-to-nearest `spec` of a float weight [N, K], on the device it is on."""
+    scale_dtype = getattr(torch, spec.scale_dtype)
+    if spec.kind == "int4":
+        return quantize_int4(weight, spec.group_size, spec.symmetric, scale_dtype)
+    return quantize_fp8(weight, spec.block, scale_dtype)
+
+
 class QuantLinear(nn.Module):
     """y = x W^T + b with W a packed weight [N, K] (see the module's docstring for its buffers)."""
 
@@ -64,13 +72,7 @@ class QuantLinear(nn.Module):
     @classmethod
     def from_linear(cls, linear: nn.Linear, spec: QuantSpec) -> QuantLinear:
         """Round-to-nearest `spec` of `linear`'s weight (on the device it is on); the bias is kept as is."""
-        w = linear.weight.detach()
-        scale_dtype = getattr(torch, spec.scale_dtype)
-        if spec.kind == "int4":
-            packed = quantize_int4(w, spec.group_size, spec.symmetric, scale_dtype)
-        else:
-            packed = quantize_fp8(w, spec.block, scale_dtype)
-        return cls(packed, linear.bias)
+        return cls(quantize_weight(linear.weight.detach(), spec), linear.bias)
 
     @property
     def packed(self) -> PackedWeight:
@@ -154,3 +156,43 @@ def quantize_linears(module: nn.Module, spec: QuantSpec, skip: Callable[[str], b
         done.names.append(group[0])
         done.bytes_after += quantized.weight_bytes
     return done
+
+
+def fuse_quant_rows(linears: list[QuantLinear]) -> QuantLinear | None:
+    """One QuantLinear whose outputs are `linears`' outputs side by side (q | k | v, gate | up), with each
+    part re-pointed at its rows of the fused buffers, so that the parts (the library's prefill) and the
+    fused step share one copy. None where they cannot share one: differing specs or inputs, or FP8 blocks
+    that a part's rows do not fill. A second call on the same parts returns the first's result."""
+    first = linears[0]
+    done = getattr(first, "fused_into", None)
+    if done is not None and all(getattr(m, "fused_into", None) is done for m in linears):
+        return done
+    spec = first.spec
+    if any(m.spec != spec or m.in_features != first.in_features for m in linears):
+        return None
+    if any((m.bias is None) != (first.bias is None) for m in linears):
+        return None
+    block_rows = spec.block[0] if spec.kind == "fp8" and spec.block is not None else 1
+    if any(m.out_features % block_rows for m in linears[:-1]):
+        return None
+    parts = [m.packed for m in linears]
+    zeros = None if parts[0].zeros is None else torch.cat([p.zeros for p in parts])
+    n = sum(m.out_features for m in linears)
+    packed = PackedWeight(spec, (n, first.in_features), torch.cat([p.qweight for p in parts]),
+                          torch.cat([p.scales for p in parts]), zeros)
+    bias = None if first.bias is None else torch.cat([m.bias.data for m in linears])
+    fused = QuantLinear(packed, bias)
+    del parts, packed
+    row = 0
+    for m in linears:
+        rows = slice(row, row + m.out_features)
+        scale_rows = rows if block_rows == 1 else slice(row // block_rows, -(-(row + m.out_features) // block_rows))
+        m.qweight = fused.qweight[rows]
+        m.scales = fused.scales[scale_rows]
+        if fused.zeros is not None:
+            m.zeros = fused.zeros[rows]
+        if fused.bias is not None:
+            m.bias.data = fused.bias.data[rows]
+        object.__setattr__(m, "fused_into", fused)  # a plain attribute: not a submodule (no second state_dict entry)
+        row += m.out_features
+    return fused

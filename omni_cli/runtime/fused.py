@@ -64,10 +64,16 @@ def attend_wanted(device: torch.device) -> bool:
     return kernels_wanted(device)
 
 
-def fuse_rows(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+def fuse_rows(linears: list) -> tuple:
     """Stack the weights (and biases) of `linears` into one matrix and re-point each module at its rows.
     Where they are already consecutive rows of one matrix (a second fused step over the same layers: the
-    compiled steps built beside the plain ones, runtime/beside.py), that matrix is returned: no copy."""
+    compiled steps built beside the plain ones, runtime/beside.py), that matrix is returned: no copy.
+    Packed layers (`QuantLinear`) fuse into one `QuantLinear` that holds the bias (returned as None), or,
+    where they cannot share one, a `Beside` of them."""
+    if not isinstance(linears[0], torch.nn.Linear):
+        from ..quant.linear import fuse_quant_rows
+
+        return fuse_quant_rows(linears) or Beside(linears), None
     fused = _rows_of_one([m.weight.data for m in linears])
     if fused is not None:
         bias = _rows_of_one([m.bias.data for m in linears]) if linears[0].bias is not None else None
@@ -85,6 +91,22 @@ def fuse_rows(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tenso
             m.bias.data = bias[row : row + n]
         row += n
     return weight, bias
+
+
+class Beside(torch.nn.Module):
+    """Layers over one input whose outputs go side by side (packed q/k/v whose FP8 blocks straddle)."""
+
+    def __init__(self, parts: list) -> None:
+        super().__init__()
+        self.parts = torch.nn.ModuleList(parts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([part(x) for part in self.parts], dim=-1)
+
+
+def weight_of(linear):
+    """What the fused step multiplies by: a Linear's weight tensor, or the packed layer itself."""
+    return linear.weight if isinstance(linear, torch.nn.Linear) else linear
 
 
 def _rows_of_one(parts: list[torch.Tensor]) -> torch.Tensor | None:
@@ -121,8 +143,8 @@ class _Layer:
         self.q_norm = _norm(getattr(attn, "q_norm", None))  # Qwen3: RMSNorm over each head
         self.k_norm = _norm(getattr(attn, "k_norm", None))
         self.qkv_w, self.qkv_b = fuse_rows([attn.q_proj, attn.k_proj, attn.v_proj])
-        self.split = (attn.q_proj.weight.shape[0], attn.k_proj.weight.shape[0], attn.v_proj.weight.shape[0])
-        self.o_w = attn.o_proj.weight
+        self.split = (attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features)
+        self.o_w = weight_of(attn.o_proj)
         self.head_dim = attn.head_dim
         self.scaling = attn.scaling
         self.mlp, self.routing = _mlp_tensors(mlp)
@@ -134,15 +156,19 @@ def _mlp_tensors(mlp) -> tuple[tuple, tuple[int, bool] | None]:
     routing (top_k, renormalise the top-k weights)."""
     if not hasattr(mlp, "experts"):
         _check_silu(mlp.act_fn)
-        return (fuse_rows([mlp.gate_proj, mlp.up_proj])[0], mlp.down_proj.weight), None
+        return (fuse_rows([mlp.gate_proj, mlp.up_proj])[0], weight_of(mlp.down_proj)), None
     experts, router = mlp.experts, mlp.gate
     _check_silu(experts.act_fn)
-    tensors: tuple[torch.Tensor, ...] = (router.weight, experts.gate_up_proj, experts.down_proj)
+    if hasattr(experts, "bank"):  # packed experts (quant/experts.py): the banks the picked kernels read
+        banks = (experts.bank("gate_up"), experts.bank("down"))
+    else:
+        banks = (experts.gate_up_proj, experts.down_proj)
+    tensors: tuple = (router.weight, *banks)
     shared = getattr(mlp, "shared_expert", None)
     if shared is not None:
         _check_silu(shared.act_fn)
         gate_up, _ = fuse_rows([shared.gate_proj, shared.up_proj])
-        tensors += (gate_up, shared.down_proj.weight, mlp.shared_expert_gate.weight)
+        tensors += (gate_up, weight_of(shared.down_proj), weight_of(mlp.shared_expert_gate))
     return tensors, (router.top_k, bool(router.norm_topk_prob))
 
 
@@ -181,10 +207,24 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     library's one-row kernel reaches a fraction of it (H200: 5-12 µs a matrix against ~3 µs of reading;
     thinker step 4.25 -> 3.8 ms, talker step 1.8 -> 1.2 ms). For Qwen2.5-Omni-7B's large ones (3584 x
     18944) it was slower than cuBLAS (thinker 5.0 -> 7.5 ms a token): those stay GEMMs."""
+    if not isinstance(weight, torch.Tensor):  # a packed layer (it holds its bias)
+        return weight(x)
     if not (as_sum and tracing()):
         return F.linear(x, weight, bias)
     out = (x.unsqueeze(-2) * weight).sum(-1, dtype=torch.float32)
     return (out if bias is None else out + bias).to(x.dtype)
+
+
+def gemv(x: torch.Tensor, w, *, norm: torch.Tensor | None = None, eps: float = 0.0, gate: bool = False,
+         residual: torch.Tensor | None = None) -> torch.Tensor:
+    """`kernels.gemv` (its norm, gate and residual inside one launch) for a weight tensor; for a packed
+    layer the same math around the layer's own product (its kernels take no norm or residual)."""
+    if isinstance(w, torch.Tensor):
+        return _kernels.gemv(x, w, norm=norm, eps=eps, gate=gate, residual=residual)
+    if norm is not None:
+        x = rms_norm(x, norm, eps)
+    y = w(gated(x) if gate else x)
+    return y if residual is None else residual + y
 
 
 def picked_matvec(weights: torch.Tensor, idx: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -229,7 +269,12 @@ def experts(x: torch.Tensor, weight: torch.Tensor, idx: torch.Tensor, tensors: t
     first copies them out."""
     gate_up, down = tensors[1:3]
     rows = x.view(-1, x.shape[-1])  # [n, H]
-    if kernels and rows.shape[0] == 1:
+    if not isinstance(gate_up, torch.Tensor):  # packed banks (quant/experts.py): its picked products
+        from ..quant.experts import picked_product
+
+        out = torch.stack([picked_product(down, picked_product(gate_up, row, ids), ids, weights=w, gate=True)
+                           for row, ids, w in zip(rows, idx, weight)])
+    elif kernels and rows.shape[0] == 1:
         h = _kernels.picked_gemv(rows[0], gate_up, idx[0])  # [k, 2I]: gate | up
         out = _kernels.picked_gemv(h, down, idx[0], weights=weight[0], gate=True).view(1, -1)
     else:
@@ -238,7 +283,7 @@ def experts(x: torch.Tensor, weight: torch.Tensor, idx: torch.Tensor, tensors: t
     if len(tensors) > 3:
         shared_gate_up, shared_down, shared_gate = tensors[3:]
         if kernels:
-            shared = _kernels.gemv(_kernels.gemv(rows, shared_gate_up), shared_down, gate=True)
+            shared = gemv(gemv(rows, shared_gate_up), shared_down, gate=True)
         else:
             shared = linear(gated(linear(rows, shared_gate_up, as_sum=as_sum)), shared_down, as_sum=as_sum)
         out = out + torch.sigmoid(linear(rows, shared_gate, as_sum=as_sum)) * shared
@@ -257,7 +302,7 @@ def layer_step(hidden, in_w, post_w, qkv_w, qkv_b, q_norm_w, k_norm_w, o_w, mlp,
     if routing is None:
         gate_up_w, down_w = mlp
         if kernels:  # the norm inside gate/up's launch, the gate and the residual inside down's
-            return _kernels.gemv(_kernels.gemv(hidden, gate_up_w, norm=post_w, eps=eps), down_w, gate=True,
+            return gemv(gemv(hidden, gate_up_w, norm=post_w, eps=eps), down_w, gate=True,
                                  residual=hidden)
         x = rms_norm(hidden, post_w, eps)
         return hidden + linear(gated(linear(x, gate_up_w, as_sum=as_sum)), down_w, as_sum=as_sum)
@@ -289,7 +334,7 @@ def attention(hidden, in_w, qkv_w, qkv_b, q_norm_w, k_norm_w, o_w, keys, values,
     over the first `valid.shape[-1]` rows, o."""
     n = hidden.shape[1]
     if kernels:  # the norm inside q/k/v's launch (no bias: `FusedDecoder` checks)
-        qkv = _kernels.gemv(hidden, qkv_w, norm=in_w, eps=eps)
+        qkv = gemv(hidden, qkv_w, norm=in_w, eps=eps)
     else:
         qkv = linear(rms_norm(hidden, in_w, eps), qkv_w, qkv_b, as_sum)
     span = valid.shape[-1]
@@ -316,7 +361,7 @@ def attention(hidden, in_w, qkv_w, qkv_b, q_norm_w, k_norm_w, o_w, keys, values,
 def _out(hidden, att, o_w, as_sum: bool, kernels: bool):
     """The attention block's output projection and residual."""
     if kernels:
-        return _kernels.gemv(att, o_w, residual=hidden)
+        return gemv(att, o_w, residual=hidden)
     return hidden + linear(att, o_w, as_sum=as_sum)
 
 
