@@ -13,7 +13,6 @@ fails these tests instead of skipping them."""
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -58,8 +57,6 @@ def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, 
     bn, bk = block
     full = scale.float().repeat_interleave(bn, dim=0).repeat_interleave(bk, dim=1)[:N, :K]
     return weight.float() * full
-
-
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -237,3 +234,37 @@ def test_the_formats_weights_go_into_the_kernels_as_they_are(qk, how):
     reference = packed.dequantize(torch.float32)
     assert ulps(y, layer(x, reference)) <= 1
     assert rel(y, x.float() @ reference.T) < 2e-3
+
+
+# --- the experts' FP8 product ----------------------------------------------------
+
+def random_fp8(N: int, K: int, block: tuple[int, int] | None, lead: tuple[int, ...] = ()):
+    weight = (torch.randn(*lead, N, K) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
+    rows, cols = (N, None) if block is None else (-(-N // block[0]), -(-K // block[1]))
+    scale = torch.rand(*lead, rows, *(() if cols is None else (cols,))) * 1e-3 + 1e-4
+    return weight, scale
+
+
+@pytest.mark.parametrize("block,per_pick", [((32, 64), False), (None, True)])
+def test_fp8_picked_gemv_reads_the_picked_experts(qk, block, per_pick):
+    torch.manual_seed(8)
+    E, N, K, k = 4, 40, 96, 3
+    weight, scale = random_fp8(N, K, block, lead=(E,))
+    w = [dequantize_fp8(weight[e], scale[e], block) for e in range(E)]
+    idx = torch.tensor([3, 0, 2])
+    x = torch.randn(k, K, dtype=DT) if per_pick else torch.randn(K, dtype=DT)
+    xs = x if per_pick else x.expand(k, K)
+    per = [layer(xs[p], w[e]) for p, e in enumerate(idx.tolist())]
+    y = qk.fp8_picked_gemv(x, weight, scale, idx, block=block)
+    assert y.shape == (k, N) and ulps(y, torch.stack(per)) <= 1
+    weights = torch.softmax(torch.randn(k), -1).to(DT)
+    total = sum((per[p].float() * weights[p].float()).to(DT).float() for p in range(k))
+    summed = qk.fp8_picked_gemv(x, weight, scale, idx, block=block, weights=weights)
+    assert summed.shape == (N,) and ulps(summed, total.to(DT)) <= 1
+    assert ulps(summed, (torch.stack(per[::-1]).float() * weights[:, None].float()).sum(0).to(DT)) > 8
+    gate_up = torch.randn(k, 2 * K, dtype=DT)
+    acts = F.silu(gate_up[:, :K]) * gate_up[:, K:]
+    down = torch.stack([layer(acts[p], w[e]) for p, e in enumerate(idx.tolist())])
+    assert ulps(qk.fp8_picked_gemv(gate_up, weight, scale, idx, block=block, gate=True), down) <= 1
+    if block is None:  # [E, N, 1] reads as [E, N]
+        assert torch.equal(qk.fp8_picked_gemv(x, weight, scale[..., None], idx, block=None), y)
