@@ -1,19 +1,31 @@
-"""Triton kernels for the one-token decode over quantized weights: matrix-vector products that read the
-packed weight once and dequantize it in registers, block by block, never as a whole matrix.
+"""Triton kernels over quantized weights that dequantize the packed weight in registers, tile by tile,
+never as a whole matrix: matrix-vector products for the one-token decode (read the weight once) and
+tl.dot products for a prefill's many rows (each weight tile dequantized once for up to 64 rows).
 
+Decode (batch 1):
 - `int4_gemv(x, qweight, scales, zeros=, group_size=, gate=)`: rows x [..., K] times a 4-bit weight [N, K];
   with `gate`, each row is [gate | up] and the input SiLU(gate) * up (the down projection's).
 - `fp8_gemv(x, weight, scale, block=)`: rows x [..., K] times an e4m3 weight [N, K] with block or
   per-channel scales.
-- `int4_picked_gemv(x, qweight, scales, idx, zeros=, group_size=, weights=, gate=)`: the int4 product over the
-  experts `idx` picks from a bank [E, N, K] (idx on the device: no host sync), as `kernels.picked_gemv`.
-- `fp8_picked_gemv(x, weight, scale, idx, block=, weights=, gate=)`: its FP8 twin over a bank [E, N, K]
-  with per-expert scales [E, ...].
+- `int4_picked_gemv(x, qweight, scales, idx, zeros=, group_size=, weights=, gate=)` and
+  `fp8_picked_gemv(x, weight, scale, idx, block=, weights=, gate=)`: the product over the experts `idx`
+  picks from a bank [E, N, K] (idx on the device: no host sync), as `kernels.picked_gemv`.
+
+Prefill:
+- `int4_mm(x, qweight, scales, zeros=, group_size=)`, `fp8_mm(x, weight, scale, block=)`: x [M, K] -> [M, N].
+- `int4_moe_mm(x, qweight_bank, scales_bank, ids, zeros_bank=, group_size=, gate=)` and
+  `fp8_moe_mm(x, weight_bank, scale_bank, ids, block=, gate=)`: every token's picked experts (ids [M, k])
+  in one launch, -> [M*k, N] in pick order, unweighted. The picks are sorted by expert on the device
+  (`_moe_plan`, torch ops, no host sync) and each expert's run padded to whole row tiles, so a tile
+  reads one expert's weight; the number of tiles is bounded on the host by M*k + E*(BLOCK_M - 1) rows,
+  which fixes every shape for a fixed M (CUDA graphs). The idea is vLLM's moe_align_block_size.
 
 The two formats share one kernel per product: a tile of the weight is dequantized by `_int4_tile` or
-`_fp8_tile` (a constexpr picks), the rest is the same.
+`_fp8_tile` (a constexpr picks), the rest is the same. An expert bank is the single weight's layout with
+a leading E, on the weight and on its scales (and zeros).
 
-The layouts they read (the in-memory form; turning a checkpoint's layout into it is not done here):
+The layouts they read (the in-memory form of omni_cli.quant.formats; a checkpoint's layout is turned into
+it there, not here):
 - int4: `qweight` int32 [N, K/8], eight values along K a word, value i of a word at bits 4i..4i+3,
   unsigned 0..15. The weight is (q - z) * s with z = 8 (symmetric) or the group's zero point from `zeros`
   [N, K/g] (any integer dtype), and s from `scales` [N, K/g] (bfloat16, float16 or float32). K must be a
@@ -24,12 +36,16 @@ The layouts they read (the in-memory form; turning a checkpoint's layout into it
 
 Rounding follows `kernels.py`: the dequantized weight is computed in float32 ((q - z) * s, or w * s) and
 rounded to the activations' dtype, which is what an eager layer holding the dequantized weight in that
-dtype would use; the product accumulates in float32 and is rounded once to x's dtype. The summation order
-differs from cuBLAS's, so a result can differ from `F.linear` in the last bit.
+dtype would use; the product accumulates in float32 and is rounded once to x's dtype (the tl.dot products
+in float32 for float32 activations too, not TF32). The summation order differs from cuBLAS's, so a result
+can differ from `F.linear` in the last bit.
 
 What it does not know: models, checkpoint formats and their packing orders (GPTQ's, AWQ's), act-order
-(`g_idx`) permutations, asymmetric FP8 or per-tensor FP8 scales. The block shapes are a guess, not tuned:
-nothing here has been timed on a GPU yet. Importing it needs triton.
+(`g_idx`) permutations, asymmetric FP8 or per-tensor FP8 scales; the MoE products do not weight or sum
+the picks, and expert ids are not checked against E (that would be a host sync). The tl.dot products
+dequantize with the activations' dtype, not FP8 or int8 tensor-core inputs. The block shapes are a guess,
+not tuned: nothing here has been run or timed on a GPU yet (only Triton's CPU interpreter, in the tests).
+Importing it needs triton.
 """
 
 from __future__ import annotations
@@ -141,11 +157,55 @@ def _picked_kernel(x_ptr, q_ptr, s_ptr, z_ptr, idx_ptr, rw_ptr, out_ptr, N, K, G
         tl.store(out_ptr + p * N + rows, y.to(out_ptr.dtype.element_ty), mask=rows < N)
 
 
+@triton.jit
+def _mm_kernel(x_ptr, q_ptr, s_ptr, z_ptr, slots_ptr, tile_e_ptr, out_ptr, M, N, K, G, BN, BK, s_row, x_row,
+               x_per, q_expert, s_expert, FP8: tl.constexpr, ZEROS: tl.constexpr, BLOCKED: tl.constexpr,
+               PROLOGUE: tl.constexpr, GROUPED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_K: tl.constexpr):
+    """A [BLOCK_M, BLOCK_N] tile of out [M, N]: input rows times weight tiles dequantized in registers, through
+    tl.dot. GROUPED: the tile's output rows are picks slots_ptr[tile] (M = padding) of the one expert
+    tile_e_ptr[tile] (-1: an unused tile, which reads nothing), and pick p's input is row p // x_per."""
+    t = tl.program_id(0)
+    cols_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    if GROUPED:
+        picks = tl.load(slots_ptr + t * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+        e = tl.load(tile_e_ptr + t).to(tl.int64)
+        k_end = tl.where(e >= 0, K, 0)  # a loop of no steps, not an early return: one path for every tile
+        e = tl.maximum(e, 0)
+    else:
+        picks = t * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
+        e = 0
+        k_end = K
+    ok = picks < M
+    x_rows = x_ptr + tl.where(ok, picks // x_per, 0)[:, None] * x_row  # padding reads row 0, stores nothing
+    q_ptr += e * q_expert
+    s_ptr += e * s_expert
+    z_ptr += e * s_expert
+    dt = out_ptr.dtype.element_ty
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, k_end, BLOCK_K):
+        cols = (k0 + tl.arange(0, BLOCK_K))[None, :]
+        a = prologue_input(x_rows, x_rows, cols, K, 0.0, PROLOGUE).to(dt)
+        w = _tile(q_ptr, s_ptr, z_ptr, cols_n, k0, N, K, G, BN, BK, s_row, dt, FP8, ZEROS, BLOCKED, BLOCK_N,
+                  BLOCK_K).to(dt)
+        # "ieee": float32 activations multiply in float32, not TF32 (half-precision ones are unaffected)
+        acc = tl.dot(a, tl.trans(w), acc, input_precision="ieee")
+    mask = ok[:, None] & (cols_n[None, :] < N)
+    tl.store(out_ptr + picks[:, None] * N + cols_n[None, :], acc.to(dt), mask=mask)
+
+
 def _blocks(N: int, K: int) -> dict:
     """Rows per program and the reduction's block. Untuned (no GPU this far): the bf16 kernels' 4 rows for
     small outputs, 8 otherwise; a reduction block of 256 columns (32 packed words a row) or K if smaller."""
     block_k = min(256, max(16, triton.next_power_of_2(K)))
     return {"BLOCK_N": 4 if N <= 2048 else 8, "BLOCK_K": block_k, "num_warps": 4}
+
+
+def _mm_blocks(rows_a_tile: int) -> dict:
+    """A product's tile: BLOCK_M from the rows a tile can fill (16, tl.dot's least, up to 64), 64 x 64 for
+    the weight's. Untuned: nothing here has been timed on a GPU."""
+    block_m = min(64, max(16, triton.next_power_of_2(rows_a_tile)))
+    return {"BLOCK_M": block_m, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4}
 
 
 def _check_int4(K: int, group_size: int, qshape: tuple[int, ...], sshape: tuple[int, ...],
@@ -293,3 +353,106 @@ def fp8_picked_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, 
     N, K, bn, bk = _fp8_sizes(x, weight, scale, block, gate)
     return _picked(x, weight, scale, None, idx, weights, gate, N, K, _fp8_args(scale, bn, bk, block),
                    "fp8_picked_gemv")
+
+
+# --- prefill: many rows a product, through tl.dot ----------------------------------------------------
+
+def _mm(x: torch.Tensor, bank: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, N: int,
+        K: int, fmt: dict) -> torch.Tensor:
+    """x [M, K] times one weight, either format."""
+    if x.dim() != 2:
+        raise ValueError(f"{'fp8' if fmt['FP8'] else 'int4'}_mm: x {list(x.shape)} is not [M, K]")
+    x, bank, scales = x.contiguous(), bank.contiguous(), scales.contiguous()
+    M = x.shape[0]
+    out = torch.empty(M, N, device=x.device, dtype=x.dtype)
+    if M == 0:
+        return out
+    blocks = _mm_blocks(M)
+    _mm_kernel[(triton.cdiv(M, blocks["BLOCK_M"]), triton.cdiv(N, blocks["BLOCK_N"]))](
+        x, bank, scales, zeros.contiguous() if zeros is not None else scales, x, x, out, M=M, N=N, K=K,
+        x_row=x.stride(0), x_per=1, q_expert=0, s_expert=0, PROLOGUE=NONE, GROUPED=False, **fmt, **blocks)
+    return out
+
+
+def int4_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None = None,
+            *, group_size: int = 128) -> torch.Tensor:
+    """x [M, K] times the int4 weight (int4_gemv's layout): [M, N] in x's dtype, for a prefill's many
+    rows. Each program dequantizes its [64, 64] weight tiles in registers, once for up to 64 rows."""
+    N, K = _int4_sizes(x, qweight, scales, zeros, group_size, False)
+    return _mm(x, qweight, scales, zeros, N, K, _int4_args(zeros, group_size))
+
+
+def fp8_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+           *, block: tuple[int, int] | None = (128, 128)) -> torch.Tensor:
+    """x [M, K] times the e4m3 weight (fp8_gemv's layout and scales): [M, N] in x's dtype."""
+    N, K, bn, bk = _fp8_sizes(x, weight, scale, block, False)
+    return _mm(x, weight, scale, None, N, K, _fp8_args(scale, bn, bk, block))
+
+
+def _moe_plan(ids: torch.Tensor, E: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The picks sorted by expert, on the device and with no host sync, each expert's run padded to whole
+    tiles of block_m: (slots int32 [T * block_m], each a pick's index in ids' row-major order or P = ids.numel()
+    for padding; tile_expert int32 [T], each tile's expert or -1 past the last used tile). T is fixed by
+    (P, E, block_m) alone, so the shapes are fixed for fixed M (CUDA graphs): every used tile holds a pick,
+    so T <= P, and expert e's run takes ceil(c_e / block_m) tiles, so T <= (P + E * (block_m - 1)) / block_m."""
+    flat = ids.reshape(-1).long()  # scatter_add_ indexes with int64
+    P = flat.numel()
+    T = min(P, (P + E * (block_m - 1)) // block_m)
+    dev = flat.device
+    # scatter_add_, not bincount: bincount on CUDA reads the largest id back to size its output (a host sync)
+    counts = torch.zeros(E, dtype=torch.int64, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
+    tiles = (counts + block_m - 1) // block_m
+    tile_end = tiles.cumsum(0)
+    tile_expert = torch.searchsorted(tile_end, torch.arange(T, device=dev), right=True)
+    tile_expert = torch.where(tile_expert < E, tile_expert, -1).to(torch.int32)
+    order = torch.argsort(flat, stable=True)  # the picks in expert order (stable: an expert's in pick order)
+    by_expert = flat[order]
+    rank = torch.arange(P, device=dev) - (counts.cumsum(0) - counts)[by_expert]  # a pick's place in its run
+    slots = torch.full((T * block_m,), P, dtype=torch.int32, device=dev)
+    slots[(tile_end - tiles)[by_expert] * block_m + rank] = order.to(torch.int32)
+    return slots, tile_expert
+
+
+def _moe_mm(x: torch.Tensor, bank: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+            ids: torch.Tensor, gate: bool, N: int, K: int, fmt: dict, kind: str) -> torch.Tensor:
+    """The grouped product's launch, either format: one program per (tile of one expert's picks, 64 outputs)."""
+    if ids.dim() != 2:
+        raise ValueError(f"{kind}: ids {list(ids.shape)} is not [M, k] (each token's picked experts)")
+    M, top_k = ids.shape
+    if x.dim() != 2 or x.shape[0] not in (M, M * top_k):
+        raise ValueError(f"{kind}: x {list(x.shape)} has neither one row per token ({M}) nor one per pick "
+                         f"({M * top_k})")
+    E = bank.shape[0]
+    x, bank, scales = x.contiguous(), bank.contiguous(), scales.contiguous()
+    P = M * top_k
+    out = torch.empty(P, N, device=x.device, dtype=x.dtype)
+    if P == 0:
+        return out
+    blocks = _mm_blocks(P // E)  # a tile holds one expert's picks: about P / E of them
+    slots, tile_expert = _moe_plan(ids, E, blocks["BLOCK_M"])
+    _mm_kernel[(tile_expert.numel(), triton.cdiv(N, blocks["BLOCK_N"]))](
+        x, bank, scales, zeros.contiguous() if zeros is not None else scales, slots, tile_expert, out, M=P, N=N,
+        K=K, x_row=x.stride(0), x_per=top_k if x.shape[0] != P else 1, q_expert=bank.stride(0),
+        s_expert=scales.stride(0), PROLOGUE=GATE if gate else NONE, GROUPED=True, **fmt, **blocks)
+    return out
+
+
+def int4_moe_mm(x: torch.Tensor, qweight_bank: torch.Tensor, scales_bank: torch.Tensor, ids: torch.Tensor,
+                zeros_bank: torch.Tensor | None = None, *, group_size: int = 128, gate: bool = False) -> torch.Tensor:
+    """A prefill's experts in one launch: pick (m, j) multiplies expert ids[m, j]'s int4 weight (qweight_bank
+    [E, N, K/8], scales_bank and zeros_bank [E, N, K/g]) by token m's row of x [M, K] (the gate/up
+    product) or by its own row of x [M*k, K] (with `gate`, [M*k, 2K] and the input SiLU(gate) * up: the
+    down product). Returns [M*k, N] in pick order (row-major over ids), unweighted: the caller weights and
+    sums. ids [M, k] stays on the device; ids out of range are not checked (a host sync)."""
+    N, K = _int4_sizes(x, qweight_bank, scales_bank, zeros_bank, group_size, gate)
+    return _moe_mm(x, qweight_bank, scales_bank, zeros_bank, ids, gate, N, K, _int4_args(zeros_bank, group_size),
+                   "int4_moe_mm")
+
+
+def fp8_moe_mm(x: torch.Tensor, weight_bank: torch.Tensor, scale_bank: torch.Tensor, ids: torch.Tensor, *,
+               block: tuple[int, int] | None = (128, 128), gate: bool = False) -> torch.Tensor:
+    """int4_moe_mm's FP8 twin over weight_bank [E, N, K] (e4m3) with scale_bank [E, ceil(N/bn), ceil(K/bk)]
+    (`block`) or [E, N] / [E, N, 1] (block=None)."""
+    N, K, bn, bk = _fp8_sizes(x, weight_bank, scale_bank, block, gate)
+    return _moe_mm(x, weight_bank, scale_bank, None, ids, gate, N, K, _fp8_args(scale_bank, bn, bk, block),
+                   "fp8_moe_mm")
