@@ -13,7 +13,6 @@ fails these tests instead of skipping them."""
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -58,8 +57,6 @@ def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, 
     bn, bk = block
     full = scale.float().repeat_interleave(bn, dim=0).repeat_interleave(bk, dim=1)[:N, :K]
     return weight.float() * full
-
-
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -237,3 +234,167 @@ def test_the_formats_weights_go_into_the_kernels_as_they_are(qk, how):
     reference = packed.dequantize(torch.float32)
     assert ulps(y, layer(x, reference)) <= 1
     assert rel(y, x.float() @ reference.T) < 2e-3
+
+
+# --- the experts' FP8 product, the prefill products ----------------------------------------------------
+
+def random_fp8(N: int, K: int, block: tuple[int, int] | None, lead: tuple[int, ...] = ()):
+    weight = (torch.randn(*lead, N, K) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
+    rows, cols = (N, None) if block is None else (-(-N // block[0]), -(-K // block[1]))
+    scale = torch.rand(*lead, rows, *(() if cols is None else (cols,))) * 1e-3 + 1e-4
+    return weight, scale
+
+
+def int4_bank(E: int, N: int, K: int, g: int):
+    qweight, scales, zeros = random_int4(E * N, K, g, zeros=True)
+    bank = qweight.view(E, N, -1), scales.view(E, N, -1), zeros.view(E, N, -1)
+    return bank, [dequantize_int4(bank[0][e], bank[1][e], bank[2][e], g) for e in range(E)]
+
+
+@pytest.mark.parametrize("block,per_pick", [((32, 64), False), (None, True)])
+def test_fp8_picked_gemv_reads_the_picked_experts(qk, block, per_pick):
+    torch.manual_seed(8)
+    E, N, K, k = 4, 40, 96, 3
+    weight, scale = random_fp8(N, K, block, lead=(E,))
+    w = [dequantize_fp8(weight[e], scale[e], block) for e in range(E)]
+    idx = torch.tensor([3, 0, 2])
+    x = torch.randn(k, K, dtype=DT) if per_pick else torch.randn(K, dtype=DT)
+    xs = x if per_pick else x.expand(k, K)
+    per = [layer(xs[p], w[e]) for p, e in enumerate(idx.tolist())]
+    y = qk.fp8_picked_gemv(x, weight, scale, idx, block=block)
+    assert y.shape == (k, N) and ulps(y, torch.stack(per)) <= 1
+    weights = torch.softmax(torch.randn(k), -1).to(DT)
+    total = sum((per[p].float() * weights[p].float()).to(DT).float() for p in range(k))
+    summed = qk.fp8_picked_gemv(x, weight, scale, idx, block=block, weights=weights)
+    assert summed.shape == (N,) and ulps(summed, total.to(DT)) <= 1
+    assert ulps(summed, (torch.stack(per[::-1]).float() * weights[:, None].float()).sum(0).to(DT)) > 8
+    gate_up = torch.randn(k, 2 * K, dtype=DT)
+    acts = F.silu(gate_up[:, :K]) * gate_up[:, K:]
+    down = torch.stack([layer(acts[p], w[e]) for p, e in enumerate(idx.tolist())])
+    assert ulps(qk.fp8_picked_gemv(gate_up, weight, scale, idx, block=block, gate=True), down) <= 1
+    if block is None:  # [E, N, 1] reads as [E, N]
+        assert torch.equal(qk.fp8_picked_gemv(x, weight, scale[..., None], idx, block=None), y)
+
+
+@pytest.mark.parametrize("M,N,K,g", [(5, 72, 192, 64), (70, 40, 160, 32)])  # partial row, column and K tiles
+def test_int4_mm_is_dequantize_then_multiply(qk, M, N, K, g):
+    torch.manual_seed(M)
+    qweight, scales, zeros = random_int4(N, K, g, zeros=M > 8)
+    x = torch.randn(M, K, dtype=DT)
+    w = dequantize_int4(qweight, scales, zeros, g)
+    y = qk.int4_mm(x, qweight, scales, zeros, group_size=g)
+    assert y.shape == (M, N) and y.dtype == DT
+    assert ulps(y, layer(x, w)) <= 1
+    assert rel(y, x.float() @ w.T) < 2e-3
+
+
+@pytest.mark.parametrize("M,N,K,block", [(5, 136, 160, (128, 128)), (40, 72, 192, (32, 64)), (24, 48, 96, None)])
+def test_fp8_mm_is_dequantize_then_multiply(qk, M, N, K, block):
+    torch.manual_seed(M)
+    weight, scale = random_fp8(N, K, block)
+    x = torch.randn(M, K, dtype=DT)
+    w = dequantize_fp8(weight, scale, block)
+    y = qk.fp8_mm(x, weight, scale, block=block)
+    assert y.shape == (M, N) and ulps(y, layer(x, w)) <= 1
+    assert rel(y, x.float() @ w.T) < 2e-3
+
+
+def test_mm_in_float32_multiplies_in_float32(qk):
+    """float32 activations stay float32 through the tile product. The interpreter multiplies in float32 whatever
+    tl.dot's input_precision says, so this cannot see TF32 (a GPU would): it checks the rest of the path."""
+    torch.manual_seed(9)
+    qweight, scales, zeros = random_int4(48, 128, 64, zeros=True, sdtype=torch.float32)
+    x = torch.randn(17, 128)
+    ref = x.double() @ dequantize_int4(qweight, scales, zeros, 64).double().T
+    y = qk.int4_mm(x, qweight, scales, zeros, group_size=64)
+    assert y.dtype == torch.float32 and rel(y, ref) < 1e-6
+
+
+# --- the grouped experts' product ----------------------------------------------------------------------
+
+def skewed_ids(M: int, k: int, E: int) -> torch.Tensor:
+    """Each token's k distinct experts: expert 0 in every token (more picks than one tile holds), the last
+    expert in none (an expert with no tile)."""
+    rest = torch.stack([torch.randperm(E - 2)[: k - 1] + 1 for _ in range(M)])
+    return torch.cat([torch.zeros(M, 1, dtype=torch.int64), rest], 1)
+
+
+def test_the_moe_plan_puts_every_pick_once_in_its_experts_tiles(qk):
+    torch.manual_seed(10)
+    M, k, E, bm = 37, 3, 6, 16
+    ids = skewed_ids(M, k, E)
+    slots, tile_expert = qk._moe_plan(ids, E, bm)
+    P = M * k
+    assert tile_expert.numel() == min(P, (P + E * (bm - 1)) // bm) and slots.numel() == tile_expert.numel() * bm
+    tiles = slots.view(-1, bm).long()
+    flat = ids.flatten()
+    real = tiles < P
+    assert sorted(tiles[real].tolist()) == list(range(P))  # each pick once
+    for t, e in enumerate(tile_expert.tolist()):
+        if e < 0:
+            assert not real[t].any()
+        else:  # one expert a tile, its picks in pick order, the padding at the end
+            picks = tiles[t][real[t]]
+            assert (flat[picks] == e).all() and picks.tolist() == sorted(picks.tolist())
+            assert real[t].tolist() == sorted(real[t].tolist(), reverse=True)
+    used = [e for e in tile_expert.tolist() if e >= 0]
+    assert used == sorted(used) and used.count(0) == -(-M // bm) and E - 1 not in used
+
+
+def moe_reference(x: torch.Tensor, w: list[torch.Tensor], ids: torch.Tensor, gate: bool) -> torch.Tensor:
+    M, k = ids.shape
+    K = w[0].shape[1]
+    rows = x.repeat_interleave(k, 0) if x.shape[0] == M else x
+    if gate:
+        rows = F.silu(rows[:, :K]) * rows[:, K:]
+    return torch.stack([layer(rows[p], w[e]) for p, e in enumerate(ids.flatten().tolist())])
+
+
+@pytest.mark.parametrize("form", ["per token", "per pick, gate"])
+def test_int4_moe_mm_is_each_picks_own_product(qk, form):
+    torch.manual_seed(11)
+    M, k, E, N, K, g = 20, 2, 5, 72, 128, 32
+    (qweight, scales, zeros), w = int4_bank(E, N, K, g)
+    ids = skewed_ids(M, k, E)
+    gate = "gate" in form
+    x = torch.randn(M, K, dtype=DT) if form == "per token" else torch.randn(M * k, 2 * K, dtype=DT)
+    y = qk.int4_moe_mm(x, qweight, scales, ids, zeros, group_size=g, gate=gate)
+    assert y.shape == (M * k, N) and y.dtype == DT
+    assert ulps(y, moe_reference(x, w, ids, gate)) <= 1
+
+
+@pytest.mark.parametrize("block", [(32, 64), None])
+def test_fp8_moe_mm_is_each_picks_own_product(qk, block):
+    torch.manual_seed(12)
+    M, k, E, N, K = 19, 2, 4, 40, 96
+    weight, scale = random_fp8(N, K, block, lead=(E,))
+    w = [dequantize_fp8(weight[e], scale[e], block) for e in range(E)]
+    ids = skewed_ids(M, k, E)
+    x = torch.randn(M * k, K, dtype=DT)
+    y = qk.fp8_moe_mm(x, weight, scale, ids, block=block)
+    assert y.shape == (M * k, N) and ulps(y, moe_reference(x, w, ids, False)) <= 1
+
+
+def test_the_new_products_refuse_shapes_that_do_not_fit(qk):
+    E, N, K = 3, 16, 64
+    w8, s8 = random_fp8(N, K, (8, 32), lead=(E,))
+    x = torch.randn(K, dtype=DT)
+    idx = torch.tensor([0, 2])
+    with pytest.raises(ValueError, match="one per pick"):
+        qk.fp8_picked_gemv(torch.randn(3, K, dtype=DT), w8, s8, idx, block=(8, 32))
+    with pytest.raises(ValueError, match=r"block scales \[3, 1, 2\] should be \[3, 2, 2\]"):
+        qk.fp8_picked_gemv(x, w8, s8[:, :1], idx, block=(8, 32))
+    with pytest.raises(ValueError, match=r"per-channel scales .* should be \[3, 16\]"):
+        qk.fp8_picked_gemv(x, w8, torch.ones(E, 8), idx, block=None)
+    with pytest.raises(ValueError, match=r"2K=128 \(\[gate"):
+        qk.fp8_picked_gemv(x, w8, s8, idx, block=(8, 32), gate=True)
+    with pytest.raises(ValueError, match=r"is not \[M, K\]"):
+        qk.fp8_mm(x, w8[0], s8[0], block=(8, 32))
+    (qweight, scales, zeros), _ = int4_bank(E, N, K, 32)
+    ids = torch.tensor([[0, 1], [2, 0], [1, 2]])
+    with pytest.raises(ValueError, match=r"ids \[6\] is not \[M, k\]"):
+        qk.int4_moe_mm(torch.randn(3, K, dtype=DT), qweight, scales, ids.flatten(), zeros, group_size=32)
+    with pytest.raises(ValueError, match=r"neither one row per token \(3\) nor one per pick \(6\)"):
+        qk.int4_moe_mm(torch.randn(4, K, dtype=DT), qweight, scales, ids, zeros, group_size=32)
+    with pytest.raises(ValueError, match="zeros"):
+        qk.int4_moe_mm(torch.randn(3, K, dtype=DT), qweight, scales, ids, zeros[:1], group_size=32)

@@ -1,14 +1,31 @@
-"""Triton kernels for the one-token decode over quantized weights: matrix-vector products that read the
-packed weight once and dequantize it in registers, block by block, never as a whole matrix.
+"""Triton kernels over quantized weights that dequantize the packed weight in registers, tile by tile,
+never as a whole matrix: matrix-vector products for the one-token decode (read the weight once) and
+tl.dot products for a prefill's many rows (each weight tile dequantized once for up to 64 rows).
 
+Decode (batch 1):
 - `int4_gemv(x, qweight, scales, zeros=, group_size=, gate=)`: rows x [..., K] times a 4-bit weight [N, K];
   with `gate`, each row is [gate | up] and the input SiLU(gate) * up (the down projection's).
 - `fp8_gemv(x, weight, scale, block=)`: rows x [..., K] times an e4m3 weight [N, K] with block or
   per-channel scales.
-- `int4_picked_gemv(x, qweight, scales, idx, zeros=, group_size=, weights=, gate=)`: the int4 product over the
-  experts `idx` picks from a bank [E, N, K] (idx on the device: no host sync), as `kernels.picked_gemv`.
+- `int4_picked_gemv(x, qweight, scales, idx, zeros=, group_size=, weights=, gate=)` and
+  `fp8_picked_gemv(x, weight, scale, idx, block=, weights=, gate=)`: the product over the experts `idx`
+  picks from a bank [E, N, K] (idx on the device: no host sync), as `kernels.picked_gemv`.
 
-The layouts they read (the in-memory form; turning a checkpoint's layout into it is not done here):
+Prefill:
+- `int4_mm(x, qweight, scales, zeros=, group_size=)`, `fp8_mm(x, weight, scale, block=)`: x [M, K] -> [M, N].
+- `int4_moe_mm(x, qweight_bank, scales_bank, ids, zeros_bank=, group_size=, gate=)` and
+  `fp8_moe_mm(x, weight_bank, scale_bank, ids, block=, gate=)`: every token's picked experts (ids [M, k])
+  in one launch, -> [M*k, N] in pick order, unweighted. The picks are sorted by expert on the device
+  (`_moe_plan`, torch ops, no host sync) and each expert's run padded to whole row tiles, so a tile
+  reads one expert's weight; the number of tiles is bounded on the host by M*k + E*(BLOCK_M - 1) rows,
+  which fixes every shape for a fixed M (CUDA graphs). The idea is vLLM's moe_align_block_size.
+
+The two formats share one kernel per product: a tile of the weight is dequantized by `_int4_tile` or
+`_fp8_tile` (a constexpr picks), the rest is the same. An expert bank is the single weight's layout with
+a leading E, on the weight and on its scales (and zeros).
+
+The layouts they read (the in-memory form of omni_cli.quant.formats; a checkpoint's layout is turned into
+it there, not here):
 - int4: `qweight` int32 [N, K/8], eight values along K a word, value i of a word at bits 4i..4i+3,
   unsigned 0..15. The weight is (q - z) * s with z = 8 (symmetric) or the group's zero point from `zeros`
   [N, K/g] (any integer dtype), and s from `scales` [N, K/g] (bfloat16, float16 or float32). K must be a
@@ -19,12 +36,16 @@ The layouts they read (the in-memory form; turning a checkpoint's layout into it
 
 Rounding follows `kernels.py`: the dequantized weight is computed in float32 ((q - z) * s, or w * s) and
 rounded to the activations' dtype, which is what an eager layer holding the dequantized weight in that
-dtype would use; the product accumulates in float32 and is rounded once to x's dtype. The summation order
-differs from cuBLAS's, so a result can differ from `F.linear` in the last bit.
+dtype would use; the product accumulates in float32 and is rounded once to x's dtype (the tl.dot products
+in float32 for float32 activations too, not TF32). The summation order differs from cuBLAS's, so a result
+can differ from `F.linear` in the last bit.
 
 What it does not know: models, checkpoint formats and their packing orders (GPTQ's, AWQ's), act-order
-(`g_idx`) permutations, asymmetric FP8 or per-tensor FP8 scales. The block shapes are a guess, not tuned:
-nothing here has been timed on a GPU yet. Importing it needs triton.
+(`g_idx`) permutations, asymmetric FP8 or per-tensor FP8 scales; the MoE products do not weight or sum
+the picks, and expert ids are not checked against E (that would be a host sync). The tl.dot products
+dequantize with the activations' dtype, not FP8 or int8 tensor-core inputs. The block shapes are a guess,
+not tuned: nothing here has been run or timed on a GPU yet (only Triton's CPU interpreter, in the tests).
+Importing it needs triton.
 """
 
 from __future__ import annotations
@@ -37,91 +58,140 @@ from .kernels import GATE, NONE, prologue_input
 
 
 @triton.jit
-def _int4_rows(x_ptr, q_ptr, s_ptr, z_ptr, rows, N, K, G, ZEROS: tl.constexpr, PROLOGUE: tl.constexpr,
-               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """float32 [BLOCK_N]: rows `rows` of the int4 weight (q_ptr [N, K/8], s_ptr/z_ptr [N, K/G]) times the
-    input [K] (PROLOGUE GATE: made from a [gate | up] row, as kernels.prologue_input makes it)."""
+def _int4_tile(q_ptr, s_ptr, z_ptr, rows, k0, N, K, G, ZEROS: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_K: tl.constexpr):
+    """float32 [BLOCK_N, BLOCK_K]: rows `rows`, columns k0.. of the int4 weight (q_ptr [N, K/8], s_ptr and
+    z_ptr [N, K/G]) as (q - z) * s; zero past the edges."""
     BLOCK_W: tl.constexpr = BLOCK_K // 8
     KW = K // 8
     KG = K // G
     shifts = tl.arange(0, 8) * 4
     row_ok = rows[:, None] < N
+    words = k0 // 8 + tl.arange(0, BLOCK_W)
+    packed = tl.load(q_ptr + rows[:, None] * KW + words[None, :], mask=row_ok & (words[None, :] < KW), other=0)
+    # [BLOCK_N, BLOCK_W, 8] -> [BLOCK_N, BLOCK_K]: column 8w + i is nibble i of word w
+    q = tl.reshape((packed[:, :, None] >> shifts[None, None, :]) & 0xF, [BLOCK_N, BLOCK_K]).to(tl.float32)
+    cols = k0 + tl.arange(0, BLOCK_K)
+    mask = row_ok & (cols[None, :] < K)
+    at = rows[:, None] * KG + cols[None, :] // G
+    s = tl.load(s_ptr + at, mask=mask, other=0.0).to(tl.float32)
+    if ZEROS:
+        z = tl.load(z_ptr + at, mask=mask, other=0).to(tl.float32)
+    else:
+        z = 8.0
+    return (q - z) * s
+
+
+@triton.jit
+def _fp8_tile(w_ptr, s_ptr, rows, k0, N, K, BN, BK, s_row, BLOCKED: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_K: tl.constexpr):
+    """float32 [BLOCK_N, BLOCK_K]: rows `rows`, columns k0.. of the e4m3 weight w_ptr [N, K] times its block
+    scale (s_ptr [ceil(N/BN), s_row]) or its row's (s_ptr [N]); zero past the edges."""
+    cols = k0 + tl.arange(0, BLOCK_K)
+    mask = (rows[:, None] < N) & (cols[None, :] < K)
+    w = tl.load(w_ptr + rows[:, None] * K + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if BLOCKED:
+        s = tl.load(s_ptr + (rows[:, None] // BN) * s_row + cols[None, :] // BK, mask=mask, other=0.0)
+    else:  # per-channel: one multiplier a row, applied to each weight as the dequantized layer has it
+        s = tl.load(s_ptr + rows, mask=rows < N, other=0.0)[:, None]
+    return w * s.to(tl.float32)
+
+
+@triton.jit
+def _tile(q_ptr, s_ptr, z_ptr, rows, k0, N, K, G, BN, BK, s_row, dt: tl.constexpr, FP8: tl.constexpr,
+          ZEROS: tl.constexpr, BLOCKED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """A dequantized tile of either format, rounded to the activations' dtype dt (kept as float32): the
+    weight an eager layer holding it in dt would multiply with."""
+    if FP8:
+        w = _fp8_tile(q_ptr, s_ptr, rows, k0, N, K, BN, BK, s_row, BLOCKED, BLOCK_N, BLOCK_K)
+    else:
+        w = _int4_tile(q_ptr, s_ptr, z_ptr, rows, k0, N, K, G, ZEROS, BLOCK_N, BLOCK_K)
+    return w.to(dt).to(tl.float32)
+
+
+@triton.jit
+def _rows(x_ptr, q_ptr, s_ptr, z_ptr, rows, N, K, G, BN, BK, s_row, FP8: tl.constexpr, ZEROS: tl.constexpr,
+          BLOCKED: tl.constexpr, PROLOGUE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """float32 [BLOCK_N]: rows `rows` of the weight times the input [K] (PROLOGUE GATE: made from a
+    [gate | up] row, as kernels.prologue_input makes it)."""
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        words = k0 // 8 + tl.arange(0, BLOCK_W)
-        packed = tl.load(q_ptr + rows[:, None] * KW + words[None, :], mask=row_ok & (words[None, :] < KW), other=0)
-        # [BLOCK_N, BLOCK_W, 8] -> [BLOCK_N, BLOCK_K]: column 8w + i is nibble i of word w
-        q = tl.reshape((packed[:, :, None] >> shifts[None, None, :]) & 0xF, [BLOCK_N, BLOCK_K]).to(tl.float32)
-        cols = k0 + tl.arange(0, BLOCK_K)
-        mask = row_ok & (cols[None, :] < K)
-        at = rows[:, None] * KG + cols[None, :] // G
-        s = tl.load(s_ptr + at, mask=mask, other=0.0).to(tl.float32)
-        if ZEROS:
-            z = tl.load(z_ptr + at, mask=mask, other=0).to(tl.float32)
-        else:
-            z = 8.0
-        w = ((q - z) * s).to(x_ptr.dtype.element_ty).to(tl.float32)
-        acc += w * prologue_input(x_ptr, x_ptr, cols, K, 0.0, PROLOGUE)[None, :]
+        w = _tile(q_ptr, s_ptr, z_ptr, rows, k0, N, K, G, BN, BK, s_row, x_ptr.dtype.element_ty, FP8, ZEROS,
+                  BLOCKED, BLOCK_N, BLOCK_K)
+        acc += w * prologue_input(x_ptr, x_ptr, k0 + tl.arange(0, BLOCK_K), K, 0.0, PROLOGUE)[None, :]
     return tl.sum(acc, axis=1)
 
 
 @triton.jit
-def _int4_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, out_ptr, N, K, G, x_row, ZEROS: tl.constexpr,
-                      PROLOGUE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, out_ptr, N, K, G, BN, BK, s_row, x_row, FP8: tl.constexpr,
+                 ZEROS: tl.constexpr, BLOCKED: tl.constexpr, PROLOGUE: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m = tl.program_id(1)
-    y = _int4_rows(x_ptr + m * x_row, q_ptr, s_ptr, z_ptr, rows, N, K, G, ZEROS, PROLOGUE, BLOCK_N, BLOCK_K)
+    y = _rows(x_ptr + m * x_row, q_ptr, s_ptr, z_ptr, rows, N, K, G, BN, BK, s_row, FP8, ZEROS, BLOCKED, PROLOGUE,
+              BLOCK_N, BLOCK_K)
     tl.store(out_ptr + m * N + rows, y.to(out_ptr.dtype.element_ty), mask=rows < N)
 
 
 @triton.jit
-def _int4_picked_kernel(x_ptr, q_ptr, s_ptr, z_ptr, idx_ptr, rw_ptr, out_ptr, N, K, G, x_stride,
-                        TOPK: tl.constexpr, ZEROS: tl.constexpr, PROLOGUE: tl.constexpr, SUM: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _picked_kernel(x_ptr, q_ptr, s_ptr, z_ptr, idx_ptr, rw_ptr, out_ptr, N, K, G, BN, BK, s_row, x_stride,
+                   q_expert, s_expert, TOPK: tl.constexpr, FP8: tl.constexpr, ZEROS: tl.constexpr,
+                   BLOCKED: tl.constexpr, PROLOGUE: tl.constexpr, SUM: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr):
+    """q_expert / s_expert: one expert's stride in the weight bank and in its scales (and zeros)."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    q_expert = N * (K // 8)
-    s_expert = N * (K // G)
     if SUM:  # each pick rounded to the output's dtype, scaled, rounded again, summed in top-k order
         total = tl.zeros([BLOCK_N], dtype=tl.float32)
         for p in tl.static_range(TOPK):
             e = tl.load(idx_ptr + p).to(tl.int64)
-            y = _int4_rows(x_ptr + p * x_stride, q_ptr + e * q_expert, s_ptr + e * s_expert, z_ptr + e * s_expert,
-                           rows, N, K, G, ZEROS, PROLOGUE, BLOCK_N, BLOCK_K).to(out_ptr.dtype.element_ty).to(tl.float32)
+            y = _rows(x_ptr + p * x_stride, q_ptr + e * q_expert, s_ptr + e * s_expert, z_ptr + e * s_expert, rows,
+                      N, K, G, BN, BK, s_row, FP8, ZEROS, BLOCKED, PROLOGUE, BLOCK_N, BLOCK_K)
             rw = tl.load(rw_ptr + p).to(tl.float32)
-            total += (y * rw).to(out_ptr.dtype.element_ty).to(tl.float32)
+            total += (y.to(out_ptr.dtype.element_ty).to(tl.float32) * rw).to(out_ptr.dtype.element_ty).to(tl.float32)
         tl.store(out_ptr + rows, total.to(out_ptr.dtype.element_ty), mask=rows < N)
     else:  # one pick per program row of the grid: out [TOPK, N]
         p = tl.program_id(1)
         e = tl.load(idx_ptr + p).to(tl.int64)
-        y = _int4_rows(x_ptr + p * x_stride, q_ptr + e * q_expert, s_ptr + e * s_expert, z_ptr + e * s_expert,
-                       rows, N, K, G, ZEROS, PROLOGUE, BLOCK_N, BLOCK_K)
+        y = _rows(x_ptr + p * x_stride, q_ptr + e * q_expert, s_ptr + e * s_expert, z_ptr + e * s_expert, rows,
+                  N, K, G, BN, BK, s_row, FP8, ZEROS, BLOCKED, PROLOGUE, BLOCK_N, BLOCK_K)
         tl.store(out_ptr + p * N + rows, y.to(out_ptr.dtype.element_ty), mask=rows < N)
 
 
 @triton.jit
-def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, N, K, x_row, BN, BK, s_row, BLOCKED: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    m = tl.program_id(1)
-    x_ptr += m * x_row
-    row_ok = rows[:, None] < N
-    if not BLOCKED:  # per-channel: one multiplier a row, applied to each weight as the dequantized layer has it
-        s_rows = tl.load(s_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)
-    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        cols = k0 + tl.arange(0, BLOCK_K)
-        mask = row_ok & (cols[None, :] < K)
-        w = tl.load(w_ptr + rows[:, None] * K + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        if BLOCKED:
-            s = tl.load(s_ptr + (rows[:, None] // BN) * s_row + cols[None, :] // BK, mask=mask, other=0.0)
-            w = w * s.to(tl.float32)
-        else:
-            w = w * s_rows[:, None]
-        w = w.to(x_ptr.dtype.element_ty).to(tl.float32)
-        x = tl.load(x_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
-        acc += w * x[None, :]
-    y = tl.sum(acc, axis=1)
-    tl.store(out_ptr + m * N + rows, y.to(out_ptr.dtype.element_ty), mask=rows < N)
+def _mm_kernel(x_ptr, q_ptr, s_ptr, z_ptr, slots_ptr, tile_e_ptr, out_ptr, M, N, K, G, BN, BK, s_row, x_row,
+               x_per, q_expert, s_expert, FP8: tl.constexpr, ZEROS: tl.constexpr, BLOCKED: tl.constexpr,
+               PROLOGUE: tl.constexpr, GROUPED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_K: tl.constexpr):
+    """A [BLOCK_M, BLOCK_N] tile of out [M, N]: input rows times weight tiles dequantized in registers, through
+    tl.dot. GROUPED: the tile's output rows are picks slots_ptr[tile] (M = padding) of the one expert
+    tile_e_ptr[tile] (-1: an unused tile, which reads nothing), and pick p's input is row p // x_per."""
+    t = tl.program_id(0)
+    cols_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    if GROUPED:
+        picks = tl.load(slots_ptr + t * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+        e = tl.load(tile_e_ptr + t).to(tl.int64)
+        k_end = tl.where(e >= 0, K, 0)  # a loop of no steps, not an early return: one path for every tile
+        e = tl.maximum(e, 0)
+    else:
+        picks = t * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
+        e = 0
+        k_end = K
+    ok = picks < M
+    x_rows = x_ptr + tl.where(ok, picks // x_per, 0)[:, None] * x_row  # padding reads row 0, stores nothing
+    q_ptr += e * q_expert
+    s_ptr += e * s_expert
+    z_ptr += e * s_expert
+    dt = out_ptr.dtype.element_ty
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, k_end, BLOCK_K):
+        cols = (k0 + tl.arange(0, BLOCK_K))[None, :]
+        a = prologue_input(x_rows, x_rows, cols, K, 0.0, PROLOGUE).to(dt)
+        w = _tile(q_ptr, s_ptr, z_ptr, cols_n, k0, N, K, G, BN, BK, s_row, dt, FP8, ZEROS, BLOCKED, BLOCK_N,
+                  BLOCK_K).to(dt)
+        # "ieee": float32 activations multiply in float32, not TF32 (half-precision ones are unaffected)
+        acc = tl.dot(a, tl.trans(w), acc, input_precision="ieee")
+    mask = ok[:, None] & (cols_n[None, :] < N)
+    tl.store(out_ptr + picks[:, None] * N + cols_n[None, :], acc.to(dt), mask=mask)
 
 
 def _blocks(N: int, K: int) -> dict:
@@ -129,6 +199,13 @@ def _blocks(N: int, K: int) -> dict:
     small outputs, 8 otherwise; a reduction block of 256 columns (32 packed words a row) or K if smaller."""
     block_k = min(256, max(16, triton.next_power_of_2(K)))
     return {"BLOCK_N": 4 if N <= 2048 else 8, "BLOCK_K": block_k, "num_warps": 4}
+
+
+def _mm_blocks(rows_a_tile: int) -> dict:
+    """A product's tile: BLOCK_M from the rows a tile can fill (16, tl.dot's least, up to 64), 64 x 64 for
+    the weight's. Untuned: nothing here has been timed on a GPU."""
+    block_m = min(64, max(16, triton.next_power_of_2(rows_a_tile)))
+    return {"BLOCK_M": block_m, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4}
 
 
 def _check_int4(K: int, group_size: int, qshape: tuple[int, ...], sshape: tuple[int, ...],
@@ -143,20 +220,59 @@ def _check_int4(K: int, group_size: int, qshape: tuple[int, ...], sshape: tuple[
         raise ValueError(f"int4: zeros {list(zshape)} must have the scales' shape {list(sshape)}")
 
 
-def _width(x: torch.Tensor, K: int, gate: bool) -> None:
+def _width(x: torch.Tensor, K: int, gate: bool, kind: str) -> None:
     if x.shape[-1] != (2 * K if gate else K):
         want = f"2K={2 * K} ([gate | up])" if gate else f"K={K}"
-        raise ValueError(f"int4: x {list(x.shape)} does not end in the weight's {want}")
+        raise ValueError(f"{kind}: x {list(x.shape)} does not end in the weight's {want}")
 
 
 def _int4_sizes(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
                 group_size: int, gate: bool) -> tuple[int, int]:
     """(N, K) of an int4 weight [..., N, K/8] (one, or a bank of experts), its scales, zeros and input checked."""
     N, K = qweight.shape[-2], qweight.shape[-1] * 8
-    _width(x, K, gate)
+    _width(x, K, gate, "int4")
     _check_int4(K, group_size, tuple(qweight.shape), tuple(scales.shape),
                 tuple(zeros.shape) if zeros is not None else None)
     return N, K
+
+
+def _fp8_sizes(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None,
+               gate: bool) -> tuple[int, int, int, int]:
+    """(N, K, bn, bk) of an e4m3 weight [..., N, K] (one, or a bank of experts) and its scales [..., *]
+    checked: bn = bk = 1 for per-channel scales."""
+    N, K = weight.shape[-2:]
+    lead = list(weight.shape[:-2])
+    _width(x, K, gate, "fp8")
+    if weight.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"fp8: the weight is {weight.dtype}, not torch.float8_e4m3fn")
+    if block is not None:
+        bn, bk = block
+        want = lead + [triton.cdiv(N, bn), triton.cdiv(K, bk)]
+        if list(scale.shape) != want:
+            raise ValueError(f"fp8: block scales {list(scale.shape)} should be {want} for {lead + [N, K]} "
+                             f"in blocks {[bn, bk]}")
+        return N, K, bn, bk
+    if list(scale.shape) not in (lead + [N], lead + [N, 1]):
+        raise ValueError(f"fp8: per-channel scales {list(scale.shape)} should be {lead + [N]} or {lead + [N, 1]}")
+    return N, K, 1, 1
+
+
+def _fp8_args(scale: torch.Tensor, bn: int, bk: int, block: tuple[int, int] | None) -> dict:
+    """The FP8 kernels' format arguments (the int4 ones' G and zeros unused)."""
+    return {"G": 1, "BN": bn, "BK": bk, "s_row": scale.shape[-1] if block is not None else 1, "FP8": True,
+            "ZEROS": False, "BLOCKED": block is not None}
+
+
+def _int4_args(zeros: torch.Tensor | None, group_size: int) -> dict:
+    return {"G": group_size, "BN": 1, "BK": 1, "s_row": 1, "FP8": False, "ZEROS": zeros is not None,
+            "BLOCKED": False}
+
+
+def _pick_stride(x: torch.Tensor, top_k: int, kind: str) -> int:
+    """The step between the picks' input rows: 0 for one row [K] (or [1, K]) that every pick uses."""
+    if x.dim() > 1 and x.shape[0] not in (1, top_k):
+        raise ValueError(f"{kind}: x {list(x.shape)} has neither one row nor one per pick ({top_k})")
+    return 0 if x.dim() == 1 or x.shape[0] == 1 else x.stride(0)
 
 
 def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None = None,
@@ -169,9 +285,49 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
     qweight, scales = qweight.contiguous(), scales.contiguous()
     out = torch.empty(*x.shape[:-1], N, device=x.device, dtype=x.dtype)
     blocks = _blocks(N, K)
-    _int4_gemv_kernel[(triton.cdiv(N, blocks["BLOCK_N"]), x.numel() // x.shape[-1])](
-        x, qweight, scales, zeros.contiguous() if zeros is not None else scales, out, N, K, group_size,
-        x.shape[-1], ZEROS=zeros is not None, PROLOGUE=GATE if gate else NONE, **blocks)
+    _gemv_kernel[(triton.cdiv(N, blocks["BLOCK_N"]), x.numel() // x.shape[-1])](
+        x, qweight, scales, zeros.contiguous() if zeros is not None else scales, out, N=N, K=K,
+        x_row=x.shape[-1], PROLOGUE=GATE if gate else NONE, **_int4_args(zeros, group_size), **blocks)
+    return out
+
+
+def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+             *, block: tuple[int, int] | None = (128, 128)) -> torch.Tensor:
+    """Rows x [..., K] times the float8_e4m3fn weight [N, K] dequantized as weight * scale: with `block`
+    (bn, bk), scale [ceil(N/bn), ceil(K/bk)], one multiplier a block; with block=None, per-channel scale
+    [N] or [N, 1]. Returns [..., N] in x's dtype."""
+    N, K, bn, bk = _fp8_sizes(x, weight, scale, block, False)
+    x = x.contiguous()
+    weight, scale = weight.contiguous(), scale.contiguous()
+    out = torch.empty(*x.shape[:-1], N, device=x.device, dtype=x.dtype)
+    blocks = _blocks(N, K)
+    _gemv_kernel[(triton.cdiv(N, blocks["BLOCK_N"]), x.numel() // K)](
+        x, weight, scale, scale, out, N=N, K=K, x_row=K, PROLOGUE=NONE,
+        **_fp8_args(scale, bn, bk, block), **blocks)
+    return out
+
+
+def _picked(x: torch.Tensor, bank: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+            idx: torch.Tensor, weights: torch.Tensor | None, gate: bool, N: int, K: int, fmt: dict,
+            kind: str) -> torch.Tensor:
+    """The picked products' launch, either format (fmt: its kernel arguments)."""
+    top_k = idx.numel()
+    x = x.contiguous()
+    x_stride = _pick_stride(x, top_k, kind)
+    bank, scales, idx = bank.contiguous(), scales.contiguous(), idx.contiguous()
+    blocks = _blocks(N, K)
+    grid: tuple[int, ...]
+    if weights is None:
+        out = torch.empty(top_k, N, device=x.device, dtype=x.dtype)
+        grid = (triton.cdiv(N, blocks["BLOCK_N"]), top_k)
+    else:
+        out = torch.empty(N, device=x.device, dtype=x.dtype)
+        grid = (triton.cdiv(N, blocks["BLOCK_N"]),)
+    _picked_kernel[grid](
+        x, bank, scales, zeros.contiguous() if zeros is not None else scales, idx,
+        weights.contiguous() if weights is not None else x, out, N=N, K=K, x_stride=x_stride,
+        q_expert=bank.stride(0), s_expert=scales.stride(0), TOPK=top_k, PROLOGUE=GATE if gate else NONE,
+        SUM=weights is not None, **fmt, **blocks)
     return out
 
 
@@ -184,52 +340,119 @@ def int4_picked_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
     `weights` [k], the picks scaled and summed, [N]. The picks are not checked against E (that would be a
     host sync): an index out of range reads out of bounds."""
     N, K = _int4_sizes(x, qweight, scales, zeros, group_size, gate)
-    top_k = idx.numel()
-    x = x.contiguous()
-    if x.dim() > 1 and x.shape[0] not in (1, top_k):
-        raise ValueError(f"int4_picked_gemv: x {list(x.shape)} has neither one row nor one per pick ({top_k})")
-    x_stride = 0 if x.dim() == 1 or x.shape[0] == 1 else x.stride(0)
-    qweight, scales, idx = qweight.contiguous(), scales.contiguous(), idx.contiguous()
-    blocks = _blocks(N, K)
-    grid: tuple[int, ...]
-    if weights is None:
-        out = torch.empty(top_k, N, device=x.device, dtype=x.dtype)
-        grid = (triton.cdiv(N, blocks["BLOCK_N"]), top_k)
-    else:
-        out = torch.empty(N, device=x.device, dtype=x.dtype)
-        grid = (triton.cdiv(N, blocks["BLOCK_N"]),)
-    _int4_picked_kernel[grid](
-        x, qweight, scales, zeros.contiguous() if zeros is not None else scales, idx,
-        weights.contiguous() if weights is not None else x, out, N, K, group_size, x_stride, TOPK=top_k,
-        ZEROS=zeros is not None, PROLOGUE=GATE if gate else NONE, SUM=weights is not None, **blocks)
+    return _picked(x, qweight, scales, zeros, idx, weights, gate, N, K, _int4_args(zeros, group_size),
+                   "int4_picked_gemv")
+
+
+def fp8_picked_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, idx: torch.Tensor, *,
+                    block: tuple[int, int] | None = (128, 128), weights: torch.Tensor | None = None,
+                    gate: bool = False) -> torch.Tensor:
+    """int4_picked_gemv's FP8 twin: expert idx[p]'s e4m3 weight (weight [E, N, K]; scale [E, ceil(N/bn),
+    ceil(K/bk)] with `block`, [E, N] or [E, N, 1] with block=None) times input p, the same x, `weights`
+    and `gate` forms. Returns [k, N], or [N] with `weights`."""
+    N, K, bn, bk = _fp8_sizes(x, weight, scale, block, gate)
+    return _picked(x, weight, scale, None, idx, weights, gate, N, K, _fp8_args(scale, bn, bk, block),
+                   "fp8_picked_gemv")
+
+
+# --- prefill: many rows a product, through tl.dot ----------------------------------------------------
+
+def _mm(x: torch.Tensor, bank: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, N: int,
+        K: int, fmt: dict) -> torch.Tensor:
+    """x [M, K] times one weight, either format."""
+    if x.dim() != 2:
+        raise ValueError(f"{'fp8' if fmt['FP8'] else 'int4'}_mm: x {list(x.shape)} is not [M, K]")
+    x, bank, scales = x.contiguous(), bank.contiguous(), scales.contiguous()
+    M = x.shape[0]
+    out = torch.empty(M, N, device=x.device, dtype=x.dtype)
+    if M == 0:
+        return out
+    blocks = _mm_blocks(M)
+    _mm_kernel[(triton.cdiv(M, blocks["BLOCK_M"]), triton.cdiv(N, blocks["BLOCK_N"]))](
+        x, bank, scales, zeros.contiguous() if zeros is not None else scales, x, x, out, M=M, N=N, K=K,
+        x_row=x.stride(0), x_per=1, q_expert=0, s_expert=0, PROLOGUE=NONE, GROUPED=False, **fmt, **blocks)
     return out
 
 
-def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
-             *, block: tuple[int, int] | None = (128, 128)) -> torch.Tensor:
-    """Rows x [..., K] times the float8_e4m3fn weight [N, K] dequantized as weight * scale: with `block`
-    (bn, bk), scale [ceil(N/bn), ceil(K/bk)], one multiplier a block; with block=None, per-channel scale
-    [N] or [N, 1]. Returns [..., N] in x's dtype."""
-    N, K = weight.shape
-    if x.shape[-1] != K:
-        raise ValueError(f"fp8: x {list(x.shape)} does not fit the weight {[N, K]}")
-    if weight.dtype != torch.float8_e4m3fn:
-        raise ValueError(f"fp8: the weight is {weight.dtype}, not torch.float8_e4m3fn")
-    if block is not None:
-        bn, bk = block
-        want = [triton.cdiv(N, bn), triton.cdiv(K, bk)]
-        if list(scale.shape) != want:
-            raise ValueError(f"fp8: block scales {list(scale.shape)} should be {want} for {[N, K]} "
-                             f"in blocks {[bn, bk]}")
-    else:
-        bn, bk = 1, 1
-        if scale.numel() != N or scale.shape[0] != N:
-            raise ValueError(f"fp8: per-channel scales {list(scale.shape)} should be [{N}] or [{N}, 1]")
-    x = x.contiguous()
-    weight, scale = weight.contiguous(), scale.contiguous()
-    out = torch.empty(*x.shape[:-1], N, device=x.device, dtype=x.dtype)
-    blocks = _blocks(N, K)
-    _fp8_gemv_kernel[(triton.cdiv(N, blocks["BLOCK_N"]), x.numel() // K)](
-        x, weight, scale, out, N, K, K, bn, bk, scale.shape[-1] if block is not None else 1,
-        BLOCKED=block is not None, **blocks)
+def int4_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None = None,
+            *, group_size: int = 128) -> torch.Tensor:
+    """x [M, K] times the int4 weight (int4_gemv's layout): [M, N] in x's dtype, for a prefill's many
+    rows. Each program dequantizes its [64, 64] weight tiles in registers, once for up to 64 rows."""
+    N, K = _int4_sizes(x, qweight, scales, zeros, group_size, False)
+    return _mm(x, qweight, scales, zeros, N, K, _int4_args(zeros, group_size))
+
+
+def fp8_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+           *, block: tuple[int, int] | None = (128, 128)) -> torch.Tensor:
+    """x [M, K] times the e4m3 weight (fp8_gemv's layout and scales): [M, N] in x's dtype."""
+    N, K, bn, bk = _fp8_sizes(x, weight, scale, block, False)
+    return _mm(x, weight, scale, None, N, K, _fp8_args(scale, bn, bk, block))
+
+
+def _moe_plan(ids: torch.Tensor, E: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The picks sorted by expert, on the device and with no host sync, each expert's run padded to whole
+    tiles of block_m: (slots int32 [T * block_m], each a pick's index in ids' row-major order or P = ids.numel()
+    for padding; tile_expert int32 [T], each tile's expert or -1 past the last used tile). T is fixed by
+    (P, E, block_m) alone, so the shapes are fixed for fixed M (CUDA graphs): every used tile holds a pick,
+    so T <= P, and expert e's run takes ceil(c_e / block_m) tiles, so T <= (P + E * (block_m - 1)) / block_m."""
+    flat = ids.reshape(-1).long()  # scatter_add_ indexes with int64
+    P = flat.numel()
+    T = min(P, (P + E * (block_m - 1)) // block_m)
+    dev = flat.device
+    # scatter_add_, not bincount: bincount on CUDA reads the largest id back to size its output (a host sync)
+    counts = torch.zeros(E, dtype=torch.int64, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
+    tiles = (counts + block_m - 1) // block_m
+    tile_end = tiles.cumsum(0)
+    tile_expert = torch.searchsorted(tile_end, torch.arange(T, device=dev), right=True)
+    tile_expert = torch.where(tile_expert < E, tile_expert, -1).to(torch.int32)
+    order = torch.argsort(flat, stable=True)  # the picks in expert order (stable: an expert's in pick order)
+    by_expert = flat[order]
+    rank = torch.arange(P, device=dev) - (counts.cumsum(0) - counts)[by_expert]  # a pick's place in its run
+    slots = torch.full((T * block_m,), P, dtype=torch.int32, device=dev)
+    slots[(tile_end - tiles)[by_expert] * block_m + rank] = order.to(torch.int32)
+    return slots, tile_expert
+
+
+def _moe_mm(x: torch.Tensor, bank: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+            ids: torch.Tensor, gate: bool, N: int, K: int, fmt: dict, kind: str) -> torch.Tensor:
+    """The grouped product's launch, either format: one program per (tile of one expert's picks, 64 outputs)."""
+    if ids.dim() != 2:
+        raise ValueError(f"{kind}: ids {list(ids.shape)} is not [M, k] (each token's picked experts)")
+    M, top_k = ids.shape
+    if x.dim() != 2 or x.shape[0] not in (M, M * top_k):
+        raise ValueError(f"{kind}: x {list(x.shape)} has neither one row per token ({M}) nor one per pick "
+                         f"({M * top_k})")
+    E = bank.shape[0]
+    x, bank, scales = x.contiguous(), bank.contiguous(), scales.contiguous()
+    P = M * top_k
+    out = torch.empty(P, N, device=x.device, dtype=x.dtype)
+    if P == 0:
+        return out
+    blocks = _mm_blocks(P // E)  # a tile holds one expert's picks: about P / E of them
+    slots, tile_expert = _moe_plan(ids, E, blocks["BLOCK_M"])
+    _mm_kernel[(tile_expert.numel(), triton.cdiv(N, blocks["BLOCK_N"]))](
+        x, bank, scales, zeros.contiguous() if zeros is not None else scales, slots, tile_expert, out, M=P, N=N,
+        K=K, x_row=x.stride(0), x_per=top_k if x.shape[0] != P else 1, q_expert=bank.stride(0),
+        s_expert=scales.stride(0), PROLOGUE=GATE if gate else NONE, GROUPED=True, **fmt, **blocks)
     return out
+
+
+def int4_moe_mm(x: torch.Tensor, qweight_bank: torch.Tensor, scales_bank: torch.Tensor, ids: torch.Tensor,
+                zeros_bank: torch.Tensor | None = None, *, group_size: int = 128, gate: bool = False) -> torch.Tensor:
+    """A prefill's experts in one launch: pick (m, j) multiplies expert ids[m, j]'s int4 weight (qweight_bank
+    [E, N, K/8], scales_bank and zeros_bank [E, N, K/g]) by token m's row of x [M, K] (the gate/up
+    product) or by its own row of x [M*k, K] (with `gate`, [M*k, 2K] and the input SiLU(gate) * up: the
+    down product). Returns [M*k, N] in pick order (row-major over ids), unweighted: the caller weights and
+    sums. ids [M, k] stays on the device; ids out of range are not checked (a host sync)."""
+    N, K = _int4_sizes(x, qweight_bank, scales_bank, zeros_bank, group_size, gate)
+    return _moe_mm(x, qweight_bank, scales_bank, zeros_bank, ids, gate, N, K, _int4_args(zeros_bank, group_size),
+                   "int4_moe_mm")
+
+
+def fp8_moe_mm(x: torch.Tensor, weight_bank: torch.Tensor, scale_bank: torch.Tensor, ids: torch.Tensor, *,
+               block: tuple[int, int] | None = (128, 128), gate: bool = False) -> torch.Tensor:
+    """int4_moe_mm's FP8 twin over weight_bank [E, N, K] (e4m3) with scale_bank [E, ceil(N/bn), ceil(K/bk)]
+    (`block`) or [E, N] / [E, N, 1] (block=None)."""
+    N, K, bn, bk = _fp8_sizes(x, weight_bank, scale_bank, block, gate)
+    return _moe_mm(x, weight_bank, scale_bank, None, ids, gate, N, K, _fp8_args(scale_bank, bn, bk, block),
+                   "fp8_moe_mm")
