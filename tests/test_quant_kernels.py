@@ -68,6 +68,13 @@ def layer(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return F.linear(x.float(), w.to(x.dtype).float()).to(x.dtype)
 
 
+def exact(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The decode kernels' reference: the float32 product with the dequantized weight as it is (not rounded
+    to x's dtype first), rounded once. Their fast path applies a group's or block's scale to the partial
+    sum (runtime/quant_kernels.py `_rows`), which is this product up to float32 summation order."""
+    return F.linear(x.float(), w.float()).to(x.dtype)
+
+
 def random_int4(N: int, K: int, g: int, zeros: bool, zdtype=torch.uint8, sdtype=DT):
     q = torch.randint(0, 16, (N, K))
     scales = (torch.rand(N, K // g) * 0.02 + 0.005).to(sdtype)
@@ -96,7 +103,7 @@ def test_int4_symmetric_is_dequantize_then_multiply(qk, rows, N, K, g):
     w = dequantize_int4(qweight, scales, None, g)
     y = qk.int4_gemv(x, qweight, scales, group_size=g)
     assert y.shape == (rows, N) and y.dtype == DT
-    assert ulps(y, layer(x, w)) <= 1
+    assert ulps(y, exact(x, w)) <= 1
     assert rel(y, x.float() @ w.T) < 2e-3
     # A zero point of 7 instead of 8 is far off: the kernel really subtracts 8.
     assert rel(y, x.float() @ dequantize_int4(qweight, scales, torch.full_like(scales, 7), g).T) > 0.02
@@ -113,7 +120,7 @@ def test_int4_with_zero_points(qk, zdtype, sdtype):
     x = torch.randn(2, K, dtype=DT)
     w = dequantize_int4(qweight, scales, zeros, g)
     y = qk.int4_gemv(x, qweight, scales, zeros, group_size=g)
-    assert ulps(y, layer(x, w)) <= 1
+    assert ulps(y, exact(x, w)) <= 1
     assert rel(y, x.float() @ w.T) < 2e-3
     assert rel(y, x.float() @ dequantize_int4(qweight, scales, None, g).T) > 0.1  # the zeros are used
 
@@ -126,8 +133,8 @@ def test_int4_gate_is_silu_gate_times_up_then_the_product(qk, rows):
     gate_up = torch.randn(rows, 2 * K, dtype=DT)
     w = dequantize_int4(qweight, scales, zeros, g)
     y = qk.int4_gemv(gate_up, qweight, scales, zeros, group_size=g, gate=True)
-    assert ulps(y, layer(F.silu(gate_up[:, :K]) * gate_up[:, K:], w)) <= 1
-    assert ulps(y, layer(gate_up[:, K:], w)) > 8  # the gate is really applied
+    assert ulps(y, exact(F.silu(gate_up[:, :K]) * gate_up[:, K:], w)) <= 1
+    assert ulps(y, exact(gate_up[:, K:], w)) > 8  # the gate is really applied
 
 
 def test_int4_in_float32(qk):
@@ -154,7 +161,7 @@ def test_fp8_is_dequantize_then_multiply(qk, rows, N, K, block):
     w = dequantize_fp8(weight, scale, block)
     y = qk.fp8_gemv(x, weight, scale, block=block)
     assert y.shape == (rows, N) and y.dtype == DT
-    assert ulps(y, layer(x, w)) <= 1
+    assert ulps(y, exact(x, w)) <= 1
     assert rel(y, x.float() @ w.T) < 2e-3
     if block is None:
         assert torch.equal(qk.fp8_gemv(x, weight, scale[:, None], block=None), y)  # [N, 1] reads as [N]
@@ -171,7 +178,7 @@ def test_int4_picked_gemv_reads_the_picked_experts(qk, per_pick):
     idx = torch.tensor([4, 0, 2])
     x = torch.randn(k, K, dtype=DT) if per_pick else torch.randn(K, dtype=DT)
     xs = x if per_pick else x.expand(k, K)
-    per = [layer(xs[p], dequantize_int4(qweight[e], scales[e], zeros[e], g)) for p, e in enumerate(idx.tolist())]
+    per = [exact(xs[p], dequantize_int4(qweight[e], scales[e], zeros[e], g)) for p, e in enumerate(idx.tolist())]
     y = qk.int4_picked_gemv(x, qweight, scales, idx, zeros, group_size=g)
     assert y.shape == (k, N)
     assert ulps(y, torch.stack(per)) <= 1
@@ -187,7 +194,7 @@ def test_int4_picked_gemv_reads_the_picked_experts(qk, per_pick):
     # The down projection's form: the gate/up output [k, 2K] in, SiLU(gate) * up taken per pick.
     gate_up = torch.randn(k, 2 * K, dtype=DT)
     acts = F.silu(gate_up[:, :K]) * gate_up[:, K:]
-    down = torch.stack([layer(acts[p], dequantize_int4(qweight[e], scales[e], zeros[e], g))
+    down = torch.stack([exact(acts[p], dequantize_int4(qweight[e], scales[e], zeros[e], g))
                         for p, e in enumerate(idx.tolist())])
     assert ulps(qk.int4_picked_gemv(gate_up, qweight, scales, idx, zeros, group_size=g, gate=True), down) <= 1
 
@@ -232,7 +239,7 @@ def test_the_formats_weights_go_into_the_kernels_as_they_are(qk, how):
         packed = formats.quantize_fp8(w, block=block, scale_dtype=torch.float32)
         y = qk.fp8_gemv(x, packed.qweight, packed.scales, block=block)
     reference = packed.dequantize(torch.float32)
-    assert ulps(y, layer(x, reference)) <= 1
+    assert ulps(y, exact(x, reference)) <= 1
     assert rel(y, x.float() @ reference.T) < 2e-3
 
 
@@ -260,7 +267,7 @@ def test_fp8_picked_gemv_reads_the_picked_experts(qk, block, per_pick):
     idx = torch.tensor([3, 0, 2])
     x = torch.randn(k, K, dtype=DT) if per_pick else torch.randn(K, dtype=DT)
     xs = x if per_pick else x.expand(k, K)
-    per = [layer(xs[p], w[e]) for p, e in enumerate(idx.tolist())]
+    per = [exact(xs[p], w[e]) for p, e in enumerate(idx.tolist())]
     y = qk.fp8_picked_gemv(x, weight, scale, idx, block=block)
     assert y.shape == (k, N) and ulps(y, torch.stack(per)) <= 1
     weights = torch.softmax(torch.randn(k), -1).to(DT)
@@ -270,7 +277,7 @@ def test_fp8_picked_gemv_reads_the_picked_experts(qk, block, per_pick):
     assert ulps(summed, (torch.stack(per[::-1]).float() * weights[:, None].float()).sum(0).to(DT)) > 8
     gate_up = torch.randn(k, 2 * K, dtype=DT)
     acts = F.silu(gate_up[:, :K]) * gate_up[:, K:]
-    down = torch.stack([layer(acts[p], w[e]) for p, e in enumerate(idx.tolist())])
+    down = torch.stack([exact(acts[p], w[e]) for p, e in enumerate(idx.tolist())])
     assert ulps(qk.fp8_picked_gemv(gate_up, weight, scale, idx, block=block, gate=True), down) <= 1
     if block is None:  # [E, N, 1] reads as [E, N]
         assert torch.equal(qk.fp8_picked_gemv(x, weight, scale[..., None], idx, block=None), y)
@@ -398,3 +405,15 @@ def test_the_new_products_refuse_shapes_that_do_not_fit(qk):
         qk.int4_moe_mm(torch.randn(4, K, dtype=DT), qweight, scales, ids, zeros, group_size=32)
     with pytest.raises(ValueError, match="zeros"):
         qk.int4_moe_mm(torch.randn(3, K, dtype=DT), qweight, scales, ids, zeros[:1], group_size=32)
+
+
+def test_a_group_that_does_not_line_up_with_the_blocks_takes_the_exact_tile_path(qk):
+    """Group 24 (not a power of two): the decode kernel dequantizes each weight, rounded to x's dtype, as an
+    eager layer holding it would (`_rows`' SCALE_BLOCK -1), so it matches that layer, not the exact product."""
+    torch.manual_seed(9)
+    N, K, g = 40, 192, 24
+    qweight, scales, zeros = random_int4(N, K, g, zeros=True)
+    x = torch.randn(2, K, dtype=DT)
+    w = dequantize_int4(qweight, scales, zeros, g)
+    assert qk._blocks(N, K, qk._int4_args(zeros, g))["SCALE_BLOCK"] == -1
+    assert ulps(qk.int4_gemv(x, qweight, scales, zeros, group_size=g), layer(x, w)) <= 1

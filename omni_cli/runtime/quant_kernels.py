@@ -34,17 +34,20 @@ it there, not here):
   as the block-FP8 checkpoints' `weight_scale_inv` holds it; edge blocks are partial), or per-channel
   scales [N] / [N, 1].
 
-Rounding follows `kernels.py`: the dequantized weight is computed in float32 ((q - z) * s, or w * s) and
-rounded to the activations' dtype, which is what an eager layer holding the dequantized weight in that
-dtype would use; the product accumulates in float32 and is rounded once to x's dtype (the tl.dot products
-in float32 for float32 activations too, not TF32). The summation order differs from cuBLAS's, so a result
-can differ from `F.linear` in the last bit.
+Rounding. The decode kernels, where the scales line up with their blocks (a power-of-two group size or
+FP8 block width, or one scale a row: every checkpoint here), apply each group's or block's scale to a
+partial sum (`_rows`): the result is the exact product of the dequantized weight, accumulated in float32
+and rounded once to x's dtype (tests: within 1 ulp of that). Elsewhere, and in the tl.dot products, a
+tile's weights are computed in float32 and rounded to the activations' dtype first, as an eager layer
+holding the dequantized weight in that dtype would (within 1 ulp of that layer; the tl.dot products in
+float32 for float32 activations too, not TF32). The two differ by the weights' rounding (relative 2e-3 in
+float16). The summation order differs from cuBLAS's.
 
 What it does not know: models, checkpoint formats and their packing orders (GPTQ's, AWQ's), act-order
 (`g_idx`) permutations, asymmetric FP8 or per-tensor FP8 scales; the MoE products do not weight or sum
 the picks, and expert ids are not checked against E (that would be a host sync). The tl.dot products
-dequantize with the activations' dtype, not FP8 or int8 tensor-core inputs. The block shapes are a guess,
-not tuned: nothing here has been run or timed on a GPU yet (only Triton's CPU interpreter, in the tests).
+dequantize with the activations' dtype, not FP8 or int8 tensor-core inputs. The decode blocks
+(`DECODE_BLOCKS`) come from a sweep on an H200; the prefill tiles are untuned.
 Importing it needs triton.
 """
 
@@ -111,25 +114,104 @@ def _tile(q_ptr, s_ptr, z_ptr, rows, k0, N, K, G, BN, BK, s_row, dt: tl.constexp
 
 @triton.jit
 def _rows(x_ptr, q_ptr, s_ptr, z_ptr, rows, N, K, G, BN, BK, s_row, FP8: tl.constexpr, ZEROS: tl.constexpr,
-          BLOCKED: tl.constexpr, PROLOGUE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+          BLOCKED: tl.constexpr, PROLOGUE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+          SCALE_BLOCK: tl.constexpr = -1):
     """float32 [BLOCK_N]: rows `rows` of the weight times the input [K] (PROLOGUE GATE: made from a
-    [gate | up] row, as kernels.prologue_input makes it)."""
-    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    [gate | up] row, as kernels.prologue_input makes it).
+
+    SCALE_BLOCK >= 0 (the decode kernels' fast path, `_scale_block` picks it): the scales are applied to
+    partial sums, not to each weight: per group (int4, SCALE_BLOCK = G, a divisor of BLOCK_K) or per block
+    column (FP8, BK a multiple of BLOCK_K), and once a row where one scale covers the row (SCALE_BLOCK = 0).
+    int4: sum((q - z) s x) = s (sum(q x) - z sum(x)) over a group. Per weight that leaves a shift, a mask, a
+    conversion and a multiply-add; dequantizing each weight first (its scale looked up, (q - z) * s,
+    rounded to the activations' dtype) cost about three times the instructions and left these kernels at
+    a tenth of the memory's bandwidth (H200, Qwen2.5-7B's matrices: 0.33-0.41 TB/s of int4). The result is
+    the exact product of the dequantized weight, rounded once, where the slow path (-1) rounds each weight
+    to the activations' dtype first, as an eager layer holding it would."""
+    if SCALE_BLOCK < 0:
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            w = _tile(q_ptr, s_ptr, z_ptr, rows, k0, N, K, G, BN, BK, s_row, x_ptr.dtype.element_ty, FP8, ZEROS,
+                      BLOCKED, BLOCK_N, BLOCK_K)
+            acc += w * prologue_input(x_ptr, x_ptr, k0 + tl.arange(0, BLOCK_K), K, 0.0, PROLOGUE)[None, :]
+        return tl.sum(acc, axis=1)
+    if FP8:
+        return _fp8_rows(x_ptr, q_ptr, s_ptr, rows, N, K, BN, BK, s_row, BLOCKED, PROLOGUE, BLOCK_N, BLOCK_K)
+    return _int4_rows(x_ptr, q_ptr, s_ptr, z_ptr, rows, N, K, G, ZEROS, PROLOGUE, BLOCK_N, BLOCK_K, SCALE_BLOCK)
+
+
+@triton.jit
+def _int4_rows(x_ptr, q_ptr, s_ptr, z_ptr, rows, N, K, G, ZEROS: tl.constexpr, PROLOGUE: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr):
+    """`_rows`' fast int4 path: GROUP = G (dividing BLOCK_K), or 0 for one scale a row."""
+    BLOCK_W: tl.constexpr = BLOCK_K // 8
+    KW = K // 8
+    KG = K // G
+    shifts = tl.arange(0, 8) * 4
+    row_ok = rows < N
+    total = tl.zeros([BLOCK_N], dtype=tl.float32)
+    xsum = tl.zeros([BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        w = _tile(q_ptr, s_ptr, z_ptr, rows, k0, N, K, G, BN, BK, s_row, x_ptr.dtype.element_ty, FP8, ZEROS,
-                  BLOCKED, BLOCK_N, BLOCK_K)
-        acc += w * prologue_input(x_ptr, x_ptr, k0 + tl.arange(0, BLOCK_K), K, 0.0, PROLOGUE)[None, :]
-    return tl.sum(acc, axis=1)
+        words = k0 // 8 + tl.arange(0, BLOCK_W)
+        packed = tl.load(q_ptr + rows[:, None] * KW + words[None, :], mask=row_ok[:, None] & (words[None, :] < KW),
+                         other=0)
+        q = ((packed[:, :, None] >> shifts[None, None, :]) & 0xF).to(tl.float32)  # [BLOCK_N, BLOCK_W, 8]
+        x = prologue_input(x_ptr, x_ptr, k0 + tl.arange(0, BLOCK_K), K, 0.0, PROLOGUE)  # [BLOCK_K], 0 past K
+        qx = tl.sum(q * tl.reshape(x, [BLOCK_W, 8])[None, :, :], axis=2)  # [BLOCK_N, BLOCK_W]
+        if GROUP == 0:
+            total += tl.sum(qx, axis=1)
+            xsum += x
+        else:
+            NGB: tl.constexpr = BLOCK_K // GROUP
+            part = tl.sum(tl.reshape(qx, [BLOCK_N, NGB, GROUP // 8]), axis=2)  # [BLOCK_N, NGB]
+            xs = tl.sum(tl.reshape(x, [NGB, GROUP]), axis=1)  # [NGB]
+            g = k0 // GROUP + tl.arange(0, NGB)
+            at = rows[:, None] * KG + g[None, :]
+            ok = row_ok[:, None] & (g[None, :] < KG)
+            sc = tl.load(s_ptr + at, mask=ok, other=0.0).to(tl.float32)
+            if ZEROS:
+                z = tl.load(z_ptr + at, mask=ok, other=0).to(tl.float32)
+            else:
+                z = 8.0
+            total += tl.sum((part - z * xs[None, :]) * sc, axis=1)
+    if GROUP == 0:
+        sc = tl.load(s_ptr + rows * KG, mask=row_ok, other=0.0).to(tl.float32)
+        if ZEROS:
+            z = tl.load(z_ptr + rows * KG, mask=row_ok, other=0).to(tl.float32)
+        else:
+            z = 8.0
+        total = (total - z * tl.sum(xsum, axis=0)) * sc
+    return total
+
+
+@triton.jit
+def _fp8_rows(x_ptr, w_ptr, s_ptr, rows, N, K, BN, BK, s_row, BLOCKED: tl.constexpr, PROLOGUE: tl.constexpr,
+              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """`_rows`' fast FP8 path: a block column's scale (BK a multiple of BLOCK_K) or the row's applied to the
+    partial sums."""
+    row_ok = rows < N
+    total = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        w = tl.load(w_ptr + rows[:, None] * K + cols[None, :], mask=row_ok[:, None] & (cols[None, :] < K),
+                    other=0.0).to(tl.float32)
+        part = tl.sum(w * prologue_input(x_ptr, x_ptr, cols, K, 0.0, PROLOGUE)[None, :], axis=1)
+        if BLOCKED:
+            part *= tl.load(s_ptr + (rows // BN) * s_row + k0 // BK, mask=row_ok, other=0.0).to(tl.float32)
+        total += part
+    if not BLOCKED:
+        total *= tl.load(s_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+    return total
 
 
 @triton.jit
 def _gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, out_ptr, N, K, G, BN, BK, s_row, x_row, FP8: tl.constexpr,
                  ZEROS: tl.constexpr, BLOCKED: tl.constexpr, PROLOGUE: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr):
+                 BLOCK_K: tl.constexpr, SCALE_BLOCK: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m = tl.program_id(1)
     y = _rows(x_ptr + m * x_row, q_ptr, s_ptr, z_ptr, rows, N, K, G, BN, BK, s_row, FP8, ZEROS, BLOCKED, PROLOGUE,
-              BLOCK_N, BLOCK_K)
+              BLOCK_N, BLOCK_K, SCALE_BLOCK)
     tl.store(out_ptr + m * N + rows, y.to(out_ptr.dtype.element_ty), mask=rows < N)
 
 
@@ -137,7 +219,7 @@ def _gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, out_ptr, N, K, G, BN, BK, s_row, x_
 def _picked_kernel(x_ptr, q_ptr, s_ptr, z_ptr, idx_ptr, rw_ptr, out_ptr, N, K, G, BN, BK, s_row, x_stride,
                    q_expert, s_expert, TOPK: tl.constexpr, FP8: tl.constexpr, ZEROS: tl.constexpr,
                    BLOCKED: tl.constexpr, PROLOGUE: tl.constexpr, SUM: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr):
+                   BLOCK_K: tl.constexpr, SCALE_BLOCK: tl.constexpr):
     """q_expert / s_expert: one expert's stride in the weight bank and in its scales (and zeros)."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     if SUM:  # each pick rounded to the output's dtype, scaled, rounded again, summed in top-k order
@@ -145,7 +227,7 @@ def _picked_kernel(x_ptr, q_ptr, s_ptr, z_ptr, idx_ptr, rw_ptr, out_ptr, N, K, G
         for p in tl.static_range(TOPK):
             e = tl.load(idx_ptr + p).to(tl.int64)
             y = _rows(x_ptr + p * x_stride, q_ptr + e * q_expert, s_ptr + e * s_expert, z_ptr + e * s_expert, rows,
-                      N, K, G, BN, BK, s_row, FP8, ZEROS, BLOCKED, PROLOGUE, BLOCK_N, BLOCK_K)
+                      N, K, G, BN, BK, s_row, FP8, ZEROS, BLOCKED, PROLOGUE, BLOCK_N, BLOCK_K, SCALE_BLOCK)
             rw = tl.load(rw_ptr + p).to(tl.float32)
             total += (y.to(out_ptr.dtype.element_ty).to(tl.float32) * rw).to(out_ptr.dtype.element_ty).to(tl.float32)
         tl.store(out_ptr + rows, total.to(out_ptr.dtype.element_ty), mask=rows < N)
@@ -153,7 +235,7 @@ def _picked_kernel(x_ptr, q_ptr, s_ptr, z_ptr, idx_ptr, rw_ptr, out_ptr, N, K, G
         p = tl.program_id(1)
         e = tl.load(idx_ptr + p).to(tl.int64)
         y = _rows(x_ptr + p * x_stride, q_ptr + e * q_expert, s_ptr + e * s_expert, z_ptr + e * s_expert, rows,
-                  N, K, G, BN, BK, s_row, FP8, ZEROS, BLOCKED, PROLOGUE, BLOCK_N, BLOCK_K)
+                  N, K, G, BN, BK, s_row, FP8, ZEROS, BLOCKED, PROLOGUE, BLOCK_N, BLOCK_K, SCALE_BLOCK)
         tl.store(out_ptr + p * N + rows, y.to(out_ptr.dtype.element_ty), mask=rows < N)
 
 
@@ -194,11 +276,37 @@ def _mm_kernel(x_ptr, q_ptr, s_ptr, z_ptr, slots_ptr, tile_e_ptr, out_ptr, M, N,
     tl.store(out_ptr + picks[:, None] * N + cols_n[None, :], acc.to(dt), mask=mask)
 
 
-def _blocks(N: int, K: int) -> dict:
-    """Rows per program and the reduction's block. Untuned (no GPU this far): the bf16 kernels' 4 rows for
-    small outputs, 8 otherwise; a reduction block of 256 columns (32 packed words a row) or K if smaller."""
-    block_k = min(256, max(16, triton.next_power_of_2(K)))
-    return {"BLOCK_N": 4 if N <= 2048 else 8, "BLOCK_K": block_k, "num_warps": 4}
+# The decode kernels' blocks (rows a program, columns an iteration, warps), by output size: set from a
+# sweep on an H200 (scripts/quant_gpu.py kernels); a script may replace it to sweep again.
+DECODE_BLOCKS = {"small": (4, 256, 4), "large": (8, 256, 4)}  # N <= 2048, N > 2048
+
+
+def _blocks(N: int, K: int, fmt: dict | None = None) -> dict:
+    """The decode kernels' launch constants: `DECODE_BLOCKS`' for the output size, BLOCK_K no wider than K
+    needs, and the fast path's SCALE_BLOCK (`_rows`) where the format's scales line up with the blocks."""
+    block_n, block_k, warps = DECODE_BLOCKS["small" if N <= 2048 else "large"]
+    block_k = min(block_k, max(16, triton.next_power_of_2(K)))
+    blocks = {"BLOCK_N": block_n, "BLOCK_K": block_k, "num_warps": warps, "SCALE_BLOCK": -1}
+    if fmt is None:
+        return blocks
+    if fmt["FP8"]:
+        if not fmt["BLOCKED"]:
+            blocks["SCALE_BLOCK"] = 0
+        elif _power_of_two(fmt["BK"]) and fmt["BK"] >= 16:
+            blocks["BLOCK_K"] = min(block_k, fmt["BK"])  # a block column holds whole iterations
+            blocks["SCALE_BLOCK"] = fmt["BK"]
+        return blocks
+    g = fmt["G"]
+    if g == K:
+        blocks["SCALE_BLOCK"] = 0
+    elif _power_of_two(g) and 8 <= g <= 1024:
+        blocks["BLOCK_K"] = max(block_k, g)  # an iteration holds whole groups
+        blocks["SCALE_BLOCK"] = g
+    return blocks
+
+
+def _power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
 
 
 def _mm_blocks(rows_a_tile: int) -> dict:
@@ -284,10 +392,11 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
     x = x.contiguous()
     qweight, scales = qweight.contiguous(), scales.contiguous()
     out = torch.empty(*x.shape[:-1], N, device=x.device, dtype=x.dtype)
-    blocks = _blocks(N, K)
+    fmt = _int4_args(zeros, group_size)
+    blocks = _blocks(N, K, fmt)
     _gemv_kernel[(triton.cdiv(N, blocks["BLOCK_N"]), x.numel() // x.shape[-1])](
         x, qweight, scales, zeros.contiguous() if zeros is not None else scales, out, N=N, K=K,
-        x_row=x.shape[-1], PROLOGUE=GATE if gate else NONE, **_int4_args(zeros, group_size), **blocks)
+        x_row=x.shape[-1], PROLOGUE=GATE if gate else NONE, **fmt, **blocks)
     return out
 
 
@@ -300,10 +409,10 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     x = x.contiguous()
     weight, scale = weight.contiguous(), scale.contiguous()
     out = torch.empty(*x.shape[:-1], N, device=x.device, dtype=x.dtype)
-    blocks = _blocks(N, K)
+    fmt = _fp8_args(scale, bn, bk, block)
+    blocks = _blocks(N, K, fmt)
     _gemv_kernel[(triton.cdiv(N, blocks["BLOCK_N"]), x.numel() // K)](
-        x, weight, scale, scale, out, N=N, K=K, x_row=K, PROLOGUE=NONE,
-        **_fp8_args(scale, bn, bk, block), **blocks)
+        x, weight, scale, scale, out, N=N, K=K, x_row=K, PROLOGUE=NONE, **fmt, **blocks)
     return out
 
 
@@ -315,7 +424,7 @@ def _picked(x: torch.Tensor, bank: torch.Tensor, scales: torch.Tensor, zeros: to
     x = x.contiguous()
     x_stride = _pick_stride(x, top_k, kind)
     bank, scales, idx = bank.contiguous(), scales.contiguous(), idx.contiguous()
-    blocks = _blocks(N, K)
+    blocks = _blocks(N, K, fmt)
     grid: tuple[int, ...]
     if weights is None:
         out = torch.empty(top_k, N, device=x.device, dtype=x.dtype)
