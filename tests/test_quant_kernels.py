@@ -407,13 +407,13 @@ def test_the_new_products_refuse_shapes_that_do_not_fit(qk):
         qk.int4_moe_mm(torch.randn(3, K, dtype=DT), qweight, scales, ids, zeros[:1], group_size=32)
 
 
-def test_a_group_that_does_not_line_up_with_the_blocks_takes_the_exact_tile_path(qk):
-    """Group 24 (not a power of two): the decode kernel dequantizes each weight, rounded to x's dtype, as an
-    eager layer holding it would (`_rows`' SCALE_BLOCK -1), so it matches that layer, not the exact product."""
+def test_fp8_blocks_that_do_not_line_up_with_the_kernels_take_the_tile_path(qk):
+    """FP8 blocks 24 columns wide (not a power of two): the decode kernel dequantizes each weight, rounded to
+    x's dtype, as an eager layer holding it would (`_rows`' SCALE_BLOCK -1), so it matches that layer."""
     torch.manual_seed(9)
-    N, K, g = 40, 192, 24
-    qweight, scales, zeros = random_int4(N, K, g, zeros=True)
+    N, K, block = 40, 192, (16, 24)
+    weight = (torch.randn(N, K) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
+    scale = torch.rand(-(-N // block[0]), -(-K // block[1])) * 1e-3 + 1e-4
     x = torch.randn(2, K, dtype=DT)
-    w = dequantize_int4(qweight, scales, zeros, g)
-    assert qk._blocks(N, K, qk._int4_args(zeros, g))["SCALE_BLOCK"] == -1
-    assert ulps(qk.int4_gemv(x, qweight, scales, zeros, group_size=g), layer(x, w)) <= 1
+    assert qk._blocks(N, K, qk._fp8_args(scale, *block, block))["SCALE_BLOCK"] == -1
+    assert ulps(qk.fp8_gemv(x, weight, scale, block=block), layer(x, dequantize_fp8(weight, scale, block))) <= 1

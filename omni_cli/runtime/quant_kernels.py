@@ -119,89 +119,75 @@ def _rows(x_ptr, q_ptr, s_ptr, z_ptr, rows, N, K, G, BN, BK, s_row, FP8: tl.cons
     """float32 [BLOCK_N]: rows `rows` of the weight times the input [K] (PROLOGUE GATE: made from a
     [gate | up] row, as kernels.prologue_input makes it).
 
-    SCALE_BLOCK >= 0 (the decode kernels' fast path, `_scale_block` picks it): the scales are applied to
-    partial sums, not to each weight: per group (int4, SCALE_BLOCK = G, a divisor of BLOCK_K) or per block
-    column (FP8, BK a multiple of BLOCK_K), and once a row where one scale covers the row (SCALE_BLOCK = 0).
-    int4: sum((q - z) s x) = s (sum(q x) - z sum(x)) over a group. Per weight that leaves a shift, a mask, a
-    conversion and a multiply-add; dequantizing each weight first (its scale looked up, (q - z) * s,
-    rounded to the activations' dtype) cost about three times the instructions and left these kernels at
-    a tenth of the memory's bandwidth (H200, Qwen2.5-7B's matrices: 0.33-0.41 TB/s of int4). The result is
-    the exact product of the dequantized weight, rounded once, where the slow path (-1) rounds each weight
-    to the activations' dtype first, as an eager layer holding it would."""
+    SCALE_BLOCK >= 0 (the decode kernels' fast path; `_blocks` picks it): the scales are applied to partial
+    sums, not to each weight (`_int4_rows`, `_fp8_rows`): the exact product of the dequantized weight,
+    rounded once. -1: each weight dequantized and rounded to the activations' dtype first, as an eager
+    layer holding it would (`_tile`), where an FP8 block width does not line up with BLOCK_K."""
     if SCALE_BLOCK < 0:
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             w = _tile(q_ptr, s_ptr, z_ptr, rows, k0, N, K, G, BN, BK, s_row, x_ptr.dtype.element_ty, FP8, ZEROS,
                       BLOCKED, BLOCK_N, BLOCK_K)
             acc += w * prologue_input(x_ptr, x_ptr, k0 + tl.arange(0, BLOCK_K), K, 0.0, PROLOGUE)[None, :]
-        return tl.sum(acc, axis=1)
-    if FP8:
-        return _fp8_rows(x_ptr, q_ptr, s_ptr, rows, N, K, BN, BK, s_row, BLOCKED, PROLOGUE, BLOCK_N, BLOCK_K)
-    return _int4_rows(x_ptr, q_ptr, s_ptr, z_ptr, rows, N, K, G, ZEROS, PROLOGUE, BLOCK_N, BLOCK_K, SCALE_BLOCK)
+        y = tl.sum(acc, axis=1)
+    elif FP8:
+        y = _fp8_rows(x_ptr, q_ptr, s_ptr, rows, N, K, BN, BK, s_row, BLOCKED, PROLOGUE, BLOCK_N, BLOCK_K)
+    else:
+        y = _int4_rows(x_ptr, q_ptr, s_ptr, z_ptr, rows, N, K, G, ZEROS, PROLOGUE, BLOCK_N, BLOCK_K)
+    return y
 
 
 @triton.jit
 def _int4_rows(x_ptr, q_ptr, s_ptr, z_ptr, rows, N, K, G, ZEROS: tl.constexpr, PROLOGUE: tl.constexpr,
-               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr):
-    """`_rows`' fast int4 path: GROUP = G (dividing BLOCK_K), or 0 for one scale a row."""
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """`_rows`' fast int4 path. A packed word holds 8 consecutive inputs of one group, so per word
+    sum((q - z) s x) = s (sum(q x) - z sum(x)): nibble j of every word of the block is one 2-D operation
+    (shift, mask, convert, multiply-add) against the inputs 8w + j, and the word's scale and zero point are
+    applied once. Dequantizing each weight first ((q - z) * s looked up per weight, rounded) and splitting
+    words through a 3-D reshape left the kernel at a tenth of the memory's bandwidth (H200, Qwen2.5-7B's
+    matrices: 0.33-0.48 TB/s of int4)."""
     BLOCK_W: tl.constexpr = BLOCK_K // 8
     KW = K // 8
     KG = K // G
-    shifts = tl.arange(0, 8) * 4
-    row_ok = rows < N
-    total = tl.zeros([BLOCK_N], dtype=tl.float32)
-    xsum = tl.zeros([BLOCK_K], dtype=tl.float32)
+    row_ok = rows[:, None] < N
+    acc = tl.zeros([BLOCK_N, BLOCK_W], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         words = k0 // 8 + tl.arange(0, BLOCK_W)
-        packed = tl.load(q_ptr + rows[:, None] * KW + words[None, :], mask=row_ok[:, None] & (words[None, :] < KW),
-                         other=0)
-        q = ((packed[:, :, None] >> shifts[None, None, :]) & 0xF).to(tl.float32)  # [BLOCK_N, BLOCK_W, 8]
-        x = prologue_input(x_ptr, x_ptr, k0 + tl.arange(0, BLOCK_K), K, 0.0, PROLOGUE)  # [BLOCK_K], 0 past K
-        qx = tl.sum(q * tl.reshape(x, [BLOCK_W, 8])[None, :, :], axis=2)  # [BLOCK_N, BLOCK_W]
-        if GROUP == 0:
-            total += tl.sum(qx, axis=1)
-            xsum += x
-        else:
-            NGB: tl.constexpr = BLOCK_K // GROUP
-            part = tl.sum(tl.reshape(qx, [BLOCK_N, NGB, GROUP // 8]), axis=2)  # [BLOCK_N, NGB]
-            xs = tl.sum(tl.reshape(x, [NGB, GROUP]), axis=1)  # [NGB]
-            g = k0 // GROUP + tl.arange(0, NGB)
-            at = rows[:, None] * KG + g[None, :]
-            ok = row_ok[:, None] & (g[None, :] < KG)
-            sc = tl.load(s_ptr + at, mask=ok, other=0.0).to(tl.float32)
-            if ZEROS:
-                z = tl.load(z_ptr + at, mask=ok, other=0).to(tl.float32)
-            else:
-                z = 8.0
-            total += tl.sum((part - z * xs[None, :]) * sc, axis=1)
-    if GROUP == 0:
-        sc = tl.load(s_ptr + rows * KG, mask=row_ok, other=0.0).to(tl.float32)
+        ok = row_ok & (words[None, :] < KW)
+        packed = tl.load(q_ptr + rows[:, None] * KW + words[None, :], mask=ok, other=0)
+        qx = tl.zeros([BLOCK_N, BLOCK_W], dtype=tl.float32)
+        xs = tl.zeros([BLOCK_W], dtype=tl.float32)
+        for j in tl.static_range(8):
+            xj = prologue_input(x_ptr, x_ptr, words * 8 + j, K, 0.0, PROLOGUE)  # [BLOCK_W], 0 past K
+            qx += ((packed >> (4 * j)) & 0xF).to(tl.float32) * xj[None, :]
+            xs += xj
+        at = rows[:, None] * KG + (words * 8 // G)[None, :]
+        sc = tl.load(s_ptr + at, mask=ok, other=0.0).to(tl.float32)
         if ZEROS:
-            z = tl.load(z_ptr + rows * KG, mask=row_ok, other=0).to(tl.float32)
+            z = tl.load(z_ptr + at, mask=ok, other=0).to(tl.float32)
         else:
             z = 8.0
-        total = (total - z * tl.sum(xsum, axis=0)) * sc
-    return total
+        acc += (qx - z * xs[None, :]) * sc
+    return tl.sum(acc, axis=1)
 
 
 @triton.jit
 def _fp8_rows(x_ptr, w_ptr, s_ptr, rows, N, K, BN, BK, s_row, BLOCKED: tl.constexpr, PROLOGUE: tl.constexpr,
               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """`_rows`' fast FP8 path: a block column's scale (BK a multiple of BLOCK_K) or the row's applied to the
-    partial sums."""
+    """`_rows`' fast FP8 path: one scale a row for the whole block of columns (a block column's, BK being a
+    multiple of BLOCK_K, or the row's), looked up once a row and iteration instead of once a weight."""
     row_ok = rows < N
-    total = tl.zeros([BLOCK_N], dtype=tl.float32)
+    if not BLOCKED:
+        s_rows = tl.load(s_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
         w = tl.load(w_ptr + rows[:, None] * K + cols[None, :], mask=row_ok[:, None] & (cols[None, :] < K),
                     other=0.0).to(tl.float32)
-        part = tl.sum(w * prologue_input(x_ptr, x_ptr, cols, K, 0.0, PROLOGUE)[None, :], axis=1)
         if BLOCKED:
-            part *= tl.load(s_ptr + (rows // BN) * s_row + k0 // BK, mask=row_ok, other=0.0).to(tl.float32)
-        total += part
-    if not BLOCKED:
-        total *= tl.load(s_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
-    return total
+            s_rows = tl.load(s_ptr + (rows // BN) * s_row + k0 // BK, mask=row_ok, other=0.0).to(tl.float32)
+        acc += w * s_rows[:, None] * prologue_input(x_ptr, x_ptr, cols, K, 0.0, PROLOGUE)[None, :]
+    return tl.sum(acc, axis=1)
 
 
 @triton.jit
@@ -296,12 +282,7 @@ def _blocks(N: int, K: int, fmt: dict | None = None) -> dict:
             blocks["BLOCK_K"] = min(block_k, fmt["BK"])  # a block column holds whole iterations
             blocks["SCALE_BLOCK"] = fmt["BK"]
         return blocks
-    g = fmt["G"]
-    if g == K:
-        blocks["SCALE_BLOCK"] = 0
-    elif _power_of_two(g) and 8 <= g <= 1024:
-        blocks["BLOCK_K"] = max(block_k, g)  # an iteration holds whole groups
-        blocks["SCALE_BLOCK"] = g
+    blocks["SCALE_BLOCK"] = 0  # int4: any group size (a multiple of 8) lines up with the packed words
     return blocks
 
 
