@@ -59,6 +59,9 @@ import triton.language as tl
 
 from .kernels import GATE, NONE, prologue_input
 
+MAGIC: tl.constexpr = tl.constexpr(8388608.0)  # 2**23: a float32 whose mantissa's low bits are an integer
+MAGIC_BITS: tl.constexpr = tl.constexpr(0x4B000000)  # its bits
+
 
 @triton.jit
 def _int4_tile(q_ptr, s_ptr, z_ptr, rows, k0, N, K, G, ZEROS: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -141,9 +144,8 @@ def _rows(x_ptr, q_ptr, s_ptr, z_ptr, rows, N, K, G, BN, BK, s_row, FP8: tl.cons
 def _int4_rows(x_ptr, q_ptr, s_ptr, z_ptr, rows, N, K, G, ZEROS: tl.constexpr, PROLOGUE: tl.constexpr,
                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """`_rows`' fast int4 path. A packed word holds 8 consecutive inputs of one group, so per word
-    sum((q - z) s x) = s (sum(q x) - z sum(x)): nibble j of every word of the block is one 2-D operation
-    (shift, mask, convert, multiply-add) against the inputs 8w + j, and the word's scale and zero point are
-    applied once. Dequantizing each weight first ((q - z) * s looked up per weight, rounded) and splitting
+    sum((q - z) s x) = s sum((q - z) x): nibble j of every word of the block is one 2-D operation (shift,
+    mask-and-or, subtract, multiply-add) against the inputs 8w + j, and the word's scale applied once. Dequantizing each weight first ((q - z) * s looked up per weight, rounded) and splitting
     words through a 3-D reshape left the kernel at a tenth of the memory's bandwidth (H200, Qwen2.5-7B's
     matrices: 0.33-0.48 TB/s of int4)."""
     BLOCK_W: tl.constexpr = BLOCK_K // 8
@@ -155,19 +157,20 @@ def _int4_rows(x_ptr, q_ptr, s_ptr, z_ptr, rows, N, K, G, ZEROS: tl.constexpr, P
         words = k0 // 8 + tl.arange(0, BLOCK_W)
         ok = row_ok & (words[None, :] < KW)
         packed = tl.load(q_ptr + rows[:, None] * KW + words[None, :], mask=ok, other=0)
-        qx = tl.zeros([BLOCK_N, BLOCK_W], dtype=tl.float32)
-        xs = tl.zeros([BLOCK_W], dtype=tl.float32)
-        for j in tl.static_range(8):
-            xj = prologue_input(x_ptr, x_ptr, words * 8 + j, K, 0.0, PROLOGUE)  # [BLOCK_W], 0 past K
-            qx += ((packed >> (4 * j)) & 0xF).to(tl.float32) * xj[None, :]
-            xs += xj
         at = rows[:, None] * KG + (words * 8 // G)[None, :]
         sc = tl.load(s_ptr + at, mask=ok, other=0.0).to(tl.float32)
         if ZEROS:
-            z = tl.load(z_ptr + at, mask=ok, other=0).to(tl.float32)
+            offset = tl.load(z_ptr + at, mask=ok, other=0).to(tl.float32) + MAGIC
         else:
-            z = 8.0
-        acc += (qx - z * xs[None, :]) * sc
+            offset = 8.0 + MAGIC
+        qx = tl.zeros([BLOCK_N, BLOCK_W], dtype=tl.float32)
+        for j in tl.static_range(8):
+            xj = prologue_input(x_ptr, x_ptr, words * 8 + j, K, 0.0, PROLOGUE)  # [BLOCK_W], 0 past K
+            # code u as the float 2**23 + u (its bits OR-ed into 2**23's mantissa): an exact subtraction
+            # then gives u - z, where an int-to-float conversion runs at a quarter of the FP32 rate
+            f = (((packed >> (4 * j)) & 0xF) | MAGIC_BITS).to(tl.float32, bitcast=True)
+            qx += (f - offset) * xj[None, :]
+        acc += qx * sc
     return tl.sum(acc, axis=1)
 
 
@@ -264,7 +267,7 @@ def _mm_kernel(x_ptr, q_ptr, s_ptr, z_ptr, slots_ptr, tile_e_ptr, out_ptr, M, N,
 
 # The decode kernels' blocks (rows a program, columns an iteration, warps), by output size: set from a
 # sweep on an H200 (scripts/quant_gpu.py kernels); a script may replace it to sweep again.
-DECODE_BLOCKS = {"small": (4, 256, 4), "large": (8, 256, 4)}  # N <= 2048, N > 2048
+DECODE_BLOCKS = {"small": (4, 512, 8), "large": (16, 512, 4)}  # N <= 2048, N > 2048
 
 
 def _blocks(N: int, K: int, fmt: dict | None = None) -> dict:
