@@ -38,7 +38,7 @@ from .program import (
     InterruptTimes, end_on_signals, err_line, exit_on, process_started_at, report_library_logs, run,
     stop_on_interrupt,
 )
-from .timing import AudioClock, print_command_startup, print_timing, speech_steps
+from .timing import AudioClock, print_command_startup, print_memory, print_timing, speech_steps
 
 say_app = make_app(
     "omni-say",
@@ -198,6 +198,7 @@ def say(
             print_timing(err, reply.stats, outputs.speaker.stats if outputs.speaker is not None else None,
                          unit=speech_steps(assistant)[0])
             print_command_startup(err, assistant, reply.stats, t_command if t_process is None else t_process)
+            print_memory(err, assistant)
     except BaseException as exc:  # noqa: BLE001 - every way out is reported, none with a traceback
         if isinstance(exc, (SystemExit, typer.Exit)):
             raise
