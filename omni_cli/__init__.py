@@ -12,7 +12,7 @@ __version__ = "0.1.0"
 __all__ = ["load", "__version__"]
 
 
-def load(model: str | None = None, device: str = "auto", dtype: str = "auto", runtime=None):
+def load(model: str | None = None, device: str = "auto", dtype: str = "auto", runtime=None, progress=None):
     """Load a Qwen2.5-Omni or Qwen3-Omni checkpoint (folder, hub id, or None for $OMNI_MODEL / the built-in tiny
     Qwen2.5-Omni model; the family is read from its config.json).
 
@@ -20,7 +20,8 @@ def load(model: str | None = None, device: str = "auto", dtype: str = "auto", ru
     it is; its device and dtype win over the two arguments. Without it: `device`, `dtype` and the
     environment's switches (`RuntimeOptions.from_env`: OMNI_NO_GRAPHS=1, ...). The assistant's `runtime`
     is then the options as built (device "cuda:0", dtype "bfloat16", graphs as they really are).
+    `progress(done, total)`: called after each decoder layer packed (`runtime.quantize`).
     """
     from .assistant import Assistant
 
-    return Assistant.load(model, device=device, dtype=dtype, runtime=runtime)
+    return Assistant.load(model, device=device, dtype=dtype, runtime=runtime, progress=progress)

@@ -103,7 +103,14 @@ class Assistant(WarmsUp):
         t = time.perf_counter()
         # How the steps are asked for (`compile_beside` builds them again, compiled).
         self.asked = replace(runtime, max_codes=runtime.max_codes or round(DEFAULT_LIMITS["seconds"] * per_second))
-        steps = self.family.build_steps(loaded.model, loaded.speakers, runtime=self.asked)
+        try:
+            steps = self.family.build_steps(loaded.model, loaded.speakers, runtime=self.asked)
+        except Exception as exc:
+            from .models.weights import is_oom
+
+            if is_oom(exc):
+                raise _cache_oom(self.max_context, runtime.quantize) from exc
+            raise
         self.sample_rate = steps.sample_rate
         # How the model runs, as built (omni-serve tells its clients, which compare it with their flags): a
         # frozen RuntimeOptions, replaced (never changed) when compiled steps take over.
@@ -126,14 +133,34 @@ class Assistant(WarmsUp):
 
     @classmethod
     def load(cls, model: str | None = None, device: str = "auto", dtype: str = "auto",
-             runtime: RuntimeOptions | None = None) -> "Assistant":
-        """Load a checkpoint; `runtime` overrides device/dtype and sets graphs and cache sizes. Without it,
-        the options are `device`, `dtype` and the environment's switches (`RuntimeOptions.from_env`:
-        OMNI_NO_GRAPHS=1, ...), as a face would read them."""
+             runtime: RuntimeOptions | None = None, progress=None) -> "Assistant":
+        """Load a checkpoint; `runtime` overrides device/dtype and sets graphs, cache sizes and packing
+        (`quantize`). Without it, the options are `device`, `dtype` and the environment's switches
+        (`RuntimeOptions.from_env`: OMNI_NO_GRAPHS=1, ...), as a face would read them. `progress(done,
+        total)`: after each decoder layer packed (with `quantize`)."""
         from .loader import load_model
 
         rt = runtime or RuntimeOptions.from_env(device=device, dtype=dtype)
-        return cls(load_model(model, device=rt.device, dtype=rt.dtype), rt)
+        return cls(load_model(model, device=rt.device, dtype=rt.dtype, quantize=rt.quantize,
+                              group_size=rt.group_size, progress=progress), rt)
+
+    @property
+    def memory(self) -> dict:
+        """The model's bytes as `--verbose` and /show tell them: `packed` (the packed weights, 0 without
+        --quantize), `float` (the parameters left in their dtype), `weights` (both), `quantize`; `peak`:
+        the device's most allocated so far (torch.cuda.max_memory_allocated; None off CUDA, where only the
+        weights are known)."""
+        import torch
+
+        from .quant.apply import packed_bytes
+
+        model = self.loaded.model
+        packed = packed_bytes(model)
+        floats = sum(p.numel() * p.element_size() for p in model.parameters())
+        device = torch.device(self.loaded.device)
+        peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+        return {"packed": packed, "float": floats, "weights": packed + floats,
+                "quantize": getattr(self.loaded, "quantize", None), "peak": peak}
 
     def compile_beside(self, on_ready=None, on_failure=None):
         """Compile the steps on a thread of their own while the plain ones go on serving (runtime/beside.py);
@@ -417,6 +444,17 @@ class Assistant(WarmsUp):
 if TYPE_CHECKING:  # pragma: no cover - the type checker holds the class to what the faces use of it
     def _an_omni_assistant(assistant: Assistant) -> OmniAssistant:
         return assistant
+
+
+def _cache_oom(max_context: int, quantize: str | None):
+    """The one-line error of an out-of-memory while the static caches and steps are built: the weights
+    are in, the caches sized for `max_context` tokens are not."""
+    from .errors import OmniError
+
+    smaller = max(64, max_context // 2)
+    more = "" if quantize == "int4" else f", or --quantize {'fp8' if quantize is None else 'int4'} (smaller weights)"
+    return OmniError(f"out of device memory building the caches for {max_context} tokens of context: try "
+                     f"--max-context {smaller}{more}")
 
 
 def _is_pair(item) -> bool:

@@ -108,6 +108,14 @@ class RuntimeOptions:
     # Longest reply audio the talker's cache and the vocoder are sized for, in talker steps (Qwen2.5-Omni:
     # 50 codes = 1 s; Qwen3-Omni: 12.5 frames = 1 s); None = the family's default (about 82 s).
     max_codes: int | None = None
+    # Pack the thinker's and the talker's decoder layers at load (quant/apply.py): "int4" (round-to-nearest,
+    # symmetric, group scales) or "fp8" (e4m3, 128x128 block scales); None = the checkpoint's own weights.
+    # The float weights are read on the CPU and each layer is packed on the device, so only the packed model
+    # has to fit there (Qwen3-Omni-30B-A3B: 66 GiB in bfloat16, about 22 GiB int4). A checkpoint quantized
+    # already refuses it (its weights load as stored). Packed steps are not compiled.
+    quantize: str | None = None
+    # int4: the inputs each scale covers (a divisor of every packed layer's input width); None = 128.
+    group_size: int | None = None
 
     @classmethod
     def from_env(cls, environ=None, **fields) -> "RuntimeOptions":
@@ -134,6 +142,10 @@ class RuntimeOptions:
         argv += ["--max-context", str(self.max_context)]
         if self.max_codes is not None:
             argv += ["--codes-capacity", str(self.max_codes)]
+        if self.quantize is not None:
+            argv += ["--quantize", self.quantize]
+        if self.group_size is not None:
+            argv += ["--group-size", str(self.group_size)]
         return argv
 
     def to_json(self) -> dict:

@@ -371,14 +371,21 @@ class LoadedModel:
     family: "Family | None" = None
     # Seconds each loading phase took ("weights", "tokenizer", ...), for `--verbose`.
     timings: dict | None = None
+    # What `--quantize` packed at load ("int4", "fp8"), None for weights as stored.
+    quantize: str | None = None
 
     @property
     def voices(self) -> list[str]:
         return list(self.speakers)
 
 
-def load_model(model: str | os.PathLike | None = None, device: str = "auto", dtype: str = "auto") -> LoadedModel:
-    """Resolve, check and load a checkpoint of a supported family onto a device (see `LoadedModel`)."""
+def load_model(model: str | os.PathLike | None = None, device: str = "auto", dtype: str = "auto",
+               quantize: str | None = None, group_size: int | None = None, progress=None) -> LoadedModel:
+    """Resolve, check and load a checkpoint of a supported family onto a device (see `LoadedModel`).
+
+    `quantize` ("int4", "fp8"; RuntimeOptions.quantize): the weights are read into host memory, and the
+    decoder layers packed one at a time on the device (`load_packed`), so only the packed model has to fit
+    there; `group_size`: int4's (None: 128); `progress(done, total)`: after each layer packed."""
     import time
 
     import torch
@@ -392,8 +399,10 @@ def load_model(model: str | os.PathLike | None = None, device: str = "auto", dty
     torch_dtype = pick_dtype(dtype, torch_device)
     path, is_demo, name = _resolve(model)
     fam = read_family(path)
+    if quantize is not None:
+        refuse_quantized(path, name, quantize)
     early = None
-    if torch_device.type == "cuda" and fam.READS_WEIGHTS_EARLY:
+    if torch_device.type == "cuda" and fam.READS_WEIGHTS_EARLY and quantize is None:
         from .early_weights import EarlyWeights
 
         early = EarlyWeights.start(path, torch_device, torch_dtype)  # during the import below
@@ -404,9 +413,16 @@ def load_model(model: str | os.PathLike | None = None, device: str = "auto", dty
         timings["import transformers, find the model" + (" (reading the weights meanwhile)" if early else "")] = (
             time.perf_counter() - t0)
         t = time.perf_counter()
-        omni, speakers = fam.load(path, torch_device, torch_dtype, name, **({"early": early} if early else {}))
+        if quantize is None:
+            omni, speakers = fam.load(path, torch_device, torch_dtype, name, **({"early": early} if early else {}))
+            timings["read the weights and move them to the device"] = time.perf_counter() - t
+        else:
+            omni, speakers = fam.load(path, torch.device("cpu"), torch_dtype, name)
+            timings["read the weights into host memory"] = time.perf_counter() - t
+            t = time.perf_counter()
+            load_packed(omni, path, torch_device, torch_dtype, name, quantize, group_size, progress)
+            timings[f"pack the decoder layers ({quantize}) on the device, move the rest"] = time.perf_counter() - t
         omni.eval()
-        timings["read the weights and move them to the device"] = time.perf_counter() - t
         t = time.perf_counter()
         try:
             tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
@@ -450,7 +466,75 @@ def load_model(model: str | os.PathLike | None = None, device: str = "auto", dty
         name=name,
         family=fam,
         timings=timings,
+        quantize=quantize,
     )
+
+
+def refuse_quantized(path: Path, name: str, quantize: str) -> None:
+    """A one-line UsageError when the checkpoint's config.json says it is quantized already: its weights
+    load as stored, and packing packed weights again would only lose more (quant/detect.py reads it; a
+    format it does not know is quantized too)."""
+    from .quant.detect import detect
+
+    try:
+        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return  # _check_folder read it already: nothing new to say here
+    try:
+        found = detect(config)
+        what = ", ".join(sorted({f"{q.method} {q.kind}" for q in found}))
+    except ModelError:
+        found, what = (True,), "a format of its own"
+    if found:
+        raise UsageError(f"{name} is quantized already ({what}): leave out --quantize {quantize}")
+
+
+def int4_group(omni, largest: int = 128) -> int:
+    """int4's group size for `omni` when none is asked for: 128 (the official checkpoints'), halved until it
+    divides the input width of every layer that gets packed (the built-in tiny models' 48 and 64 wide
+    layers: 16), logged when it is not 128."""
+    from torch import nn
+
+    from .quant.apply import decoder_layers, is_expert_bank, keep
+
+    g = largest
+    for _, layer in decoder_layers(omni):
+        for name, sub in layer.named_modules():
+            if isinstance(sub, nn.Linear) and not keep(name):
+                widths = [sub.in_features]
+            elif is_expert_bank(sub):  # the bank's two matrices, whichever of their dims is the input
+                widths = [d for t in (sub.gate_up_proj, sub.down_proj) for d in t.shape[1:]]
+            else:
+                continue
+            for w in widths:
+                while g > 1 and w % g:
+                    g //= 2
+    if g != largest:
+        log.info("int4 group size %d: %d does not divide every packed layer's input width", g, largest)
+    return g
+
+
+def load_packed(omni, path: Path, device, dtype, name: str, quantize: str, group_size: int | None, progress=None):
+    """Pack the decoder layers of `omni` (in host memory, in `dtype`) one at a time on `device`
+    (quant/apply.quantize_model), then move the rest there (Qwen2.5-Omni's token2wav stays float32, as the
+    family placed it). Out of memory: a one-line error saying what would fit (models/weights.py)."""
+    from .models.weights import oom_error, to_device
+    from .models.weights import is_oom
+    from .quant.apply import quantize_model, spec_for
+
+    if quantize == "int4" and group_size is None:
+        group_size = int4_group(omni)
+    spec = spec_for(quantize, dtype, group_size)
+    try:
+        quantize_model(omni, spec, device, progress=progress)
+    except ValueError as exc:  # a group size that does not divide a layer's width
+        raise UsageError(f"--quantize {quantize}" + (f" --group-size {group_size}" if group_size else "")
+                         + f" does not fit {name}: {one_line(exc)}") from exc
+    except Exception as exc:
+        if is_oom(exc):
+            raise oom_error(name, path, device, dtype, quantize) from exc
+        raise
+    to_device(omni, lambda m: m.to(device), device, name, path=path, dtype=dtype, quantize=quantize)
 
 
 def model_voices(model: str | os.PathLike | None = None, notice: bool = True) -> list[str]:

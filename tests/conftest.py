@@ -198,6 +198,7 @@ TIERS: dict[str, str | tuple[str, dict[str, str]]] = {
     "test_quant_kernels.py": "unit",
     "test_quant_linear.py": "unit",
     "test_quant_parity.py": "model",
+    "test_quant_faces.py": "model",
     "test_limits.py": "unit",
     "test_listen.py": "e2e",
     "test_loader.py": ("unit", {"test_load_tiny": "model", "test_load_tiny_bfloat16_keeps_token2wav_float32": "model",
@@ -292,7 +293,7 @@ def fake(monkeypatch):
 
     state = SimpleNamespace(assistant=FakeAssistant(), load_args=None, sd=FakeSoundDevice(speed=20.0))
 
-    def load(model=None, device="auto", dtype="auto", runtime=None):
+    def load(model=None, device="auto", dtype="auto", runtime=None, progress=None):
         state.runtime = runtime  # the faces give the one RuntimeOptions whole
         state.load_args = (model, runtime.device, runtime.dtype)
         return state.assistant

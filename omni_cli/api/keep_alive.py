@@ -114,14 +114,15 @@ def read_record(remove_stale: bool = False) -> dict | None:
     return None
 
 
-def record_self(port: int, model: str | None) -> None:
+def record_self(port: int, model: str | None, quantize: str | None = None) -> None:
     """omni-serve, once it has bound `port`: write its own record if `start_server` started it (RECORD_ENV;
     a server started by hand writes none and is never stopped by the commands). Whole and 0600; a record
     that cannot be written is a warning: the server works, but no command will stop it, nor wait for it."""
     if os.environ.pop(RECORD_ENV, "") != "1":
         return
     record = {"pid": os.getpid(), "started": ownership.start_time(os.getpid()), "port": port,
-              "key": model_key(model), "model": str(model or "the default model"), "log": str(log_file(port))}
+              "key": model_key(model), "model": str(model or "the default model"), "log": str(log_file(port)),
+              "quantize": quantize}
     try:
         server_folder(make=True)
         with atomic.Replacement(_record_file()) as out:
@@ -170,11 +171,13 @@ def _find_or_start_lock(folder: Path, wait: float) -> Iterator[bool]:
 
 
 def start_server(model: str | None, flags: list[str], keep_alive: float, api_key: str | None = None,
-                 note=lambda text: None) -> RemoteAssistant | None:
+                 note=lambda text: None, quantize: str | None = None) -> RemoteAssistant | None:
     """A `RemoteAssistant` for a background omni-serve of `model` (started now, or one still loading),
     or None when there can be none (the port held by a server this module did not start or cannot prove
     is ours, or by a busy one of another model; no cache folder): the caller loads the model itself.
-    `flags`: omni-serve's load flags (device, dtype, graphs); `note` hears what is done, and why when None."""
+    `flags`: omni-serve's load flags (device, dtype, graphs); `note` hears what is done, and why when None.
+    `quantize`: the packing asked for (RuntimeOptions.quantize): a server of the same model holding other
+    weights (bfloat16 against int4) is another model here, stopped if idle and replaced."""
     url = client.DEFAULT_URL
     where = urlsplit(url)
     assert where.hostname is not None and where.port is not None, f"{url} names no host and port"
@@ -198,7 +201,7 @@ def start_server(model: str | None, flags: list[str], keep_alive: float, api_key
             with contextlib.suppress(OSError):
                 _record_file().unlink()
             record = None
-        if record is not None and record["port"] == where.port and record["key"] == key:
+        if record is not None and record["port"] == where.port and same_weights(record, key, quantize):
             proc = None
         else:
             if record is not None and record["port"] == where.port and not _stop_idle(url, record):
@@ -206,7 +209,7 @@ def start_server(model: str | None, flags: list[str], keep_alive: float, api_key
                      "still loading), so the model loads in this process")
                 return None
             if client.listening(url):  # someone else's server (or one that cannot prove it is ours): left alone
-                return _someone_elses(url, api_key, key, note)
+                return _someone_elses(url, api_key, key, note, quantize)
             proc = _spawn(model, flags, keep_alive, api_key, where, log)
             minutes = f"{keep_alive / 60:g} min" if keep_alive >= 60 else f"{keep_alive:g} s"
             note(f"loading the model in a background omni-serve (pid {proc.pid}), kept for {minutes} after the last "
@@ -219,14 +222,14 @@ def start_server(model: str | None, flags: list[str], keep_alive: float, api_key
             return _wait(url, api_key, pid=record["pid"], started=record["started"],
                          log=Path(str(record.get("log", ""))))
         except NotOurs:
-            return _someone_elses(url, api_key, key, note)
+            return _someone_elses(url, api_key, key, note, quantize)
     try:
         return _wait(url, api_key, proc=proc, log=log)
     except ServerError:
         if not client.listening(url):
             raise
     # Something took the port before our server could (an omni-serve started by hand, an older version's).
-    return _someone_elses(url, api_key, key, note)
+    return _someone_elses(url, api_key, key, note, quantize)
 
 
 def serve_command(host: str, port: int, keep_alive: float, model: str | None, flags: list[str]) -> list[str]:
@@ -260,15 +263,39 @@ def _await_record(proc: subprocess.Popen, wait: float = RECORD_WAIT) -> None:
         time.sleep(0.02)
 
 
-def _someone_elses(url: str, api_key: str | None, key: str, note) -> RemoteAssistant | None:
+def same_weights(record: dict, key: str, quantize: str | None) -> bool:
+    """Whether the recorded server holds the model `key` packed as `quantize` asks (None: as stored). A
+    record without the field is an older server's, which never packed weights."""
+    return record["key"] == key and record.get("quantize") == quantize
+
+
+def served_quantize(remote: RemoteAssistant) -> str | None:
+    """How a server's weights are packed, as its model info says (None: as stored, or it does not say)."""
+    runtime = remote.info.get("runtime")
+    return runtime.get("quantize") if isinstance(runtime, dict) else None
+
+
+def _someone_elses(url: str, api_key: str | None, key: str, note, quantize: str | None = None) -> RemoteAssistant | None:
     """The port is taken, not by the recorded server: use it if it proves it is the user's omni-serve of
-    this model (only then is it sent the key), else None."""
+    this model with the weights packed as asked (only then is it sent the key), else None."""
     found = client.proven_health(url, client.PROBE_TIMEOUT)
     if found is not None and found["proof"]["key"] == key:
+        remote = None
         with contextlib.suppress(ServerError):
-            return RemoteAssistant.connect(url, api_key, timeout=START_TIMEOUT)  # waits while it loads
+            remote = RemoteAssistant.connect(url, api_key, timeout=START_TIMEOUT)  # waits while it loads
+        if remote is not None:
+            if served_quantize(remote) == quantize:
+                return remote
+            remote.close()
+            note(f"the server at {url} holds {_weights(served_quantize(remote))} weights, not the {_weights(quantize)} "
+                 "ones asked for, so the model loads in this process")
+            return None
     note(f"another server answers at {url}, so the model loads in this process")
     return None
+
+
+def _weights(quantize: str | None) -> str:
+    return quantize or "unpacked"
 
 
 class Hold:

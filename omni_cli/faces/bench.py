@@ -21,6 +21,7 @@ machine's memory).
 from __future__ import annotations
 
 import json
+import re
 import sys
 import time
 from dataclasses import dataclass
@@ -30,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import typer
 
 from ..models import presets_modules
-from .options import OneLineErrors, VersionOpt  # imports neither torch nor numpy
+from .options import GroupSizeOpt, OneLineErrors, QuantizeOpt, VersionOpt, check_quantize  # neither torch nor numpy
 from .program import err_line
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
@@ -80,10 +81,12 @@ class _Subject:
     voice: str
     eos_ids: list
     talker_sampling: SamplingOptions
+    quantize: str | None = None  # --quantize: how the decoder layers were packed (None: not)
 
 
-def _subject(model, family, voices: dict) -> _Subject:
-    return _Subject(model, family, voices, family.DEFAULT_VOICE, family.text_eos_ids(model), family.TALKER_SAMPLING)
+def _subject(model, family, voices: dict, quantize: str | None = None) -> _Subject:
+    return _Subject(model, family, voices, family.DEFAULT_VOICE, family.text_eos_ids(model), family.TALKER_SAMPLING,
+                    quantize)
 
 
 def _engine(subject: _Subject, prompt_ids, text_tokens, codes, **steps_options):
@@ -95,7 +98,8 @@ def _engine(subject: _Subject, prompt_ids, text_tokens, codes, **steps_options):
 
     # The one runtime object, from the flags and the environment's OMNI_NO_* switches (read once, here).
     graphs, compile = steps_options.pop("graphs", True), steps_options.pop("compile", True)
-    runtime = RuntimeOptions.from_env(graphs=None if graphs else False, compile=True if compile else None)
+    runtime = RuntimeOptions.from_env(graphs=None if graphs else False, compile=True if compile else None,
+                                      quantize=subject.quantize)
     steps = subject.family.steps(subject.model, subject.voices, max_context=max(1024, len(prompt_ids) + text_tokens + 8),
                                  max_codes=codes, runtime=runtime, **steps_options)
     engine = Engine(steps, BenchTokenizer(), eos_ids=subject.eos_ids)
@@ -300,6 +304,39 @@ app = typer.Typer(add_completion=False, help=__doc__.split("\n")[0])
 DEFAULT_PRESET = "qwen2.5-omni-7b"  # on an accelerator; on a CPU the default is "tiny"
 
 
+_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*(gib|gb|mib|mb|g|m)\s*", re.IGNORECASE)
+_UNITS = {"gib": 2**30, "g": 2**30, "gb": 10**9, "mib": 2**20, "m": 2**20, "mb": 10**6}
+
+
+def parse_size(text: str) -> int:
+    """'24GiB', '24 GB', '512MiB', '1.5g' -> bytes (GiB, MiB, G and M are powers of two; GB, MB of ten); a
+    UsageError for anything else."""
+    from ..errors import UsageError
+
+    found = _SIZE.fullmatch(str(text))
+    if found is None or float(found.group(1)) <= 0:
+        raise UsageError(f"--memory-limit {text!r} is not a size: e.g. 24GiB, 24GB or 512MiB")
+    return int(float(found.group(1)) * _UNITS[found.group(2).lower()])
+
+
+def cap_memory(text: str, device) -> int:
+    """--memory-limit: cap this process's allocations on the CUDA `device` at `text` (a size,
+    `parse_size`) with torch.cuda.set_per_process_memory_fraction; the cap in bytes. A one-line
+    UsageError off CUDA or above the device's memory."""
+    import torch
+
+    from ..errors import UsageError
+
+    limit = parse_size(text)
+    if device.type != "cuda":
+        raise UsageError(f"--memory-limit caps a CUDA GPU's memory, and this run is on {device.type}: leave it out")
+    total = torch.cuda.get_device_properties(device).total_memory
+    if limit > total:
+        raise UsageError(f"--memory-limit {text} is more than the GPU's {total / 2**30:.1f} GiB")
+    torch.cuda.set_per_process_memory_fraction(limit / total, device)
+    return limit
+
+
 def _pick_preset(preset: str | None, device) -> str:
     """The preset to build on `device` from the one asked for (None or a key of PRESETS), or a UsageError:
     the full sizes are refused on a CPU (in float32 they need more memory than a CPU machine has, and
@@ -346,6 +383,12 @@ def bench(
     streams: bool = typer.Option(False, "--streams", help="time the talker's steps on the thinker's stream and on "
                                                           "their own (the default), side by side"),
     as_json: bool = typer.Option(False, "--json", help="print JSON instead of a table"),
+    quantize: QuantizeOpt = None,
+    group_size: GroupSizeOpt = None,
+    memory_limit: Optional[str] = typer.Option(
+        None, "--memory-limit", metavar="SIZE", show_default=False,
+        help="cap this process's GPU memory (e.g. 24GiB, 24GB, 512MiB; torch's per-process fraction): whether "
+             "the preset fits a smaller GPU; the JSON records the cap, the weights' bytes and the peak"),
     version: VersionOpt = False,
 ) -> None:
     """Benchmark one reply at forced lengths on random weights."""
@@ -369,12 +412,20 @@ def bench(
                          "the assistant opener)")
     if codes is None:
         codes = int(DEFAULT_AUDIO_S * family.CODES_PER_SECOND + 0.5)
+    quantize = check_quantize(quantize, group_size)
+    limit = cap_memory(memory_limit, dev) if memory_limit is not None else None
+    if quantize is not None and compile and graphs and dev.type == "cuda":
+        progress(f"note: torch.compile over packed (--quantize {quantize}) weights is not supported: the steps run "
+                 "uncompiled")
+        compile = False
     dt = pick_dtype(dtype, dev)
     t = time.perf_counter()
-    model, voices = family.build_model(preset, dev, dt, progress)
+    model, voices = family.build_model(preset, dev, dt, progress, **(
+        {"quantize": quantize, "group_size": group_size} if quantize else {}))
     build_s = time.perf_counter() - t
+    build_peak = torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None
     progress(f"built {preset} on {dev} in {build_s:.1f} s")
-    subject = _subject(model, family, voices)
+    subject = _subject(model, family, voices, quantize)
     prompt = family.prompt(model, prompt_tokens)
     if variants:
         table = {name: _ours(subject, prompt, text_tokens, codes, dev, graphs, runs, variant=name)
@@ -399,6 +450,11 @@ def bench(
         "graphs": graphs and family.GRAPHS, "build_s": build_s,
         "date": time.strftime("%Y-%m-%d"),
         "parameters_b": sum(p.numel() for p in model.parameters()) / 1e9,
+        "quantize": quantize, "group_size": group_size,
+        # bytes: the weights (packed by --quantize, and the float parameters), the cap --memory-limit set,
+        # the device's peak while building and, over the whole run, after it
+        "weights_bytes": _weights_bytes(model), "memory_limit_bytes": limit, "build_peak_bytes": build_peak,
+        "peak_bytes": torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None,
     }
     if as_json:
         typer.echo(json.dumps({"meta": meta, "omni_cli": ours, "transformers": ref}, indent=2))
@@ -406,7 +462,21 @@ def bench(
     note = " (approximate: talker sizes assumed)" if meta["approximate"] else ""
     print(f"{preset}{note} on {meta['device']}, {meta['dtype']}, {meta['parameters_b']:.3g} B parameters; "
           f"prompt {prompt_tokens}, text {text_tokens}, {family.UNIT} {codes}", file=sys.stderr)
+    w = meta["weights_bytes"]
+    print(f"weights {w['total'] / 2**30:.2f} GiB" + (f" ({w['packed'] / 2**30:.2f} GiB packed {quantize})" if quantize else "")
+          + (f", cap {limit / 2**30:.1f} GiB" if limit else "")
+          + (f", peak {meta['peak_bytes'] / 2**30:.2f} GiB" if meta["peak_bytes"] is not None else ""), file=sys.stderr)
     typer.echo(_table(ours, ref, family.LABELS))
+
+
+def _weights_bytes(model) -> dict:
+    """{"packed", "float", "total"}: the model's packed weights' bytes (quant/apply.packed_bytes) and its
+    parameters'."""
+    from ..quant.apply import packed_bytes
+
+    packed = packed_bytes(model)
+    floats = sum(p.numel() * p.element_size() for p in model.parameters())
+    return {"packed": packed, "float": floats, "total": packed + floats}
 
 
 def _offers(family, flag: str) -> bool:

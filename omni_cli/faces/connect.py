@@ -83,12 +83,28 @@ def find_server(where: Where) -> Any | None:
         return None
     else:
         remote = find_local_server(model, where.api_key)
+        if remote is not None and _other_weights(remote, where):
+            remote.close()
+            remote = None
         if remote is not None:
             where.note(f"using omni-serve at {remote.url} ({remote.name}); --local loads the model here instead")
             _demo_note(where, remote)
     if remote is not None and not where.quiet:
         _runtime_note(remote, where.runtime)
     return remote
+
+
+def _other_weights(remote: Any, where: Where) -> bool:
+    """Whether the server found on the default address holds the model packed otherwise than --quantize
+    asks (int4 against bfloat16): it is not handed to this command, which starts its own (or loads here)."""
+    from ..api.keep_alive import served_quantize
+
+    served = served_quantize(remote)
+    if served == where.runtime.quantize:
+        return False
+    where.note(f"the omni-serve at {remote.url} holds {served or 'unpacked'} weights, not the "
+               f"{where.runtime.quantize or 'unpacked'} ones asked for: not using it")
+    return True
 
 
 def load(where: Where, err: Any, t_command: float, before: str) -> Any:
@@ -109,8 +125,8 @@ def load_here(where: Where, err: Any) -> Any:
 
     from ..bytecode import write_bytecode_later
 
-    with loading(err, model_label(where.model), enabled=not where.quiet):
-        assistant = omni_cli.load(where.model, runtime=where.runtime)
+    with loading(err, model_label(where.model), enabled=not where.quiet) as progress:
+        assistant = omni_cli.load(where.model, runtime=where.runtime, progress=progress)
     write_bytecode_later()  # the first start's bytecode, now that torch and transformers are imported
     return assistant
 
@@ -149,6 +165,8 @@ def _runtime_note(remote: Any, asked: RuntimeOptions) -> None:
         differ.append("--no-graphs")
     if asked.compile and not served.compile:
         differ.append("--compile")
+    if asked.quantize is not None and asked.quantize != served.quantize:
+        differ.append(f"--quantize {asked.quantize}")
     if differ:
         how = f"on {where} in {served.dtype}" + (
             ", compiled" if served.compile else " with plain CUDA graphs" if served.graphs else ", eagerly")
@@ -178,7 +196,7 @@ def _background_server(where: Where, err: Any, t_command: float) -> Any | None:
     flags = where.runtime.to_argv()
     with loading(err, f"{model_label(where.model)} in a background omni-serve", enabled=not where.quiet):
         remote = start_server(where.model, flags, where.keep_seconds, where.api_key,
-                              note=lambda text: where.note(text))
+                              note=lambda text: where.note(text), quantize=where.runtime.quantize)
     if remote is None:
         return None  # the note said why
     _demo_note(where, remote)

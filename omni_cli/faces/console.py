@@ -88,17 +88,36 @@ def safe_text_streams() -> None:
 
 
 @contextlib.contextmanager
-def loading(err, what: str, enabled: bool = True) -> Iterator[None]:
-    """A spinner on stderr naming what is being loaded (only on a terminal; silent otherwise)."""
+def loading(err, what: str, enabled: bool = True) -> Iterator[Any]:
+    """A spinner on stderr naming what is being loaded (only on a terminal; silent otherwise). It yields
+    the `progress(done, total)` callback of long work inside the load (--quantize packing layers): the
+    spinner then gives way to a bar (rich's), gone once the load ends."""
     if not enabled or not err.is_terminal:
-        yield
+        yield None
         return
     from rich.text import Text
 
     start = time.perf_counter()
+    bar: dict[str, Any] = {}  # the rich Progress and its task, once the load reports progress
+
     # `what` names a path or a server's model: text, not markup, and no control characters
-    with err.status(Text(f"Loading {terminal_text(what)}..."), spinner="dots"):
-        yield
+    with err.status(Text(f"Loading {terminal_text(what)}..."), spinner="dots") as status:
+        def progress(done: int, total: int) -> None:
+            if "progress" not in bar:
+                from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+                status.stop()  # one live display at a time
+                bar["progress"] = Progress(TextColumn("packing layers"), BarColumn(), MofNCompleteColumn(),
+                                           TimeElapsedColumn(), console=err, transient=True)
+                bar["progress"].start()
+                bar["task"] = bar["progress"].add_task("pack", total=total)
+            bar["progress"].update(bar["task"], completed=done, total=total)
+
+        try:
+            yield progress
+        finally:
+            if "progress" in bar:
+                bar["progress"].stop()
     print_text(err, f"Loaded {what} in {time.perf_counter() - start:.1f} s", style="dim")
 
 

@@ -189,6 +189,17 @@ MaxContextOpt = Annotated[int, typer.Option(
     help="Tokens of conversation the model keeps; older turns are dropped, with a notice.")]
 
 
+QuantizeOpt = Annotated[Optional[str], typer.Option(
+    "--quantize", metavar="int4|fp8", show_default=False,
+    help="Pack the thinker's and talker's decoder layers while loading: int4 (group scales, about a quarter "
+    "of bfloat16's bytes) or fp8 (128x128 blocks, about half). The float weights are read on the CPU and "
+    "packed layer by layer on the device, so only the packed model has to fit there. Not with a checkpoint "
+    "quantized already; packed steps are not compiled.")]
+GroupSizeOpt = Annotated[Optional[int], typer.Option(
+    "--group-size", min=1, metavar="N", show_default=False,
+    help="--quantize int4: the inputs each scale covers (default 128; a divisor of the layers' widths).")]
+
+
 KeepAliveOpt = Annotated[str, typer.Option(
     "--keep-alive", metavar="DURATION", envvar="OMNI_KEEP_ALIVE",
     help="When no omni-serve answers, load the model in one started in the background, which keeps it for "
@@ -196,17 +207,36 @@ KeepAliveOpt = Annotated[str, typer.Option(
     "this process, gone with the command; default: $OMNI_KEEP_ALIVE, else 5m).")]
 
 
+QUANTIZE_CHOICES = ("int4", "fp8")
+
+
+def check_quantize(quantize: str | None, group_size: int | None) -> str | None:
+    """--quantize as RuntimeOptions holds it ("INT4" -> "int4"), or a one-line UsageError: an unknown name,
+    or --group-size without int4."""
+    from ..errors import UsageError
+
+    if quantize is not None:
+        quantize = quantize.strip().lower()
+        if quantize not in QUANTIZE_CHOICES:
+            raise UsageError(f"--quantize must be int4 or fp8 (got {quantize!r})")
+    if group_size is not None and quantize != "int4":
+        raise UsageError("--group-size is for --quantize int4: give that too, or leave --group-size out")
+    return quantize
+
+
 def runtime_options(device: str, dtype: str, graphs: bool, compile: bool, max_context: int | None = None,
-                    kernels: bool = True, attention_kernel: bool = True, codes_capacity: int | None = None):
+                    kernels: bool = True, attention_kernel: bool = True, codes_capacity: int | None = None,
+                    quantize: str | None = None, group_size: int | None = None):
     """The one `RuntimeOptions` of a command, from its flags and the environment (read there, once): a
     switch left at its default (graphs, kernels on; compile off) is "not given", so OMNI_NO_GRAPHS=1 and
-    the like still turn it off; one given on the command line wins."""
+    the like still turn it off; one given on the command line wins. A UsageError for a bad --quantize."""
     from ..config import RuntimeOptions
 
+    quantize = check_quantize(quantize, group_size)
     return RuntimeOptions.from_env(device=device, dtype=dtype, graphs=None if graphs else False,
                                    compile=True if compile else None, kernels=None if kernels else False,
                                    attention_kernel=None if attention_kernel else False, max_context=max_context,
-                                   max_codes=codes_capacity)
+                                   max_codes=codes_capacity, quantize=quantize, group_size=group_size)
 
 
 def where_from_flags(model, runtime, server, api_key, local: bool, keep_alive: str, quiet: bool):

@@ -30,7 +30,7 @@ from . import connect
 from .console import TextOut, consoles, print_audio_devices, safe_text_streams, shown
 from .inputs import gather_prompt, read_clips, read_images
 from .options import (
-    ApiKeyOpt, AttentionKernelOpt, AudioDeviceOpt, CompileOpt, DebugOpt, DeviceOpt, DtypeOpt, GraphsOpt, GreedyOpt, KeepAliveOpt, KernelsOpt,
+    ApiKeyOpt, AttentionKernelOpt, AudioDeviceOpt, CompileOpt, DebugOpt, DeviceOpt, DtypeOpt, GraphsOpt, GreedyOpt, KeepAliveOpt, KernelsOpt, QuantizeOpt, GroupSizeOpt,
     ListDevicesOpt, LocalOpt, MaxCodesOpt, MaxTextOpt, ModelOpt, OneLineErrors, SeedOpt, ServerOpt, TemperatureOpt,
     TopKOpt, TopPOpt, VerboseOpt, VersionOpt, VoiceOpt, make_app, runtime_options, where_from_flags,
 )
@@ -38,7 +38,7 @@ from .program import (
     InterruptTimes, end_on_signals, err_line, exit_on, process_started_at, report_library_logs, run,
     stop_on_interrupt,
 )
-from .timing import AudioClock, print_command_startup, print_timing, speech_steps
+from .timing import AudioClock, print_command_startup, print_memory, print_timing, speech_steps
 
 say_app = make_app(
     "omni-say",
@@ -73,6 +73,8 @@ def say(
     graphs: GraphsOpt = True,
     compile: CompileOpt = False,
     kernels: KernelsOpt = True,
+    quantize: QuantizeOpt = None,
+    group_size: GroupSizeOpt = None,
     attention_kernel: AttentionKernelOpt = True,
     seed: SeedOpt = None,
     greedy: GreedyOpt = False,
@@ -142,7 +144,7 @@ def say(
         options = ReplyOptions(voice=voice, greedy=greedy, seed=seed, max_text_tokens=max_text_tokens,
                                max_codes=max_codes, text_only=text_only, temperature=temperature, top_p=top_p,
                                top_k=top_k).check()
-        where = where_from_flags(model, runtime_options(device, dtype, graphs, compile, kernels=kernels, attention_kernel=attention_kernel), server, api_key, local,
+        where = where_from_flags(model, runtime_options(device, dtype, graphs, compile, kernels=kernels, attention_kernel=attention_kernel, quantize=quantize, group_size=group_size), server, api_key, local,
                                  keep_alive, quiet)
         play = not text_only and (play or output is None)
         clips = read_clips(audio or [])
@@ -196,6 +198,7 @@ def say(
             print_timing(err, reply.stats, outputs.speaker.stats if outputs.speaker is not None else None,
                          unit=speech_steps(assistant)[0])
             print_command_startup(err, assistant, reply.stats, t_command if t_process is None else t_process)
+            print_memory(err, assistant)
     except BaseException as exc:  # noqa: BLE001 - every way out is reported, none with a traceback
         if isinstance(exc, (SystemExit, typer.Exit)):
             raise

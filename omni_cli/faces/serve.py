@@ -35,7 +35,7 @@ from ..limits import MiB
 from . import connect
 from .console import make_console
 from .options import (
-    AttentionKernelOpt, CodesCapacityOpt, DebugOpt, DeviceOpt, DtypeOpt, GraphsOpt, GreedyOpt, MaxCodesOpt, KernelsOpt, MaxContextOpt, MaxTextOpt, ModelOpt,
+    AttentionKernelOpt, CodesCapacityOpt, DebugOpt, DeviceOpt, DtypeOpt, GraphsOpt, GreedyOpt, MaxCodesOpt, KernelsOpt, QuantizeOpt, GroupSizeOpt, MaxContextOpt, MaxTextOpt, ModelOpt,
     OneLineErrors, SeedOpt, TemperatureOpt, TopKOpt, TopPOpt, VersionOpt, make_app, runtime_options,
 )
 from .program import end_on_signals, err_line, exit_at_once_if, exit_on, process_started_at, report_library_logs
@@ -56,6 +56,8 @@ def serve(
     dtype: DtypeOpt = "auto",
     graphs: GraphsOpt = True,
     kernels: KernelsOpt = True,
+    quantize: QuantizeOpt = None,
+    group_size: GroupSizeOpt = None,
     attention_kernel: AttentionKernelOpt = True,
     codes_capacity: CodesCapacityOpt = None,
     compile: Annotated[Optional[bool], typer.Option(
@@ -98,11 +100,14 @@ def serve(
         idle = parse_duration(keep_alive) if keep_alive else None
         import socket
 
+        runtime = runtime_options(device, dtype, graphs, bool(compile), max_context, kernels, attention_kernel,
+                                  codes_capacity, quantize, group_size)
         listener = _listen(host, port, socket)  # a port in use is an error before a minute of loading
-        record_self(listener.getsockname()[1], model)  # started by omni-say's keep-alive: its record, now it listens
+        # Started by omni-say's keep-alive: its record, now it listens (with how it packs the weights: a command
+        # asking for other weights must not be handed this server).
+        record_self(listener.getsockname()[1], model, quantize=runtime.quantize)
         connect.check_model(model)
-        where = connect.Where(model=model, runtime=runtime_options(
-            device, dtype, graphs, bool(compile), max_context, kernels, attention_kernel, codes_capacity))
+        where = connect.Where(model=model, runtime=runtime)
         assistant = connect.load(where, make_console("stderr"), t_command, "before loading")
         if t_process is not None:
             assistant.startup = {"start Python, import omni-serve": t_command - t_process, **assistant.startup}

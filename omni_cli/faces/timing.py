@@ -132,3 +132,37 @@ def print_command_startup(err, assistant, stats: dict, t_command: float) -> None
             after["  of which the server's turn"] = stats["server_time_to_first_audio"]  # the rest: HTTP, queue, prompt
     print_startup(err, getattr(assistant, "startup", None) or {}, after, since)
 
+
+def size_text(n: float) -> str:
+    """Bytes as a person reads them: 1.23 GiB, 87.8 KiB."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def memory_rows(memory: dict | None) -> list[tuple[str, str]]:
+    """(label, value) rows of a model's memory (a local `Assistant.memory`): the weights, packed and
+    float, and the device's peak where the device counts it (CUDA); [] without figures (a server's
+    model)."""
+    if not memory:
+        return []
+    weights = size_text(memory["weights"])
+    if memory.get("packed"):
+        weights += (f" ({size_text(memory['packed'])} packed {memory.get('quantize') or ''}".rstrip()
+                    + f" + {size_text(memory['float'])} float)")
+    rows = [("weights", weights)]
+    if memory.get("peak") is not None:
+        rows.append(("device peak", size_text(memory["peak"])))
+    return rows
+
+
+def print_memory(err, assistant) -> None:
+    """`--verbose`: the weights' bytes and the device's peak (nothing for a server's model)."""
+    rows = memory_rows(getattr(assistant, "memory", None))
+    if not rows:
+        return
+    width = max(len(label) for label, _ in rows)
+    print_text(err, "-- memory", style="dim")
+    for label, value in rows:
+        print_text(err, f"{label.ljust(width)}  {value}", style="dim")

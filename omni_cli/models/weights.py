@@ -82,7 +82,7 @@ def from_pretrained(cls, path: Path, dtype, name: str, device=None, early=None):
         raise
     except Exception as exc:
         if is_oom(exc):
-            raise OmniError(f"out of memory loading {name}: try --dtype bfloat16 or a smaller model") from exc
+            raise oom_error(name, path, device, dtype) from exc
         raise ModelError(f"cannot load the weights of {name} ({path}): {one_line(exc)}") from exc
     missing = sorted(info.get("missing_keys") or ())
     if missing:
@@ -114,15 +114,95 @@ def _has_accelerate() -> bool:
     return importlib.util.find_spec("accelerate") is not None
 
 
-def to_device(model, place, device, name: str) -> None:
-    """`place(model)` (moves it to `device`), with out-of-memory as a one-line error."""
+def to_device(model, place, device, name: str, path: Path | None = None, dtype=None, quantize: str | None = None) -> None:
+    """`place(model)` (moves it to `device`), with out-of-memory as a one-line error (`oom_error`: what
+    would fit, where the checkpoint `path` is known)."""
     try:
         place(model)
     except Exception as exc:
         if is_oom(exc):
             free_memory(device)
-            raise OmniError(f"out of GPU memory loading {name}: try --dtype bfloat16 or a smaller model") from exc
+            raise oom_error(name, path, device, dtype, quantize) from exc
         raise
+
+
+# Bytes a weight takes, by what --quantize asks: bfloat16 2 (float32 4); int4 0.5 + a bfloat16 scale per
+# 128 inputs (0.516) and the layout's rounding; fp8 1 + a float32 scale per 128x128 block.
+BYTES_PER_WEIGHT = {"int4": 0.53, "fp8": 1.02}
+# Packed by --quantize (quant/apply.py's decoder stacks): a checkpoint's tensors under these names, but the
+# routers and the shared expert's gate, which stay in the model's dtype.
+PACKED_PREFIXES = ("thinker.model.layers.", "talker.model.layers.", "thinker.model.language_model.layers.")
+KEPT_SUFFIXES = ("mlp.gate.weight", "shared_expert_gate.weight")
+# What the weights may take of the free memory and still leave room for caches, activations and graphs.
+WEIGHTS_SHARE = 0.9
+
+
+def checkpoint_parameters(path: Path) -> tuple[int, int]:
+    """(parameters, of which --quantize packs) of a folder's safetensors, from their headers only (a few KB
+    read a file); (0, 0) where there are none (a .bin checkpoint) or a header cannot be read."""
+    import json
+    import math
+    import struct
+
+    total = packable = 0
+    for file in sorted(Path(path).glob("*.safetensors")):
+        try:
+            with open(file, "rb") as f:
+                (size,) = struct.unpack("<Q", f.read(8))
+                header = json.loads(f.read(min(size, 100 * 2**20)))
+        except (OSError, ValueError, struct.error):
+            return 0, 0
+        for key, info in header.items():
+            if key == "__metadata__" or not isinstance(info, dict):
+                continue
+            n = math.prod(info.get("shape") or [1])
+            total += n
+            if key.startswith(PACKED_PREFIXES) and len(info.get("shape") or ()) >= 2 and not key.endswith(KEPT_SUFFIXES):
+                packable += n
+    return total, packable
+
+
+def weights_estimate(total: int, packable: int, quantize: str | None, float_bytes: int = 2) -> float:
+    """Bytes of a model's weights with `total` parameters, `packable` of them packed as `quantize` asks."""
+    if quantize is None:
+        return float(total * float_bytes)
+    return (total - packable) * float_bytes + packable * BYTES_PER_WEIGHT[quantize]
+
+
+def oom_error(name: str, path: Path | None, device, dtype=None, quantize: str | None = None) -> OmniError:
+    """The one-line error of an out-of-memory while loading `name`: with the checkpoint's parameter count
+    and the device's free memory, which --quantize would fit the weights, or, where they fit, that the
+    rest (caches, activations) did not and a smaller --max-context would help."""
+    total, packable = checkpoint_parameters(path) if path is not None else (0, 0)
+    available = _available(device)
+    where = getattr(device, "type", "cpu")
+    if not total or available is None:
+        return OmniError(f"out of {'GPU ' if where != 'cpu' else ''}memory loading {name}: try --quantize int4 "
+                         "(or fp8), --dtype bfloat16 or a smaller model")
+    float_bytes = 4 if str(dtype) in ("torch.float32", "float32") else 2
+    gib = 2**30
+    sizes = {q: weights_estimate(total, packable, q, float_bytes) for q in (None, "fp8", "int4")}
+    said = ", ".join(f"{q or str(dtype or 'bfloat16').removeprefix('torch.')} ~{b / gib:.1f} GiB" for q, b in sizes.items())
+    head = (f"out of memory on {device} loading {name} ({total / 1e9:.1f} B parameters; weights {said}; "
+            f"{available / gib:.1f} GiB free)")
+    if sizes[quantize] <= WEIGHTS_SHARE * available:
+        return OmniError(f"{head}: the weights fit, the rest did not: try a smaller --max-context")
+    fits = [q for q in ("fp8", "int4") if sizes[q] <= WEIGHTS_SHARE * available and sizes[q] < sizes[quantize]]
+    if fits:
+        return OmniError(f"{head}: try --quantize {fits[0]}")
+    return OmniError(f"{head}: even --quantize int4 does not fit: a smaller model or a device with more memory")
+
+
+def _available(device) -> int | None:
+    """Bytes this process could have on `device` once what the failed load held is freed: the free memory
+    plus what torch's allocator keeps (None off CUDA)."""
+    if getattr(device, "type", "cpu") != "cuda":
+        return None
+    import torch
+
+    free_memory(device)
+    free, _total = torch.cuda.mem_get_info(device)
+    return int(free + torch.cuda.memory_reserved(device))
 
 
 def free_memory(device: "torch.device") -> None:

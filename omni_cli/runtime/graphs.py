@@ -22,6 +22,7 @@ Compiled code is kept in a persistent cache (`persistent_cache`). It knows nothi
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from dataclasses import dataclass, replace
 from typing import Callable
@@ -55,6 +56,9 @@ class Policy:
     kernels_on: bool
     # kernels.attend for one-token attention blocks: asked for (used where `fused.attend_wanted`).
     attention_kernel_on: bool
+    # The decoder layers hold packed weights (RuntimeOptions.quantize): never compiled (the packed products
+    # are Triton kernels and buffers torch.compile is not asked to trace; their steps are captured plain).
+    packed: bool = False
 
     @classmethod
     def of(cls, runtime: RuntimeOptions | None, device) -> "Policy":
@@ -62,12 +66,17 @@ class Policy:
         runtime = runtime or RuntimeOptions()
         device = torch.device(device)
         graphs = bool(runtime.graphs) and graphs_possible(device)
-        return cls(device=device, graphs_on=graphs, compile_on=bool(runtime.compile) and graphs,
-                   kernels_on=bool(runtime.kernels), attention_kernel_on=bool(runtime.attention_kernel))
+        packed = runtime.quantize is not None
+        if packed and runtime.compile and graphs:
+            _compile_refused(runtime.quantize)
+        return cls(device=device, graphs_on=graphs, compile_on=bool(runtime.compile) and graphs and not packed,
+                   kernels_on=bool(runtime.kernels), attention_kernel_on=bool(runtime.attention_kernel),
+                   packed=packed)
 
     def compiling(self) -> "Policy":
-        """This policy with compile on where graphs are (the steps `compile_beside` builds)."""
-        return replace(self, compile_on=self.graphs_on)
+        """This policy with compile on where graphs are (the steps `compile_beside` builds); never over
+        packed weights."""
+        return replace(self, compile_on=self.graphs_on and not self.packed)
 
     def without_compile(self) -> "Policy":
         return replace(self, compile_on=False)
@@ -92,6 +101,18 @@ class Policy:
         gpu = self.device.type == "cuda"  # the kernels' device (their other condition, triton, is fused.py's)
         return replace(asked, device=str(self.device), dtype=dtype, graphs=self.graphs_on, compile=self.compile_on,
                        kernels=self.kernels_on and gpu, attention_kernel=self.attention_kernel_on and gpu)
+
+
+_REFUSED: set[str] = set()  # the --quantize kinds whose compile was refused (said once a process)
+
+
+def _compile_refused(quantize: str) -> None:
+    """Say once a process that compile is off over packed weights (the faces show the warning)."""
+    if quantize not in _REFUSED:
+        _REFUSED.add(quantize)
+        logging.getLogger("omni_cli.runtime").warning(
+            "torch.compile over packed (--quantize %s) weights is not supported: the steps run uncompiled "
+            "(with CUDA graphs)", quantize)
 
 
 def compile_fn(fn: Callable, **kwargs) -> Callable:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from ...errors import OmniError, UsageError
 from ...prompt import check_text
-from ..timing import print_timing
+from ..timing import memory_rows, print_timing
 from .meter import Meter
 from .state import SessionState
 
@@ -194,6 +194,7 @@ class Commands(SessionState):
                 ("system", (repr(short) if system else "(none)") + ("  (/system shows it whole)" if short != system else ""))]
         if self.loaded_from is not None:
             rows.append(("loaded from", str(self.loaded_from)))
+        rows += memory_rows(getattr(a, "memory", None))  # a model loaded here: its bytes and the device's peak
         width = max(len(k) for k in [*SETTINGS, *(r[0] for r in rows)])
         for key, value in rows:
             self.say(f"  {key.ljust(width)}  {value}")

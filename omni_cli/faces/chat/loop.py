@@ -44,7 +44,7 @@ from ...errors import OmniError, UsageError, known_failure
 from ...prompt import check_text
 from ..console import StreamWrapper, isatty, print_text, shown, terminal_width
 from ..program import InterruptTimes, Terminated, stop_on_interrupt
-from ..timing import AudioClock, print_timing, speech_steps
+from ..timing import AudioClock, print_memory, print_timing, speech_steps
 from .commands import Commands
 from .transcript import Transcripts
 
@@ -286,6 +286,7 @@ class ChatRepl(Commands, Transcripts):
             self.underruns += self.last_playback.get("underruns", 0)
         if self.verbose:
             print_timing(self.err, self.last_stats, self.last_playback, unit=self._steps[0])
+            print_memory(self.err, self.assistant)
 
     def error(self, exc: BaseException) -> None:
         exc = known_failure(exc)

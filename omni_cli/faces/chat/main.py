@@ -18,7 +18,7 @@ from ...config import ReplyOptions
 from .. import connect
 from ..console import consoles, isatty, print_audio_devices, print_text, safe_text_streams
 from ..options import (
-    ApiKeyOpt, AttentionKernelOpt, AudioDeviceOpt, CompileOpt, DebugOpt, DeviceOpt, DtypeOpt, GraphsOpt, GreedyOpt, KeepAliveOpt, KernelsOpt,
+    ApiKeyOpt, AttentionKernelOpt, AudioDeviceOpt, CompileOpt, DebugOpt, DeviceOpt, DtypeOpt, GraphsOpt, GreedyOpt, KeepAliveOpt, KernelsOpt, QuantizeOpt, GroupSizeOpt,
     ListDevicesOpt, LocalOpt, MaxCodesOpt, MaxContextOpt, MaxTextOpt, ModelOpt, OneLineErrors, SeedOpt, ServerOpt,
     TemperatureOpt, TopKOpt, TopPOpt, VerboseOpt, VersionOpt, VoiceOpt, make_app, runtime_options, where_from_flags,
 )
@@ -38,6 +38,8 @@ def chat(
     graphs: GraphsOpt = True,
     compile: CompileOpt = False,
     kernels: KernelsOpt = True,
+    quantize: QuantizeOpt = None,
+    group_size: GroupSizeOpt = None,
     attention_kernel: AttentionKernelOpt = True,
     seed: SeedOpt = None,
     greedy: GreedyOpt = False,
@@ -84,7 +86,7 @@ def chat(
         # One options object from the flags, checked before the model loads (a bad --top-p is exit 2 now).
         options = ReplyOptions(voice=voice, seed=seed, greedy=greedy, max_text_tokens=max_text_tokens,
                                max_codes=max_codes, temperature=temperature, top_p=top_p, top_k=top_k).check()
-        where = where_from_flags(model, runtime_options(device, dtype, graphs, compile, max_context, kernels, attention_kernel), server,
+        where = where_from_flags(model, runtime_options(device, dtype, graphs, compile, max_context, kernels, attention_kernel, quantize=quantize, group_size=group_size), server,
                                  api_key, local, keep_alive, quiet)
         from ...audio.speaker import SpeakerSink
         from .loop import CHAT_PLAY_HINT, ChatRepl, line_reader

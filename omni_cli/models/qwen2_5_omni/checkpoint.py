@@ -41,7 +41,7 @@ def load(path: Path, device, dtype, name: str, early=None):
         if getattr(model, "has_talker", False):
             model.token2wav.float()
 
-    to_device(omni, place, device, name)
+    to_device(omni, place, device, name, path=path, dtype=dtype)
     speakers = _load_speakers(path / "spk_dict.pt", name)
     # What Qwen2_5OmniForConditionalGeneration.from_pretrained does after loading (load_speakers).
     omni.speaker_map = dict(speakers)

@@ -99,29 +99,43 @@ def _asset_folder(name: str):
     return next(d for d in BUILTIN_TINY_DIRS if d.name == PRESETS[name]["asset"])
 
 
-def build_model(name: str, device, dtype, progress=lambda message: None):
+def build_model(name: str, device, dtype, progress=lambda message: None, quantize: str | None = None,
+                group_size: int | None = None):
     """(model, voices): random weights allocated and initialised on the device with one random voice,
     Chelsie (the tiny preset: its checkpoint, in float32 whatever `dtype` says). transformers' config
-    warnings stay quiet: nothing a user can act on."""
+    warnings stay quiet: nothing a user can act on. `quantize`: the decoder layers packed as they are made,
+    one at a time (models/random_packed.py; the tiny preset: loaded on the CPU and packed)."""
     from ..weights import quiet_transformers
 
     with quiet_transformers():
-        return _build_model(name, device, dtype)
+        return _build_model(name, device, dtype, progress, quantize, group_size)
 
 
-def _build_model(name: str, device, dtype):
+def _build_model(name: str, device, dtype, progress=lambda message: None, quantize=None, group_size=None):
     import torch
 
     if "asset" in PRESETS[name]:  # the tiny model is made and checked in float32
         from .checkpoint import load
 
-        model, voices = load(_asset_folder(name), device, torch.float32, name)
+        if quantize is None:
+            model, voices = load(_asset_folder(name), device, torch.float32, name)
+        else:
+            from ..random_packed import pack_loaded
+
+            model, voices = load(_asset_folder(name), torch.device("cpu"), torch.float32, name)
+            pack_loaded(model, device, torch.float32, quantize, group_size, progress)
         return model.eval(), voices
     from transformers import Qwen2_5OmniForConditionalGeneration
 
     config = build_config(name)
-    with torch.device(device):
-        model = Qwen2_5OmniForConditionalGeneration._from_config(config, dtype=dtype)
+    if quantize is not None:
+        from ..random_packed import build_packed, layer_progress, spec
+
+        model, _ = build_packed(lambda: Qwen2_5OmniForConditionalGeneration._from_config(config, dtype=dtype),
+                                device, spec(quantize, dtype, group_size), layer_progress(progress))
+    else:
+        with torch.device(device):
+            model = Qwen2_5OmniForConditionalGeneration._from_config(config, dtype=dtype)
     model.token2wav.float()
     g = torch.Generator(device=device).manual_seed(0)
     mel = config.token2wav_config.dit_config.mel_dim

@@ -19,5 +19,5 @@ def load(path: Path, device, dtype, name: str):
 
     voices = speaker_ids(path, name)
     omni = from_pretrained(Qwen3OmniMoeForConditionalGeneration, path, dtype, name, device)
-    to_device(omni, lambda m: m.to(device), device, name)
+    to_device(omni, lambda m: m.to(device), device, name, path=path, dtype=dtype)
     return omni, voices

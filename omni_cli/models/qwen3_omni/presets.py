@@ -119,25 +119,34 @@ def count_parameters(config) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def build_model(name: str, device, dtype, progress=lambda message: None):
+def build_model(name: str, device, dtype, progress=lambda message: None, quantize: str | None = None,
+                group_size: int | None = None):
     """(model, voices): random weights allocated and initialised on the device, the voices those of the
     config (name -> codec id); the parameter count is checked first on the meta device (the tiny preset:
     its checkpoint, in float32 whatever `dtype` says). transformers' config warnings stay quiet (the
-    special ids lie outside the talker's codec vocabulary, as in the real checkpoint)."""
+    special ids lie outside the talker's codec vocabulary, as in the real checkpoint). `quantize`: the
+    decoder layers packed as they are made, one at a time (models/random_packed.py: the float model never
+    is on the device; the tiny preset: loaded on the CPU and packed)."""
     from ..weights import quiet_transformers
 
     with quiet_transformers():
-        return _build_model(name, device, dtype, progress)
+        return _build_model(name, device, dtype, progress, quantize, group_size)
 
 
-def _build_model(name: str, device, dtype, progress):
+def _build_model(name: str, device, dtype, progress, quantize=None, group_size=None):
     import torch
 
     p = PRESETS[name]
     if "asset" in p:  # the tiny model is made and checked in float32
         from .checkpoint import load
 
-        model, voices = load(_asset_folder(name), device, torch.float32, name)
+        if quantize is None:
+            model, voices = load(_asset_folder(name), device, torch.float32, name)
+        else:
+            from ..random_packed import pack_loaded
+
+            model, voices = load(_asset_folder(name), torch.device("cpu"), torch.float32, name)
+            pack_loaded(model, device, torch.float32, quantize, group_size, progress)
         return model.eval(), voices
     config = build_config(name)
     total = count_parameters(config)
@@ -146,9 +155,16 @@ def _build_model(name: str, device, dtype, progress):
     assert abs(total - expected) < 0.01e9, f"{name} has {total / 1e9:.3f} B parameters, not {expected / 1e9:.2f} B"
     from transformers import Qwen3OmniMoeForConditionalGeneration
 
-    with torch.device(device):
-        model = Qwen3OmniMoeForConditionalGeneration._from_config(config, dtype=dtype)
-    _init_talker_moe(model, device)
+    if quantize is not None:
+        from ..random_packed import build_packed, layer_progress, spec
+
+        model, _ = build_packed(lambda: Qwen3OmniMoeForConditionalGeneration._from_config(config, dtype=dtype),
+                                device, spec(quantize, dtype, group_size), layer_progress(progress))
+        # (the routers and expert banks got random values as they were made: nothing for _init_talker_moe)
+    else:
+        with torch.device(device):
+            model = Qwen3OmniMoeForConditionalGeneration._from_config(config, dtype=dtype)
+        _init_talker_moe(model, device)
     voices = {str(n).capitalize(): int(i) for n, i in model.config.talker_config.speaker_id.items()}
     return model.eval(), voices
 
