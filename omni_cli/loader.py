@@ -393,7 +393,7 @@ def load_model(model: str | os.PathLike | None = None, device: str = "auto", dty
     path, is_demo, name = _resolve(model)
     fam = read_family(path)
     early = None
-    if torch_device.type == "cuda" and fam.READS_WEIGHTS_EARLY:
+    if torch_device.type == "cuda" and fam.READS_WEIGHTS_EARLY and not _quantized(path, name):
         from .early_weights import EarlyWeights
 
         early = EarlyWeights.start(path, torch_device, torch_dtype)  # during the import below
@@ -451,6 +451,13 @@ def load_model(model: str | os.PathLike | None = None, device: str = "auto", dty
         family=fam,
         timings=timings,
     )
+
+
+def _quantized(path: Path, name: str) -> bool:
+    """A folder whose weights are packed (quant/checkpoint.py reads them, not early_weights.py)."""
+    from .quant.checkpoint import folder_quantization
+
+    return folder_quantization(path, name) is not None
 
 
 def model_voices(model: str | os.PathLike | None = None, notice: bool = True) -> list[str]:
