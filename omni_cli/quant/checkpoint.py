@@ -544,3 +544,79 @@ def save(model: nn.Module, folder: Path, config: dict[str, Any], spec: formats.Q
     config["quantization_config"] = quantization_config(spec, ignore)
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
     return Written(tensors=len(names), bytes=total, files=len(files), ignored=len(ignore))
+
+
+# --- a folder in, a folder out (omni-quantize) ----------------------------------------------------------
+
+WEIGHT_FILE = re.compile(r"(model.*\.safetensors|model\.safetensors\.index\.json|pytorch_model.*\.bin(\.index\.json)?)$")
+
+
+def check_destination(dst: Path, force: bool) -> None:
+    """A UsageError unless `dst` may be written: absent, an empty folder, or (with `force`) any folder."""
+    from ..errors import UsageError
+
+    if dst.is_symlink() or (dst.exists() and not dst.is_dir()):
+        raise UsageError(f"{dst} exists and is not a folder")
+    if dst.is_dir() and any(dst.iterdir()) and not force:
+        raise UsageError(f"{dst} is a folder that is not empty: pass --force to replace it")
+
+
+def quantize_folder(src: str | None, dst: Path, options, progress: Callable[[str, int, int], None] | None = None):
+    """Load the float checkpoint `src` (anything loader.load_model takes) on the CPU, pack its decoder stacks
+    layer by layer on `options.device` (apply.quantize_model), and write `dst` in compressed-tensors' layout
+    with the folder's other files (tokenizer, generation config, voices) copied: written as a hidden folder
+    beside `dst`, renamed at the end, so `dst` is either whole or as it was. `progress(phase, done, total)`
+    ("layers", then "bytes"). Returns (Written, apply.Packed)."""
+    import os
+    import shutil
+
+    from .. import atomic
+    from ..errors import UsageError
+    from ..loader import load_model, pick_device, pick_dtype
+    from .apply import quantize_model, spec_for
+
+    dst = Path(dst)
+    check_destination(dst, options.force)
+    device = pick_device(options.device)
+    path_hint = json.loads((Path(src) / "config.json").read_text(encoding="utf-8")) if src and (Path(src) / "config.json").is_file() else {}
+    dtype_name = options.dtype
+    if dtype_name == "auto":
+        dtype_name = str(path_hint.get("torch_dtype") or path_hint.get("dtype") or "bfloat16")
+    dtype = pick_dtype(dtype_name, device)
+    loaded = load_model(src, device="cpu", dtype=str(dtype).removeprefix("torch."))
+    if any(isinstance(m, (QuantLinear, QuantExperts)) for m in loaded.model.modules()):
+        raise UsageError(f"{loaded.name} is quantized already: omni-quantize reads a float checkpoint")
+    if options.kind == "int4":
+        spec = spec_for("int4", dtype, options.group_size)
+        if not options.symmetric:
+            spec = formats.QuantSpec("int4", spec.group_size, False, None, spec.scale_dtype)
+    else:
+        spec = formats.QuantSpec("fp8", block=(options.block, options.block))
+    config = json.loads((loaded.path / "config.json").read_text(encoding="utf-8"))
+    try:
+        with torch.no_grad():
+            packed = quantize_model(loaded.model, spec, device,
+                                    progress=None if progress is None else lambda d, t: progress("layers", d, t))
+    except ValueError as exc:  # a group or block that does not fit a layer's width
+        raise UsageError(f"cannot quantize {loaded.name}: {exc}") from exc
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    temp = atomic.temp_path(dst.absolute())
+    os.mkdir(temp)
+    try:
+        for f in sorted(loaded.path.iterdir()):
+            if f.is_file() and f.name != "config.json" and not WEIGHT_FILE.fullmatch(f.name):
+                shutil.copy2(f, temp / f.name)
+        written = save(loaded.model, temp, config, spec,
+                       progress=None if progress is None else lambda d, t: progress("bytes", d, t))
+        check_destination(dst, options.force)  # again: something may have appeared there meanwhile
+        old = None
+        if dst.exists():
+            old = atomic.temp_path(dst.absolute(), ".old")
+            os.rename(dst, old)
+        os.rename(temp, dst)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(temp, ignore_errors=True)
+        raise
+    return written, packed
