@@ -21,6 +21,7 @@ from __future__ import annotations
 import copy
 import functools
 import json
+import re
 import shutil
 
 import pytest
@@ -49,8 +50,6 @@ from omni_cli.quant.linear import QuantLinear  # noqa: E402
 
 ASSET = {"qwen2_5": TINY_MODEL_DIR, "qwen3": ref.ASSET}
 G = 16  # a group size (and FP8 block side) that divides every width of the tiny models
-import re  # noqa: E402
-
 # the decoder layers' linears as the checkpoints name them (routers and the shared expert's gate excluded)
 QUANTIZED = re.compile(r"^(?P<stack>thinker|talker)\.model\.layers\.\d+\.(self_attn\.[qkvo]_proj|"
                        r"mlp\.(experts\.\d+\.|shared_expert\.)?(gate|up|down)_proj)$")
