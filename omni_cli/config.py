@@ -237,3 +237,16 @@ def _short(value: int) -> str:
     """An integer as a message shows it: a huge one (a hostile request's 10**30) by its size."""
     text = str(value)
     return text if len(text) <= 24 else f"{text[:8]}... ({len(text)} digits)"
+
+
+@dataclass(frozen=True)
+class QuantizeOptions:
+    """What `omni-quantize` writes (quant/checkpoint.py's `quantize_folder` reads it)."""
+
+    kind: str = "int4"  # "int4" (compressed-tensors pack-quantized) or "fp8" (float-quantized, block scales)
+    group_size: int = 128  # int4: inputs sharing a scale (a divisor of every quantized layer's K)
+    symmetric: bool = True  # int4: no zero points (what the community W4A16 checkpoints use)
+    block: int = 128  # fp8: the side of a square block sharing a scale (the block-FP8 checkpoints' 128)
+    device: str = "auto"  # where each layer is packed: auto, cpu, cuda, ... (the float model stays on the CPU)
+    dtype: str = "auto"  # the model's dtype while packing and on disk: auto = config.json's, else bfloat16
+    force: bool = False  # replace a DST folder that is not empty

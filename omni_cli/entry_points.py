@@ -40,3 +40,8 @@ def serve() -> None:
 def bench() -> None:
     """omni-bench"""
     _run(".faces.bench", "main")
+
+
+def quantize() -> None:
+    """omni-quantize"""
+    _run(".faces.quantize", "main")

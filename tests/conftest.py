@@ -199,6 +199,7 @@ TIERS: dict[str, str | tuple[str, dict[str, str]]] = {
     "test_quant_linear.py": "unit",
     "test_quant_parity.py": "model",
     "test_quant_faces.py": "model",
+    "test_quant_checkpoints.py": "model",
     "test_limits.py": "unit",
     "test_listen.py": "e2e",
     "test_loader.py": ("unit", {"test_load_tiny": "model", "test_load_tiny_bfloat16_keeps_token2wav_float32": "model",

@@ -90,6 +90,26 @@ def from_pretrained(cls, path: Path, dtype, name: str, device=None, early=None):
     return model
 
 
+def quantized_from(cls, path: Path, dtype, name: str, device):
+    """`cls` from a quantized folder (config.json's quantization_config: quant/checkpoint.py, packed weights
+    read onto `device`), or None for a float folder, which `from_pretrained` loads. transformers' own
+    quantizers never see the folder: they would need gptqmodel / compressed-tensors and decompress experts."""
+    import torch
+
+    from ..quant import checkpoint
+
+    if checkpoint.folder_quantization(path, name) is None:
+        return None
+    try:
+        return checkpoint.load(cls, path, dtype, torch.device(device if device is not None else "cpu"), name)
+    except (KeyboardInterrupt, OmniError):
+        raise
+    except Exception as exc:
+        if is_oom(exc):
+            raise OmniError(f"out of memory loading {name}: try a smaller model") from exc
+        raise ModelError(f"cannot load the weights of {name} ({path}): {one_line(exc)}") from exc
+
+
 def _from_tensors(cls, path: Path, tensors: dict, dtype, where: dict):
     """`cls.from_pretrained` of the folder's config with `tensors` as the state dict (early_weights.py)."""
     from transformers import GenerationConfig

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .formats import PackedWeight, QuantSpec
-from .linear import _as_bits, quantize_weight
+from .linear import as_bits, quantize_weight
 
 PARTS = ("gate_up", "down")
 
@@ -45,8 +45,8 @@ class QuantExperts(nn.Module):
             if any(w.spec != first.spec or w.shape != first.shape for w in weights):
                 raise ValueError(f"the experts' {part} weights differ in spec or shape")
             self.meta[part] = (first.spec, first.shape, first.qweight.dtype, first.scales.dtype)
-            self.register_buffer(f"{part}_qweight", _as_bits(torch.stack([w.qweight for w in weights])))
-            self.register_buffer(f"{part}_scales", _as_bits(torch.stack([w.scales for w in weights])))
+            self.register_buffer(f"{part}_qweight", as_bits(torch.stack([w.qweight for w in weights])))
+            self.register_buffer(f"{part}_scales", as_bits(torch.stack([w.scales for w in weights])))
             zeros = None if first.zeros is None else torch.stack([w.zeros for w in weights])
             self.register_buffer(f"{part}_zeros", zeros)
 

@@ -36,7 +36,7 @@ KERNEL_ROWS = 2  # at most this many rows go to the matrix-vector kernels; more 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32}  # a float's bits kept in an integer of its width
 
 
-def _as_bits(t: torch.Tensor) -> torch.Tensor:
+def as_bits(t: torch.Tensor) -> torch.Tensor:
     if not t.is_floating_point():
         return t
     return t.contiguous().view(_BITS[t.element_size()])
@@ -63,8 +63,8 @@ class QuantLinear(nn.Module):
         self.out_features, self.in_features = packed.shape
         self.qweight_dtype = packed.qweight.dtype
         self.scales_dtype = packed.scales.dtype
-        self.register_buffer("qweight", _as_bits(packed.qweight))
-        self.register_buffer("scales", _as_bits(packed.scales))
+        self.register_buffer("qweight", as_bits(packed.qweight))
+        self.register_buffer("scales", as_bits(packed.scales))
         self.register_buffer("zeros", packed.zeros)
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
         self.kernel = "auto"  # "auto": CUDA and <= KERNEL_ROWS rows; "on": wherever the shapes allow; "off"

@@ -1,7 +1,7 @@
 """Qwen2.5-Omni checkpoints: the weights through transformers' own class, and the voices in `spk_dict.pt`.
 
 `load` reads the weights (thinker and talker in the asked dtype, token2wav in float32, as the
-reference runs it) and the voices (name -> {bos_token, cond, ref_mel}); `voice_names` lists the
+reference runs it; a quantized folder through quant/checkpoint.py) and the voices (name -> {bos_token, cond, ref_mel}); `voice_names` lists the
 voices without torch, reading the pickle with a restricted unpickler that never runs code from it.
 Every failure a person can fix is a one-line ModelError / OmniError. It does not find folders or pick
 devices (loader.py), nor generate (steps.py).
@@ -28,13 +28,15 @@ def load(path: Path, device, dtype, name: str, early=None):
     weights being read already (models/weights.py's from_pretrained)."""
     from transformers import Qwen2_5OmniForConditionalGeneration
 
-    from ..weights import from_pretrained, to_device
+    from ..weights import from_pretrained, quantized_from, to_device
 
-    # The base class's from_pretrained, as Qwen2_5OmniForConditionalGeneration.from_pretrained calls
-    # it, but asking for the loading report (the subclass's override cannot return it); the voices
-    # are loaded below, as the override would.
-    base = super(Qwen2_5OmniForConditionalGeneration, Qwen2_5OmniForConditionalGeneration)
-    omni = from_pretrained(base, path, dtype, name, device, early=early)
+    omni = quantized_from(Qwen2_5OmniForConditionalGeneration, path, dtype, name, device)
+    if omni is None:
+        # The base class's from_pretrained, as Qwen2_5OmniForConditionalGeneration.from_pretrained calls
+        # it, but asking for the loading report (the subclass's override cannot return it); the voices
+        # are loaded below, as the override would.
+        base = super(Qwen2_5OmniForConditionalGeneration, Qwen2_5OmniForConditionalGeneration)
+        omni = from_pretrained(base, path, dtype, name, device, early=early)
 
     def place(model):
         model.to(device)

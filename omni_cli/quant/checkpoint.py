@@ -1,0 +1,622 @@
+"""Quantized checkpoints on disk: loading the ones people download (`load`), and writing our own in
+compressed-tensors' layout (`save`).
+
+Loading (`load(cls, path, dtype, device, name)`), for a folder whose config.json has a
+`quantization_config` (detect.py reads it):
+- the model is built from the config (the quantization_config dropped, so transformers' own quantizers
+  never run) with its *parameters* on the meta device and its buffers real (rotary inv_freq, filters:
+  computed by the constructors on the CPU, in the asked dtype as from_pretrained computes them), so no float
+  copy of the model is ever made, on the host or the device;
+- each module the safetensors files hold quantized (GPTQ `qweight`/`qzeros`/`scales`/`g_idx`, AWQ GEMM
+  `qweight`/`qzeros`/`scales`, compressed-tensors `weight_packed`/`weight_scale`/`weight_shape`/
+  `weight_zero_point`, FP8 `weight` e4m3 with `weight_scale_inv` or `weight_scale`) becomes a `QuantLinear`,
+  its tensors read from the file onto the device and converted to the canonical layout there
+  (formats.from_*); experts stored one by one (`...mlp.experts.<e>.gate_proj/up_proj/down_proj.*`, how every
+  Qwen3-Omni checkpoint stores them) become a `QuantExperts` bank, gate rows then up rows as transformers
+  fuses them (its conversion mapping for qwen2_moe-style experts: MergeModulelist, then Concatenate(dim=1)
+  of [gate, up]: gate_up_proj [E, 2I, H]);
+- the float tensors are read onto the device in the model's dtype and put in place of the meta parameters,
+  under the names `compat.checkpoint_name` gives (transformers 5.21+ moved the thinker's text model to
+  `thinker.model.language_model`); float experts stored one by one are stacked as transformers stacks them;
+- a module the config's `ignore` / `modules_to_not_convert` names (exact names, "re:" patterns, and for the
+  GPTQ/AWQ/FP8 lists a name's part, as transformers matches those) must be stored in float: it loads as float;
+- a tensor the model has no place for, a parameter the files lack, or a shape that does not fit is a one-line
+  ModelError naming the first.
+
+Writing (`save(model, dst, ...)`): a model packed by apply.quantize_model, written in compressed-tensors'
+layout under the checkpoint's names (per-expert names, as the community Qwen3-Omni checkpoints use), sharded
+safetensors with an index, and a `quantization_config` that compressed-tensors itself reads: pack-quantized
+(int4, group or channel, with zero points when asymmetric) or float-quantized (FP8, block or channel).
+Every nn.Linear left in float is listed in `ignore` (targets are "Linear").
+
+It does not know: which layers to quantize (apply.py), the folder's other files (the face copies them), kernels,
+act-order GPTQ, GPTQ/AWQ writing, or `.bin` weights (safetensors only).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import re
+from collections import defaultdict
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import ModelError
+from . import detect, formats
+from .detect import Quantization
+from .experts import QuantExperts
+from .formats import PackedWeight
+from .linear import QuantLinear
+
+log = logging.getLogger("omni_cli.loader")
+
+EXPERT = re.compile(r"^(?P<bank>.+\.experts)\.(?P<e>\d+)\.(?P<part>gate_proj|up_proj|down_proj)$")
+# the tensors of a quantized linear, per on-disk format (bias apart); "?" marks the optional ones
+TENSORS = {
+    ("gptq", "int4"): ("qweight", "qzeros", "scales", "g_idx?"),
+    ("awq", "int4"): ("qweight", "qzeros", "scales"),
+    ("compressed-tensors", "int4"): ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point?"),
+    ("compressed-tensors", "fp8"): ("weight", "weight_scale", "input_scale?"),  # a static input scale: dropped
+    ("fp8", "fp8"): ("weight", "weight_scale_inv"),
+}
+MARKERS = ("qweight", "weight_packed", "weight_scale_inv", "weight_scale")  # a module stored quantized
+SHARD_BYTES = 4 << 30  # the largest safetensors file `save` writes
+
+
+def quantization_of(config: Mapping[str, Any], name: str) -> Quantization | None:
+    """The one quantization a config.json mapping declares (None: a float checkpoint); a one-line
+    ModelError where its sub-configs declare differing ones."""
+    found = detect.detect(config)
+    if not found:
+        return None
+    first = found[0]
+    key = (first.method, first.format, first.kind, first.group_size, first.symmetric, first.block, first.strategy)
+    for q in found[1:]:
+        if (q.method, q.format, q.kind, q.group_size, q.symmetric, q.block, q.strategy) != key:
+            raise ModelError(f"{name}: quantization_config in {q.where} differs from {first.where or 'the top level'}'s: "
+                             "one scheme per checkpoint is supported")
+    ignore = tuple(dict.fromkeys(n for q in found for n in q.ignore))
+    return Quantization(first.method, first.format, first.kind, first.bits, first.group_size, first.symmetric,
+                        first.block, first.strategy, first.targets, ignore, first.where)
+
+
+def folder_quantization(path: Path, name: str) -> Quantization | None:
+    """`quantization_of` a folder's config.json."""
+    return quantization_of(json.loads((Path(path) / "config.json").read_text(encoding="utf-8")), name)
+
+
+def ignored(module: str, q: Quantization) -> bool:
+    """Whether `q`'s ignore list names `module` (a checkpoint name)."""
+    for entry in q.ignore:
+        if entry.startswith("re:"):
+            if re.match(entry[3:], module):
+                return True
+        elif entry == module or (q.method != "compressed-tensors" and entry in module.split(".")) \
+                or (q.method != "compressed-tensors" and "." in entry and entry in module):
+            return True
+    return False
+
+
+# --- reading ------------------------------------------------------------------------------------------
+
+
+class Files:
+    """The folder's safetensors, by tensor name, read lazily onto one device."""
+
+    def __init__(self, path: Path, device: torch.device, name: str) -> None:
+        from safetensors import safe_open
+
+        index = path / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            files = sorted(set(weight_map.values()))
+        elif (path / "model.safetensors").is_file():
+            files = ["model.safetensors"]
+        else:
+            raise ModelError(f"{name}: a quantized checkpoint is read from safetensors files; {path} has none")
+        where = "cpu" if device.type == "cpu" else str(device)
+        self.handles = [safe_open(str(path / f), framework="pt", device=where) for f in files]
+        self.where: dict[str, Any] = {}
+        for h in self.handles:
+            for key in h.keys():
+                self.where[key] = h
+        self.name = name
+
+    def keys(self):
+        return self.where.keys()
+
+    def get(self, key: str) -> torch.Tensor:
+        return self.where[key].get_tensor(key)
+
+    def dtype(self, key: str) -> str:
+        return self.where[key].get_slice(key).get_dtype()
+
+
+@contextlib.contextmanager
+def _parameters_on_meta(dtype: torch.dtype) -> Iterator[None]:
+    """Modules built inside get their parameters on the meta device (no memory) and their buffers real;
+    floating tensors default to `dtype`, as from_pretrained builds a model."""
+    register = nn.Module.register_parameter
+
+    def on_meta(self, name, param):
+        register(self, name, param)
+        if param is not None and not param.is_meta:
+            self._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+
+    old_dtype = torch.get_default_dtype()
+    nn.Module.register_parameter = on_meta  # type: ignore[method-assign]
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register  # type: ignore[method-assign]
+        torch.set_default_dtype(old_dtype)
+
+
+def _float_config(cls, path: Path):
+    """`cls`'s config from the folder with every quantization_config removed."""
+    data = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    data.pop("quantization_config", None)
+    for key in detect.SUB_CONFIGS:
+        if isinstance(data.get(key), dict):
+            data[key].pop("quantization_config", None)
+    return cls.config_class.from_dict(data)
+
+
+def _packed(q: Quantization, get: Callable[[str], torch.Tensor | None], prefix: str, name: str) -> PackedWeight:
+    """One linear's PackedWeight from its stored tensors (`get(suffix)`: None where absent)."""
+    try:
+        if q.method == "gptq":
+            return formats.from_gptq(get("qweight"), get("qzeros"), get("scales"), get("g_idx"), q.group_size or -1,
+                                     v1=q.format == "gptq")
+        if q.method == "awq":
+            return formats.from_awq(get("qweight"), get("qzeros"), get("scales"), q.group_size or -1)
+        if q.kind == "int4":
+            return formats.from_compressed_tensors_int4(get("weight_packed"), get("weight_scale"),
+                                                        get("weight_shape").tolist(), get("weight_zero_point"))
+        if q.method == "fp8":
+            return formats.from_fp8_block(get("weight"), get("weight_scale_inv"), q.block)
+        return formats.from_compressed_tensors_fp8(get("weight"), get("weight_scale"), q.strategy, q.block)
+    except ModelError as exc:
+        raise ModelError(f"{name}: {prefix}: {exc}") from exc
+
+
+def _cat_rows(parts: list[PackedWeight], name: str, where: str) -> PackedWeight:
+    """gate | up: one PackedWeight whose rows are the parts' rows in order."""
+    spec = parts[0].spec
+    if spec.kind == "fp8" and spec.block is not None and parts[0].shape[0] % spec.block[0]:
+        raise ModelError(f"{name}: {where}: FP8 blocks of {spec.block[0]} rows do not divide the "
+                         f"{parts[0].shape[0]} rows of gate_proj: cannot stack gate and up")
+    zeros = None if parts[0].zeros is None else torch.cat([p.zeros for p in parts])
+    return PackedWeight(spec, (sum(p.shape[0] for p in parts), parts[0].shape[1]),
+                        torch.cat([p.qweight for p in parts]), torch.cat([p.scales for p in parts]), zeros)
+
+
+def _set(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, module)
+
+
+def load(cls, path: Path, dtype: torch.dtype, device: torch.device, name: str) -> nn.Module:
+    """`cls` (the family's *ForConditionalGeneration) from a quantized folder, in eval mode: packed modules on
+    `device`, float tensors there in `dtype`, buffers still where the constructors made them (the caller
+    moves the model, which moves only those). See the module's docstring."""
+    from ..runtime import compat
+
+    path = Path(path)
+    device = torch.device(device)
+    q = folder_quantization(path, name)
+    if q is None:
+        raise ModelError(f"{name}: config.json has no quantization_config")
+    want = TENSORS[(q.method, q.kind)]
+    files = Files(path, device, name)
+    config = _float_config(cls, path)
+    with _parameters_on_meta(dtype):
+        model = cls(config)
+    modules = {compat.checkpoint_name(n): n for n, _ in model.named_modules() if n}
+    params = {compat.checkpoint_name(n): n for n, _ in model.named_parameters()}
+    params.update({compat.checkpoint_name(n): n for n, _ in model.named_buffers()})
+
+    by_module: dict[str, set[str]] = defaultdict(set)
+    for key in files.keys():
+        prefix, _, suffix = key.rpartition(".")
+        by_module[prefix].add(suffix)
+    quantized = sorted(p for p, s in by_module.items() if any(m in s for m in MARKERS))
+    used: set[str] = set()
+
+    def reader(prefix: str):
+        def get(suffix: str) -> torch.Tensor | None:
+            key = f"{prefix}.{suffix}"
+            if key not in files.where:
+                return None
+            used.add(key)
+            return files.get(key)
+        return get
+
+    def packed_of(prefix: str) -> tuple[PackedWeight, torch.Tensor | None]:
+        if ignored(prefix, q):
+            raise ModelError(f"{name}: {prefix} is stored quantized, but its quantization_config ignores it")
+        have = by_module[prefix]
+        for t in want:
+            if not t.endswith("?") and t not in have:
+                raise ModelError(f"{name}: the weights lack {prefix}.{t}")
+        extra = sorted(have - {t.rstrip("?") for t in want} - {"bias"})
+        if extra:
+            raise ModelError(f"{name}: unexpected tensor {prefix}.{extra[0]} for {q.method} {q.format}")
+        get = reader(prefix)
+        packed = _packed(q, get, prefix, name)
+        get("input_scale")  # activations stay in the model's dtype
+        return packed, get("bias")
+
+    banks: dict[str, dict[int, dict[str, tuple[PackedWeight, Any]]]] = defaultdict(lambda: defaultdict(dict))
+    for prefix in quantized:
+        m = EXPERT.match(prefix)
+        if m and m["bank"] in modules and hasattr(model.get_submodule(modules[m["bank"]]), "gate_up_proj"):
+            banks[m["bank"]][int(m["e"])][m["part"]] = packed_of(prefix)
+            continue
+        target = modules.get(prefix)
+        linear = None if target is None else model.get_submodule(target)
+        if not isinstance(linear, nn.Linear):
+            raise ModelError(f"{name}: unexpected tensor {prefix}.{sorted(by_module[prefix])[0]}: the model has "
+                             "no linear layer there")
+        packed, bias = packed_of(prefix)
+        if packed.shape != (linear.out_features, linear.in_features):
+            raise ModelError(f"{name}: {prefix} is {list(packed.shape)}, the model's layer "
+                             f"[{linear.out_features}, {linear.in_features}]")
+        if (bias is None) != (linear.bias is None):
+            what = f"lack {prefix}.bias" if bias is None else f"have {prefix}.bias, which the model's layer has not"
+            raise ModelError(f"{name}: the weights {what}")
+        if bias is not None and tuple(bias.shape) != (linear.out_features,):
+            raise ModelError(f"{name}: {prefix}.bias is {list(bias.shape)}, the model's [{linear.out_features}]")
+        _set(model, target, QuantLinear(packed, None if bias is None else bias.to(dtype)))
+
+    for bank, experts in banks.items():
+        meta = model.get_submodule(modules[bank])
+        count, two_i, hidden = meta.gate_up_proj.shape
+        for e in range(count):
+            for part in ("gate_proj", "up_proj", "down_proj"):
+                if part not in experts.get(e, {}):
+                    raise ModelError(f"{name}: the weights lack {bank}.{e}.{part} (quantized)")
+        if len(experts) != count:
+            raise ModelError(f"{name}: unexpected tensor {bank}.{max(experts)}.gate_proj: the model has {count} experts")
+        gate_up, down = [], []
+        for e in range(count):
+            parts = experts[e]
+            if any(parts[p][1] is not None for p in parts):
+                raise ModelError(f"{name}: unexpected tensor {bank}.{e}: expert biases")
+            for part, want_shape in (("gate_proj", (two_i // 2, hidden)), ("up_proj", (two_i // 2, hidden)),
+                                     ("down_proj", tuple(meta.down_proj.shape[1:]))):
+                if parts[part][0].shape != want_shape:
+                    raise ModelError(f"{name}: {bank}.{e}.{part} is {list(parts[part][0].shape)}, the model's "
+                                     f"{list(want_shape)}")
+            gate_up.append(_cat_rows([parts["gate_proj"][0], parts["up_proj"][0]], name, f"{bank}.{e}"))
+            down.append(parts["down_proj"][0])
+        _set(model, modules[bank], QuantExperts(gate_up, down, meta.act_fn))
+        del gate_up, down, experts
+
+    _load_float(model, files, params, used, dtype, name)
+    left = [n for n, p in model.named_parameters() if p.is_meta]
+    if left:
+        raise ModelError(f"{name}: the weights lack {compat.checkpoint_name(left[0])}")
+    model.eval()
+    if (path / "generation_config.json").is_file() and getattr(model, "can_generate", lambda: False)():
+        from transformers import GenerationConfig
+
+        model.generation_config = GenerationConfig.from_pretrained(str(path), local_files_only=True)
+    log.info("%s: %s %s weights loaded packed (%d layers)", name, q.method, q.format, len(quantized))
+    return model
+
+
+def _load_float(model: nn.Module, files: Files, params: dict[str, str], used: set[str], dtype: torch.dtype,
+                name: str) -> None:
+    """The files' float tensors (those not `used` yet) in place of the model's meta parameters (and over its
+    buffers), each cast to the dtype the model made it in; per-expert float weights stacked."""
+    stacks: dict[str, dict[int, dict[str, str]]] = defaultdict(lambda: defaultdict(dict))
+    for key in sorted(k for k in files.keys() if k not in used):
+        if key not in params:
+            prefix, _, leaf = key.rpartition(".")
+            m = EXPERT.match(prefix)
+            if m and leaf == "weight" and f"{m['bank']}.gate_up_proj" in params:
+                stacks[m["bank"]][int(m["e"])][m["part"]] = key
+                continue
+            raise ModelError(f"{name}: unexpected tensor {key}: the model has no such weight")
+        _put(model, params[key], files.get(key), name, key)
+    for bank, experts in stacks.items():
+        target = params[f"{bank}.gate_up_proj"]
+        current = _current(model, target)
+        if current is None:
+            raise ModelError(f"{name}: unexpected tensor {experts[min(experts)]['gate_proj']}: {bank} is stored quantized too")
+        count = current.shape[0]
+        for e in range(count):
+            for part in ("gate_proj", "up_proj", "down_proj"):
+                if part not in experts.get(e, {}):
+                    raise ModelError(f"{name}: the weights lack {bank}.{e}.{part}.weight")
+        if len(experts) != count:
+            raise ModelError(f"{name}: unexpected tensor {bank}.{max(experts)}.gate_proj.weight")
+        gate = torch.stack([files.get(experts[e]["gate_proj"]) for e in range(count)])
+        up = torch.stack([files.get(experts[e]["up_proj"]) for e in range(count)])
+        _put(model, target, torch.cat([gate, up], dim=1), name, f"{bank}.*.gate_proj/up_proj.weight")
+        del gate, up
+        down = torch.stack([files.get(experts[e]["down_proj"]) for e in range(count)])
+        _put(model, params[f"{bank}.down_proj"], down, name, f"{bank}.*.down_proj.weight")
+
+
+def _current(model: nn.Module, target: str) -> torch.Tensor | None:
+    parent, _, leaf = target.rpartition(".")
+    owner = model.get_submodule(parent) if parent else model
+    return owner._parameters.get(leaf) if leaf in owner._parameters else owner._buffers.get(leaf)
+
+
+def _put(model: nn.Module, target: str, tensor: torch.Tensor, name: str, key: str) -> None:
+    parent, _, leaf = target.rpartition(".")
+    owner = model.get_submodule(parent) if parent else model
+    old = _current(model, target)
+    if old is None:
+        raise ModelError(f"{name}: unexpected tensor {key}")
+    if tuple(tensor.shape) != tuple(old.shape):
+        raise ModelError(f"{name}: {key} is {list(tensor.shape)}, the model's {list(old.shape)}")
+    if tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        raise ModelError(f"{name}: {key} is stored in {tensor.dtype} without its scale (weight_scale)")
+    if tensor.is_floating_point() and old.is_floating_point():
+        tensor = tensor.to(old.dtype)
+    if leaf in owner._parameters:
+        owner._parameters[leaf] = nn.Parameter(tensor, requires_grad=old.requires_grad)
+    else:
+        owner._buffers[leaf] = tensor.to(old.device)
+
+
+# --- writing ------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Written:
+    """What `save` wrote."""
+
+    tensors: int  # tensors written
+    bytes: int  # their bytes
+    files: int  # safetensors files
+    ignored: int  # float linears listed in the quantization_config's `ignore`
+
+
+def _int4_tensors(packed: PackedWeight) -> dict[str, torch.Tensor]:
+    n, k = packed.shape
+    out = {"weight_packed": packed.qweight, "weight_scale": packed.scales,
+           "weight_shape": torch.tensor([n, k], dtype=torch.int64)}
+    if packed.zeros is not None:  # packed along N, eight a word: [ceil(N/8), K/g]
+        out["weight_zero_point"] = formats.pack_int4(packed.zeros.t().contiguous()).t().contiguous()
+    return out
+
+
+def _tensors_of(packed: PackedWeight) -> dict[str, torch.Tensor]:
+    if packed.spec.kind == "int4":
+        return _int4_tensors(packed)
+    return {"weight": packed.qweight, "weight_scale": packed.scales}
+
+
+def _split_rows(packed: PackedWeight, rows: int) -> tuple[PackedWeight, PackedWeight]:
+    """A bank expert's gate_up weight back into gate and up (the inverse of `_cat_rows`)."""
+    spec = packed.spec
+    step = spec.block[0] if spec.kind == "fp8" and spec.block is not None else 1
+    if rows % step:
+        raise ModelError(f"FP8 blocks of {step} rows do not divide an expert's {rows} gate rows: its gate and up "
+                         "cannot be written apart (use a block that divides the experts' intermediate size)")
+    parts = []
+    for lo, hi in ((0, rows), (rows, packed.shape[0])):
+        zeros = None if packed.zeros is None else packed.zeros[lo:hi]
+        parts.append(PackedWeight(spec, (hi - lo, packed.shape[1]), packed.qweight[lo:hi],
+                                  packed.scales[lo // step:-(-hi // step)], zeros))
+    return parts[0], parts[1]
+
+
+def checkpoint_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """(checkpoint name, tensor) of everything `save` writes: packed modules in compressed-tensors' layout,
+    experts one by one, float parameters and persistent buffers under their checkpoint names."""
+    from ..runtime import compat
+
+    inside: set[str] = set()
+    for mname, sub in model.named_modules():
+        if isinstance(sub, QuantLinear):
+            c = compat.checkpoint_name(mname)
+            for k, v in _tensors_of(sub.packed).items():
+                yield f"{c}.{k}", v
+            if sub.bias is not None:
+                yield f"{c}.bias", sub.bias.detach()
+            inside.add(mname)
+        elif isinstance(sub, QuantExperts):
+            c = compat.checkpoint_name(mname)
+            rows = sub.meta["gate_up"][1][0] // 2
+            for e in range(sub.num_experts):
+                gate, up = _split_rows(sub.expert("gate_up", e), rows)
+                for part, packed in (("gate_proj", gate), ("up_proj", up), ("down_proj", sub.expert("down", e))):
+                    for k, v in _tensors_of(packed).items():
+                        yield f"{c}.{e}.{part}.{k}", v
+            inside.add(mname)
+    for key, value in model.state_dict().items():
+        owner = key.rpartition(".")[0]
+        if owner in inside:
+            continue
+        c = compat.checkpoint_name(key)
+        if c.endswith(".experts.gate_up_proj") and value.dim() == 3:  # a float bank: stored one by one
+            bank = c.rpartition(".")[0]
+            half = value.shape[1] // 2
+            for e in range(value.shape[0]):
+                yield f"{bank}.{e}.gate_proj.weight", value[e, :half]
+                yield f"{bank}.{e}.up_proj.weight", value[e, half:]
+        elif c.endswith(".experts.down_proj") and value.dim() == 3:
+            bank = c.rpartition(".")[0]
+            for e in range(value.shape[0]):
+                yield f"{bank}.{e}.down_proj.weight", value[e]
+        else:
+            yield c, value
+
+
+def float_linears(model: nn.Module) -> list[str]:
+    """Checkpoint names of the nn.Linear layers left in float (what `ignore` lists)."""
+    from ..runtime import compat
+
+    return [compat.checkpoint_name(n) for n, m in model.named_modules() if type(m) is nn.Linear or
+            (isinstance(m, nn.Linear) and not isinstance(m, QuantLinear))]
+
+
+def quantization_config(spec: formats.QuantSpec, ignore: list[str]) -> dict[str, Any]:
+    """The compressed-tensors `quantization_config` for packed weights of `spec` (targets "Linear")."""
+    if spec.kind == "int4":
+        weights = {"num_bits": 4, "type": "int", "symmetric": spec.symmetric, "dynamic": False,
+                   "strategy": "group" if spec.group_size else "channel", "group_size": spec.group_size,
+                   "block_structure": None, "actorder": None, "observer": "minmax"}
+        fmt, acts = "pack-quantized", None
+    else:
+        weights = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False,
+                   "strategy": "block" if spec.block else "channel", "group_size": None,
+                   "block_structure": list(spec.block) if spec.block else None, "actorder": None,
+                   "observer": "minmax"}
+        fmt = "float-quantized"
+        # what FP8-block checkpoints declare (activations quantized per token group by the runtime that
+        # reads it); omni_cli keeps activations in the model's dtype
+        acts = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": True, "strategy": "group",
+                "group_size": spec.block[1] if spec.block else 128, "observer": None}
+    return {
+        "quant_method": "compressed-tensors",
+        "format": fmt,
+        "quantization_status": "compressed",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": acts,
+                                      "output_activations": None, "format": fmt}},
+        "ignore": ignore,
+        "kv_cache_scheme": None,
+        "global_compression_ratio": None,
+        "sparsity_config": {},
+        "transform_config": {},
+        "version": "0.20.1",
+    }
+
+
+def save(model: nn.Module, folder: Path, config: dict[str, Any], spec: formats.QuantSpec,
+         shard_bytes: int = SHARD_BYTES, progress: Callable[[int, int], None] | None = None) -> Written:
+    """Write `model` (packed by apply.quantize_model) into `folder` (which exists and is empty): safetensors
+    (sharded past `shard_bytes`, with model.safetensors.index.json) and config.json (`config` with the
+    compressed-tensors `quantization_config`). `progress(bytes_done, bytes_total)` after each file."""
+    from safetensors.torch import save_file
+
+    names: list[tuple[str, int]] = []
+    seen: set[str] = set()
+    for key, value in checkpoint_tensors(model):
+        if key in seen:
+            raise ModelError(f"two tensors would be written as {key}")
+        seen.add(key)
+        names.append((key, value.numel() * value.element_size()))
+    total = sum(b for _, b in names)
+    shards: list[list[str]] = [[]]
+    size = 0
+    for key, b in names:
+        if shards[-1] and size + b > shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(key)
+        size += b
+    files = ["model.safetensors"] if len(shards) == 1 else [
+        f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    where = {key: files[i] for i, keys in enumerate(shards) for key in keys}
+    done = 0
+    for i, keys in enumerate(shards):
+        wanted = set(keys)
+        # clones on the CPU, so that no two entries share storage (safetensors refuses shared tensors)
+        tensors = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in checkpoint_tensors(model) if k in wanted}
+        save_file(tensors, str(folder / files[i]), metadata={"format": "pt"})
+        done += sum(t.numel() * t.element_size() for t in tensors.values())
+        del tensors
+        if progress is not None:
+            progress(done, total)
+    if len(files) > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(where.items()))}
+        (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
+    ignore = float_linears(model)
+    config = dict(config)
+    for key in detect.SUB_CONFIGS:
+        if isinstance(config.get(key), dict):
+            config[key] = {k: v for k, v in config[key].items() if k != "quantization_config"}
+    config["quantization_config"] = quantization_config(spec, ignore)
+    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    return Written(tensors=len(names), bytes=total, files=len(files), ignored=len(ignore))
+
+
+# --- a folder in, a folder out (omni-quantize) ----------------------------------------------------------
+
+WEIGHT_FILE = re.compile(r"(model.*\.safetensors|model\.safetensors\.index\.json|pytorch_model.*\.bin(\.index\.json)?)$")
+
+
+def check_destination(dst: Path, force: bool) -> None:
+    """A UsageError unless `dst` may be written: absent, an empty folder, or (with `force`) any folder."""
+    from ..errors import UsageError
+
+    if dst.is_symlink() or (dst.exists() and not dst.is_dir()):
+        raise UsageError(f"{dst} exists and is not a folder")
+    if dst.is_dir() and any(dst.iterdir()) and not force:
+        raise UsageError(f"{dst} is a folder that is not empty: pass --force to replace it")
+
+
+def quantize_folder(src: str | None, dst: Path, options, progress: Callable[[str, int, int], None] | None = None):
+    """Load the float checkpoint `src` (anything loader.load_model takes) on the CPU, pack its decoder stacks
+    layer by layer on `options.device` (apply.quantize_model), and write `dst` in compressed-tensors' layout
+    with the folder's other files (tokenizer, generation config, voices) copied: written as a hidden folder
+    beside `dst`, renamed at the end, so `dst` is either whole or as it was. `progress(phase, done, total)`
+    ("layers", then "bytes"). Returns (Written, apply.Packed)."""
+    import os
+    import shutil
+
+    from .. import atomic
+    from ..errors import UsageError
+    from ..loader import load_model, pick_device, pick_dtype
+    from .apply import quantize_model, spec_for
+
+    dst = Path(dst)
+    check_destination(dst, options.force)
+    device = pick_device(options.device)
+    path_hint = json.loads((Path(src) / "config.json").read_text(encoding="utf-8")) if src and (Path(src) / "config.json").is_file() else {}
+    dtype_name = options.dtype
+    if dtype_name == "auto":
+        dtype_name = str(path_hint.get("torch_dtype") or path_hint.get("dtype") or "bfloat16")
+    dtype = pick_dtype(dtype_name, device)
+    loaded = load_model(src, device="cpu", dtype=str(dtype).removeprefix("torch."))
+    if any(isinstance(m, (QuantLinear, QuantExperts)) for m in loaded.model.modules()):
+        raise UsageError(f"{loaded.name} is quantized already: omni-quantize reads a float checkpoint")
+    if options.kind == "int4":
+        spec = spec_for("int4", dtype, options.group_size)
+        if not options.symmetric:
+            spec = formats.QuantSpec("int4", spec.group_size, False, None, spec.scale_dtype)
+    else:
+        spec = formats.QuantSpec("fp8", block=(options.block, options.block))
+    config = json.loads((loaded.path / "config.json").read_text(encoding="utf-8"))
+    try:
+        with torch.no_grad():
+            packed = quantize_model(loaded.model, spec, device,
+                                    progress=None if progress is None else lambda d, t: progress("layers", d, t))
+    except ValueError as exc:  # a group or block that does not fit a layer's width
+        raise UsageError(f"cannot quantize {loaded.name}: {exc}") from exc
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    temp = atomic.temp_path(dst.absolute())
+    os.mkdir(temp)
+    try:
+        for f in sorted(loaded.path.iterdir()):
+            if f.is_file() and f.name != "config.json" and not WEIGHT_FILE.fullmatch(f.name):
+                shutil.copy2(f, temp / f.name)
+        written = save(loaded.model, temp, config, spec,
+                       progress=None if progress is None else lambda d, t: progress("bytes", d, t))
+        check_destination(dst, options.force)  # again: something may have appeared there meanwhile
+        old = None
+        if dst.exists():
+            old = atomic.temp_path(dst.absolute(), ".old")
+            os.rename(dst, old)
+        os.rename(temp, dst)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(temp, ignore_errors=True)
+        raise
+    return written, packed
