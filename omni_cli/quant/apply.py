@@ -146,6 +146,11 @@ def packed_bytes(model: nn.Module) -> int:
     return total
 
 
+def has_packed(model: nn.Module) -> bool:
+    """Whether any module of `model` holds packed weights."""
+    return any(isinstance(sub, (QuantLinear, QuantExperts)) for sub in model.modules())
+
+
 def dequantized(model: nn.Module, dtype: torch.dtype = torch.float32):
     """(module name, {parameter name: float tensor}) of each packed module in `model`: what the library's
     module in that place would hold (`weight` of a linear; `gate_up_proj`, `down_proj` of an expert bank).

@@ -73,6 +73,17 @@ class Policy:
                    kernels_on=bool(runtime.kernels), attention_kernel_on=bool(runtime.attention_kernel),
                    packed=packed)
 
+    def over(self, model) -> "Policy":
+        """This policy for `model`: packed, so never compiled, where its layers hold packed weights (a
+        quantized checkpoint loaded as it is, without --quantize, too)."""
+        from ..quant.apply import has_packed
+
+        if self.packed or not has_packed(model):
+            return self
+        if self.compile_on:
+            _compile_refused("checkpoint")
+        return replace(self, packed=True, compile_on=False)
+
     def compiling(self) -> "Policy":
         """This policy with compile on where graphs are (the steps `compile_beside` builds); never over
         packed weights."""
@@ -111,8 +122,8 @@ def _compile_refused(quantize: str) -> None:
     if quantize not in _REFUSED:
         _REFUSED.add(quantize)
         logging.getLogger("omni_cli.runtime").warning(
-            "torch.compile over packed (--quantize %s) weights is not supported: the steps run uncompiled "
-            "(with CUDA graphs)", quantize)
+            "torch.compile over packed (%s) weights is not supported: the steps run uncompiled "
+            "(with CUDA graphs)", "a quantized checkpoint's" if quantize == "checkpoint" else f"--quantize {quantize}")
 
 
 def compile_fn(fn: Callable, **kwargs) -> Callable:

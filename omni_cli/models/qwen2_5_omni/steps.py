@@ -67,7 +67,7 @@ class Qwen25Steps:
         # CPU fewer, larger matmuls and less Python per step (one core, built-in model: talker
         # 3.3 -> 2.9 ms a step, thinker 1.4 -> 1.0 ms a token, real-time factor 0.23-0.27 -> 0.20-0.22).
         # Its picks equal the library layers' and transformers' (tests/test_parity.py checks both).
-        enable_fast_steps(self, dtype, Policy.of(runtime, self.device), fast_decode)
+        enable_fast_steps(self, dtype, Policy.of(runtime, self.device).over(model), fast_decode)
         # The vocoder's steady chunk (chunks grow 12, 24, 48, ... up to it; see vocoder.py). A DiT window
         # has a large fixed cost (36 evaluations of small kernels), so larger chunks cost less per second
         # of audio. Measured side by side on an H200 beside the 7B talker (omni-bench --schedules):

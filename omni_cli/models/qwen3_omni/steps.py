@@ -71,7 +71,7 @@ class Qwen3Steps:
             self.talker = Talker(model, cache, predictor)
             self.stop_codes = tuple(self.talker.stop_codes)
             self.text_eos_vec, self.text_pad_vec = self.talker.text_eos_vec, self.talker.text_pad_vec
-        enable_fast_steps(self, dtype, Policy.of(runtime, self.device), fast_decode)
+        enable_fast_steps(self, dtype, Policy.of(runtime, self.device).over(model), fast_decode)
 
     # -- thinker -------------------------------------------------------------------------------------
     def prefill(self, input_ids: torch.Tensor, media: dict | None = None):
