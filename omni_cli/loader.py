@@ -402,11 +402,7 @@ def load_model(model: str | os.PathLike | None = None, device: str = "auto", dty
     if quantize is not None:
         refuse_quantized(path, name, quantize)
     early = None
-<<<<<<< HEAD
-    if torch_device.type == "cuda" and fam.READS_WEIGHTS_EARLY and quantize is None:
-=======
-    if torch_device.type == "cuda" and fam.READS_WEIGHTS_EARLY and not _quantized(path, name):
->>>>>>> i30-ckpt
+    if torch_device.type == "cuda" and fam.READS_WEIGHTS_EARLY and quantize is None and not _quantized(path, name):
         from .early_weights import EarlyWeights
 
         early = EarlyWeights.start(path, torch_device, torch_dtype)  # during the import below
@@ -474,7 +470,6 @@ def load_model(model: str | os.PathLike | None = None, device: str = "auto", dty
     )
 
 
-<<<<<<< HEAD
 def refuse_quantized(path: Path, name: str, quantize: str) -> None:
     """A one-line UsageError when the checkpoint's config.json says it is quantized already: its weights
     load as stored, and packing packed weights again would only lose more (quant/detect.py reads it; a
@@ -540,13 +535,13 @@ def load_packed(omni, path: Path, device, dtype, name: str, quantize: str, group
             raise oom_error(name, path, device, dtype, quantize) from exc
         raise
     to_device(omni, lambda m: m.to(device), device, name, path=path, dtype=dtype, quantize=quantize)
-=======
+
+
 def _quantized(path: Path, name: str) -> bool:
     """A folder whose weights are packed (quant/checkpoint.py reads them, not early_weights.py)."""
     from .quant.checkpoint import folder_quantization
 
     return folder_quantization(path, name) is not None
->>>>>>> i30-ckpt
 
 
 def model_voices(model: str | os.PathLike | None = None, notice: bool = True) -> list[str]:

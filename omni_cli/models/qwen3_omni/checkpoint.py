@@ -18,13 +18,8 @@ def load(path: Path, device, dtype, name: str):
     from ..weights import from_pretrained, quantized_from, to_device
 
     voices = speaker_ids(path, name)
-<<<<<<< HEAD
-    omni = from_pretrained(Qwen3OmniMoeForConditionalGeneration, path, dtype, name, device)
-    to_device(omni, lambda m: m.to(device), device, name, path=path, dtype=dtype)
-=======
     omni = quantized_from(Qwen3OmniMoeForConditionalGeneration, path, dtype, name, device)
     if omni is None:
         omni = from_pretrained(Qwen3OmniMoeForConditionalGeneration, path, dtype, name, device)
-    to_device(omni, lambda m: m.to(device), device, name)
->>>>>>> i30-ckpt
+    to_device(omni, lambda m: m.to(device), device, name, path=path, dtype=dtype)
     return omni, voices
