@@ -8,8 +8,9 @@ What it knows:
 - `forward(hidden [T, H], top_k_index [T, k], top_k_weights [T, k])` is the library's experts call (the
   sparse block routes, then calls its experts): each expert some token picked is dequantized alone (one
   expert's weights at a time, never the bank) and applied to its tokens, summed as the library sums them.
-  This is the prefill's path; a one-token decode step reads the banks through `runtime/fused.py`, which
-  sends them to the picked-expert kernels on CUDA.
+  That is the prefill's path on a CPU; on CUDA the prompt's picks go through the grouped products
+  (`quant_kernels.int4_moe_mm` / `fp8_moe_mm`: sorted by expert on the device, no host sync). A one-token
+  decode step reads the banks through `runtime/fused.py`, which sends them to the picked-expert kernels.
 - `from_experts` quantizes the library's module round-to-nearest, expert by expert.
 
 What it does not know: routing (the sparse block's router, kept in full precision), the shared expert (plain
@@ -77,6 +78,9 @@ class QuantExperts(nn.Module):
         return sum(self.bank(part).nbytes for part in PARTS)
 
     def forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        kernels = _kernels_for(hidden)
+        if kernels is not None:
+            return self._grouped(kernels, hidden, top_k_index, top_k_weights)
         out = torch.zeros_like(hidden)
         with torch.no_grad():  # which experts any token picked: a host sync, as in the library's loop
             hit = torch.unique(top_k_index).tolist()
@@ -87,6 +91,22 @@ class QuantExperts(nn.Module):
             y = F.linear(self.act_fn(gate) * up, self.expert("down", e).dequantize(x.dtype))
             out.index_add_(0, token, (y * top_k_weights[token, pick, None]).to(out.dtype))
         return out
+
+    def _grouped(self, kernels, hidden, top_k_index, top_k_weights) -> torch.Tensor:
+        """CUDA: every token's picked experts in two launches (gate/up, then down with the SiLU gate), the
+        picks sorted by expert on the device: no host sync, so a prefill's CUDA graph captures it."""
+        gate_up, down = self.bank("gate_up"), self.bank("down")
+        if gate_up.spec.kind == "int4":
+            def product(x, bank, gate):
+                g = bank.shape[1] if bank.spec.group_size is None else bank.spec.group_size
+                return kernels.int4_moe_mm(x, bank.qweight, bank.scales, top_k_index, bank.zeros, group_size=g,
+                                           gate=gate)
+        else:
+            def product(x, bank, gate):
+                return kernels.fp8_moe_mm(x, bank.qweight, bank.scales, top_k_index, block=bank.spec.block, gate=gate)
+        picks = product(product(hidden, gate_up, False), down, True)  # [T*k, H] in pick order
+        t, k = top_k_index.shape
+        return (picks.view(t, k, -1) * top_k_weights.unsqueeze(-1).to(picks.dtype)).sum(1)
 
     def extra_repr(self) -> str:
         spec, shape = self.meta["gate_up"][:2]

@@ -211,7 +211,7 @@ def dequantize(packed: PackedWeight, dtype: torch.dtype = torch.float32) -> torc
         if packed.zeros is not None:
             zero = packed.zeros.to(codes.device).float()[..., None]
         else:
-            zero = torch.tensor(float(SYMMETRIC_ZERO), device=codes.device)
+            zero = float(SYMMETRIC_ZERO)  # a Python number: no host-to-device copy (CUDA-graph safe)
         w = (codes - zero) * packed.scales.float()[..., None]
         return w.reshape(*lead, n, k).to(dtype)
     q = packed.qweight.float()

@@ -10,13 +10,13 @@ What it knows:
   back. int4 codes (int32) and zero points (uint8) are integers already. The bias is an ordinary
   parameter and follows the module's dtype.
 - `forward(x)`: on CUDA with at most `KERNEL_ROWS` rows (a decode step), the batch-1 Triton kernels of
-  `runtime.quant_kernels` (int4_gemv / fp8_gemv) where their shape rules hold; otherwise (CPU, a prefill
-  of many rows, a shape the kernels refuse) the reference path: the weight dequantized to x's dtype
-  (`formats.dequantize`) and `F.linear`. The reference path materializes the whole weight for the call.
+  `runtime.quant_kernels` (int4_gemv / fp8_gemv) where their shape rules hold; with more rows (a
+  prefill), its tile-by-tile products (int4_mm / fp8_mm); otherwise (CPU, a shape the kernels refuse)
+  the reference path: the weight dequantized to x's dtype (`formats.dequantize`) and `F.linear`, which
+  materializes the whole weight for the call.
 - `quantize_linears(module, spec, skip)` quantizes round-to-nearest, one layer at a time.
 
-What it does not know: a grouped tile-by-tile product for prefill (future work: the reference path stands in),
-loading a checkpoint's packed tensors into these buffers (the loader, with `formats.from_*`), which layers a
+What it does not know: loading a checkpoint's packed tensors into these buffers (the loader, with `formats.from_*`), which layers a
 family keeps in full precision (the caller's `skip`), tensor parallelism, and activation quantization.
 """
 
@@ -99,8 +99,28 @@ class QuantLinear(nn.Module):
             return self.in_features % 8 == 0 and g % 8 == 0
         return True
 
+    def _prefill_kernel_fits(self, x: torch.Tensor) -> bool:
+        """CUDA, more than KERNEL_ROWS rows, kernels "auto", and the int4 shape rules (`_kernel_fits`)."""
+        if self.kernel != "auto" or x.device.type != "cuda" or x.numel() // max(x.shape[-1], 1) <= KERNEL_ROWS:
+            return False
+        if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            return False
+        return self.spec.kind != "int4" or (self.in_features % 8 == 0 and self._group_size() % 8 == 0)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         packed = self.packed
+        if self._prefill_kernel_fits(x):
+            # a prompt's many rows: weight tiles dequantized in registers (tl.dot), never the whole
+            # matrix, and no host sync: the prefill's CUDA graphs capture it
+            from ..runtime import quant_kernels
+
+            rows = x.reshape(-1, x.shape[-1])
+            if self.spec.kind == "int4":
+                y = quant_kernels.int4_mm(rows, packed.qweight, packed.scales, packed.zeros, group_size=self._group_size())
+            else:
+                y = quant_kernels.fp8_mm(rows, packed.qweight, packed.scales, block=self.spec.block)
+            y = y.view(*x.shape[:-1], self.out_features)
+            return y if self.bias is None else y + self.bias.to(y.dtype)
         if self._kernel_fits(x):
             # needs triton: imported only when a kernel runs
             from ..runtime import quant_kernels
