@@ -324,14 +324,12 @@ def _power_of_two(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
-def _mm_blocks(rows_a_tile: int) -> dict:
+def _mm_blocks(rows_a_tile: int, fp8: bool) -> dict:
     """A product's tile: BLOCK_M from the rows a tile can fill (16, tl.dot's least, up to 64), 64 x 64 for
     the weight's. Untuned: nothing here has been timed on a GPU."""
     block_m = min(64, max(16, triton.next_power_of_2(rows_a_tile)))
-    if rows_a_tile <= 128:  # a short prompt: row tiles of 16, so that more programs share the weight's columns
-        block_m = 16
-    # BLOCK_K 128: the int4 product's eight nibble products need K = BLOCK_K / 8 >= 16 (tl.dot's least)
-    return {"BLOCK_M": block_m, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4}
+    # BLOCK_K 128 for int4: its eight nibble products need K = BLOCK_K / 8 >= 16 (tl.dot's least)
+    return {"BLOCK_M": block_m, "BLOCK_N": 64, "BLOCK_K": 64 if fp8 else 128, "num_warps": 4}
 
 
 def _check_int4(K: int, group_size: int, qshape: tuple[int, ...], sshape: tuple[int, ...],
@@ -494,7 +492,7 @@ def _mm(x: torch.Tensor, bank: torch.Tensor, scales: torch.Tensor, zeros: torch.
     out = torch.empty(M, N, device=x.device, dtype=x.dtype)
     if M == 0:
         return out
-    blocks = _mm_blocks(M)
+    blocks = _mm_blocks(M, fmt["FP8"])
     _mm_kernel[(triton.cdiv(M, blocks["BLOCK_M"]), triton.cdiv(N, blocks["BLOCK_N"]))](
         x, bank, scales, zeros.contiguous() if zeros is not None else scales, x, x, out, M=M, N=N, K=K,
         x_row=x.stride(0), x_per=1, q_expert=0, s_expert=0, PROLOGUE=NONE, GROUPED=False, **fmt, **blocks)
@@ -555,7 +553,7 @@ def _moe_mm(x: torch.Tensor, bank: torch.Tensor, scales: torch.Tensor, zeros: to
     out = torch.empty(P, N, device=x.device, dtype=x.dtype)
     if P == 0:
         return out
-    blocks = _mm_blocks(P // E)  # a tile holds one expert's picks: about P / E of them
+    blocks = _mm_blocks(P // E, fmt["FP8"])  # a tile holds one expert's picks: about P / E of them
     slots, tile_expert = _moe_plan(ids, E, blocks["BLOCK_M"])
     _mm_kernel[(tile_expert.numel(), triton.cdiv(N, blocks["BLOCK_N"]))](
         x, bank, scales, zeros.contiguous() if zeros is not None else scales, slots, tile_expert, out, M=P, N=N,
