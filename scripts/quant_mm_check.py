@@ -34,3 +34,21 @@ want = torch.einsum("mh,mkoh->mko", x.float(), deq[ids]).reshape(60 * k, -1)
 print("int4_moe_mm rel", ((y.float() - want).norm() / want.norm()).item(),
       "us", _graph_time(lambda: qk.int4_moe_mm(x, bank.qweight, bank.scales, ids, group_size=128), calls=10) * 1e6,
       "dequantizing the whole bank alone us", _graph_time(lambda: bank.dequantize(dt), calls=3) * 1e6)
+
+if "sweep" in sys.argv:  # the prefill tiles: int4_mm and int4_moe_mm over BLOCK_M x BLOCK_N x warps
+    for name, fn in (("int4_mm", lambda: qk.int4_mm(x, p4.qweight, p4.scales, None, group_size=128)),
+                     ("int4_moe_mm", lambda: qk.int4_moe_mm(x, bank.qweight, bank.scales, ids, group_size=128))):
+        best = None
+        for bm in (16, 32, 64):
+            for bn in (32, 64, 128):
+                for warps in (4, 8):
+                    qk.MM_BLOCKS = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": 128, "num_warps": warps}
+                    try:
+                        us = _graph_time(fn, calls=5, repeats=3) * 1e6
+                    except Exception as exc:
+                        print(name, bm, bn, warps, type(exc).__name__)
+                        continue
+                    if best is None or us < best[0]:
+                        best = (us, bm, bn, warps)
+        qk.MM_BLOCKS = None
+        print(name, "best us %.1f BLOCK_M %d BLOCK_N %d warps %d" % best)

@@ -327,9 +327,14 @@ def _power_of_two(n: int) -> bool:
 def _mm_blocks(rows_a_tile: int, fp8: bool) -> dict:
     """A product's tile: BLOCK_M from the rows a tile can fill (16, tl.dot's least, up to 64), 64 x 64 for
     the weight's. Untuned: nothing here has been timed on a GPU."""
+    if MM_BLOCKS is not None:  # a sweep's (scripts/quant_mm_check.py)
+        return dict(MM_BLOCKS)
     block_m = min(64, max(16, triton.next_power_of_2(rows_a_tile)))
     # BLOCK_K 128 for int4: its eight nibble products need K = BLOCK_K / 8 >= 16 (tl.dot's least)
     return {"BLOCK_M": block_m, "BLOCK_N": 64, "BLOCK_K": 64 if fp8 else 128, "num_warps": 4}
+
+
+MM_BLOCKS: dict | None = None  # replaces `_mm_blocks`' choice where set (a sweep)
 
 
 def _check_int4(K: int, group_size: int, qshape: tuple[int, ...], sshape: tuple[int, ...],
