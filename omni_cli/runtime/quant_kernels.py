@@ -324,14 +324,17 @@ def _power_of_two(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
-def _mm_blocks(rows_a_tile: int, fp8: bool) -> dict:
-    """A product's tile: BLOCK_M from the rows a tile can fill (16, tl.dot's least, up to 64), 64 x 64 for
-    the weight's. Untuned: nothing here has been timed on a GPU."""
+def _mm_blocks(rows_a_tile: int, fp8: bool, grouped: bool = False) -> dict:
+    """A product's tile. int4: 16 rows x 128 outputs x 128 inputs (swept on an H200 for a 60-token prompt);
+    FP8: BLOCK_M from the rows a tile can fill (16, tl.dot's least, up to 64), 64 x 64 for the weight's
+    (untuned)."""
     if MM_BLOCKS is not None:  # a sweep's (scripts/quant_mm_check.py)
         return dict(MM_BLOCKS)
+    if not fp8:  # the H200 sweep's best, 60 rows: int4_mm 105 -> 70 us (5120 x 2048), int4_moe_mm 442 -> 382
+        # us (128 experts, 8 picked); BLOCK_K 128: the eight nibble products need K = 128 / 8 >= 16
+        return {"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4 if grouped else 8}
     block_m = min(64, max(16, triton.next_power_of_2(rows_a_tile)))
-    # BLOCK_K 128 for int4: its eight nibble products need K = BLOCK_K / 8 >= 16 (tl.dot's least)
-    return {"BLOCK_M": block_m, "BLOCK_N": 64, "BLOCK_K": 64 if fp8 else 128, "num_warps": 4}
+    return {"BLOCK_M": block_m, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4}
 
 
 MM_BLOCKS: dict | None = None  # replaces `_mm_blocks`' choice where set (a sweep)
@@ -558,7 +561,7 @@ def _moe_mm(x: torch.Tensor, bank: torch.Tensor, scales: torch.Tensor, zeros: to
     out = torch.empty(P, N, device=x.device, dtype=x.dtype)
     if P == 0:
         return out
-    blocks = _mm_blocks(P // E, fmt["FP8"])  # a tile holds one expert's picks: about P / E of them
+    blocks = _mm_blocks(P // E, fmt["FP8"], grouped=True)  # a tile holds one expert's picks: about P / E of them
     slots, tile_expert = _moe_plan(ids, E, blocks["BLOCK_M"])
     _mm_kernel[(tile_expert.numel(), triton.cdiv(N, blocks["BLOCK_N"]))](
         x, bank, scales, zeros.contiguous() if zeros is not None else scales, slots, tile_expert, out, M=P, N=N,
