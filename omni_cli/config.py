@@ -241,7 +241,7 @@ def _short(value: int) -> str:
 
 @dataclass(frozen=True)
 class QuantizeOptions:
-    """What `omni-quantize` writes (quant/checkpoint.py's `quantize_folder` reads it)."""
+    """What `omni-quantize` writes (quant/writing.py's `quantize_folder` reads it)."""
 
     kind: str = "int4"  # "int4" (compressed-tensors pack-quantized) or "fp8" (float-quantized, block scales)
     group_size: int = 128  # int4: inputs sharing a scale (a divisor of every quantized layer's K)

@@ -2,7 +2,7 @@
 and omni-serve load (and that compressed-tensors / vLLM read): int4 (compressed-tensors pack-quantized,
 group scales) or FP8 (float-quantized, block scales), thinker and talker decoder layers.
 
-The flags become one `QuantizeOptions`; the work is quant/checkpoint.py's `quantize_folder`. What a person can
+The flags become one `QuantizeOptions`; the work is quant/writing.py's `quantize_folder`. What a person can
 get wrong that needs no model (the flags, DST not empty without --force, SRC missing) is checked before
 torch is imported; progress goes to stderr (rich), the summary too; stdout stays empty. Errors are one
 `error: ...` line with exit code 2 (usage) or 1 (everything else), as omni-say's.
@@ -49,7 +49,7 @@ def quantize(
     try:
         options = _options(bits, group_size, zeros, fp8, block, device, dtype, force)
         from ..loader import BUILTIN_TINY_DIRS, model_name_problem
-        from ..quant.checkpoint import check_destination  # torch is imported here: the flags are fine
+        from ..quant.writing import check_destination  # torch is imported here: the flags are fine
 
         source = str(BUILTIN_TINY_DIRS[BUILTIN[src]]) if src in BUILTIN else src
         problem = model_name_problem(source)
@@ -82,7 +82,7 @@ def _options(bits, group_size, zeros, fp8, block, device, dtype, force) -> Quant
 
 
 def _run(source: str, dst: Path, options: QuantizeOptions, quiet: bool):
-    from ..quant.checkpoint import quantize_folder
+    from ..quant.writing import quantize_folder
 
     if quiet:
         return quantize_folder(source, dst, options)
