@@ -1,4 +1,5 @@
-"""Quantized checkpoint folders (quant/checkpoint.py reads them, quant/writing.py and omni-quantize write them), built here from the built-in tiny models:
+"""Quantized checkpoint folders (quant/checkpoint.py reads them, quant/writing.py and omni-quantize write
+them), built here from the built-in tiny models:
 
 - GPTQ (v1, symmetric) and AWQ GEMM (zero points) Qwen2.5-Omni folders, the thinker only quantized as in the
   official Qwen2.5-Omni-7B-GPTQ-Int4 / -AWQ, written by small packers below (inverses of formats.from_gptq /
