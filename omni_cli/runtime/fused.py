@@ -21,6 +21,11 @@ stacks on CUDA, compiled or not, a one-token attention block (per-head norms, Ro
 attention) is one launch too (`kernels.attend`; `RuntimeOptions.attention_kernel`, OMNI_NO_ATTEND=1, turns
 it off). What is on comes from the steps' `graphs.Policy`; nothing here reads the environment.
 
+Packed weights (quant/: `QuantLinear`, `QuantExperts`) go through the same step: a packed q/k/v or gate/up
+fuses into one packed layer (`fuse_rows`), a packed layer is called where a weight would be multiplied
+(`linear`, `gemv`), and packed expert banks go to `quant.experts.picked_product` (the picked-expert
+kernels on CUDA). The format is theirs; this module only tells a tensor from a packed layer.
+
 It does not know which LLM it runs, nor sampling. Its float results can differ from the library's
 layer-by-layer path in the last bits (fused matmuls and the experts' reduction order may round
 differently); tests compare the tokens.
@@ -302,8 +307,7 @@ def layer_step(hidden, in_w, post_w, qkv_w, qkv_b, q_norm_w, k_norm_w, o_w, mlp,
     if routing is None:
         gate_up_w, down_w = mlp
         if kernels:  # the norm inside gate/up's launch, the gate and the residual inside down's
-            return gemv(gemv(hidden, gate_up_w, norm=post_w, eps=eps), down_w, gate=True,
-                                 residual=hidden)
+            return gemv(gemv(hidden, gate_up_w, norm=post_w, eps=eps), down_w, gate=True, residual=hidden)
         x = rms_norm(hidden, post_w, eps)
         return hidden + linear(gated(linear(x, gate_up_w, as_sum=as_sum)), down_w, as_sum=as_sum)
     x = rms_norm(hidden, post_w, eps)
