@@ -482,10 +482,10 @@ def refuse_quantized(path: Path, name: str, quantize: str) -> None:
         return  # _check_folder read it already: nothing new to say here
     try:
         found = detect(config)
-        what = ", ".join(sorted({f"{q.method} {q.kind}" for q in found}))
+        quantized, what = bool(found), ", ".join(sorted({f"{q.method} {q.kind}" for q in found}))
     except ModelError:
-        found, what = (True,), "a format of its own"
-    if found:
+        quantized, what = True, "a format of its own"
+    if quantized:
         raise UsageError(f"{name} is quantized already ({what}): leave out --quantize {quantize}")
 
 
@@ -514,7 +514,8 @@ def int4_group(omni, largest: int = 128) -> int:
     return g
 
 
-def load_packed(omni, path: Path, device, dtype, name: str, quantize: str, group_size: int | None, progress=None):
+def load_packed(omni, path: Path | None, device, dtype, name: str, quantize: str, group_size: int | None,
+                progress=None):
     """Pack the decoder layers of `omni` (in host memory, in `dtype`) one at a time on `device`
     (quant/apply.quantize_model), then move the rest there (Qwen2.5-Omni's token2wav stays float32, as the
     family placed it). Out of memory: a one-line error saying what would fit (models/weights.py)."""

@@ -87,11 +87,11 @@ def _run(source: str, dst: Path, options: QuantizeOptions, quiet: bool):
     if quiet:
         return quantize_folder(source, dst, options)
     from rich.console import Console
-    from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+    from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeRemainingColumn
 
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                   TimeRemainingColumn(), console=Console(file=sys.stderr), transient=True) as bar:
-        tasks: dict[str, int] = {}
+        tasks: dict[str, TaskID] = {}
 
         def progress(phase: str, done: int, total: int) -> None:
             if phase not in tasks:

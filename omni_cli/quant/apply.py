@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -34,7 +35,7 @@ from .linear import QuantLinear, quantize_linears
 
 KEEP = ("mlp.gate", "shared_expert_gate")  # names inside them (suffixes) kept in the model's dtype
 
-SPECS = {  # what `--quantize` asks for
+SPECS: dict[str, dict[str, Any]] = {  # what `--quantize` asks for
     "int4": dict(kind="int4", group_size=128, symmetric=True),
     "fp8": dict(kind="fp8", block=(128, 128)),
 }

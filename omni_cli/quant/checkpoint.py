@@ -171,9 +171,14 @@ def _packed(q: Quantization, get: Callable[[str], torch.Tensor | None], prefix: 
         if q.method == "awq":
             return formats.from_awq(get("qweight"), get("qzeros"), get("scales"), q.group_size or -1)
         if q.kind == "int4":
-            return formats.from_compressed_tensors_int4(get("weight_packed"), get("weight_scale"),
-                                                        get("weight_shape").tolist(), get("weight_zero_point"))
+            shape = get("weight_shape")
+            if shape is None:
+                raise ModelError("no weight_shape")
+            return formats.from_compressed_tensors_int4(get("weight_packed"), get("weight_scale"), shape.tolist(),
+                                                        get("weight_zero_point"))
         if q.method == "fp8":
+            if q.block is None:
+                raise ModelError("block FP8 without a weight_block_size")
             return formats.from_fp8_block(get("weight"), get("weight_scale_inv"), q.block)
         return formats.from_compressed_tensors_fp8(get("weight"), get("weight_scale"), q.strategy, q.block)
     except ModelError as exc:
@@ -255,7 +260,7 @@ def load(cls, path: Path, dtype: torch.dtype, device: torch.device, name: str) -
             continue
         target = modules.get(prefix)
         linear = None if target is None else model.get_submodule(target)
-        if not isinstance(linear, nn.Linear):
+        if target is None or not isinstance(linear, nn.Linear):
             raise ModelError(f"{name}: unexpected tensor {prefix}.{sorted(by_module[prefix])[0]}: the model has "
                              "no linear layer there")
         packed, bias = packed_of(prefix)

@@ -200,7 +200,7 @@ def fuse_quant_rows(linears: list[QuantLinear]) -> QuantLinear | None:
     n = sum(m.out_features for m in linears)
     packed = PackedWeight(spec, (n, first.in_features), torch.cat([p.qweight for p in parts]),
                           torch.cat([p.scales for p in parts]), zeros)
-    bias = None if first.bias is None else torch.cat([m.bias.data for m in linears])
+    bias = None if first.bias is None else torch.cat([m.bias.data for m in linears if m.bias is not None])
     fused = QuantLinear(packed, bias)
     del parts, packed
     row = 0
@@ -211,7 +211,7 @@ def fuse_quant_rows(linears: list[QuantLinear]) -> QuantLinear | None:
         m.scales = fused.scales[scale_rows]
         if fused.zeros is not None:
             m.zeros = fused.zeros[rows]
-        if fused.bias is not None:
+        if fused.bias is not None and m.bias is not None:
             m.bias.data = fused.bias.data[rows]
         object.__setattr__(m, "fused_into", fused)  # a plain attribute: not a submodule (no second state_dict entry)
         row += m.out_features

@@ -69,7 +69,7 @@ def attend_wanted(device: torch.device) -> bool:
     return kernels_wanted(device)
 
 
-def fuse_rows(linears: list) -> tuple:
+def fuse_rows(linears: list) -> tuple[torch.Tensor | torch.nn.Module, torch.Tensor | None]:
     """Stack the weights (and biases) of `linears` into one matrix and re-point each module at its rows.
     Where they are already consecutive rows of one matrix (a second fused step over the same layers: the
     compiled steps built beside the plain ones, runtime/beside.py), that matrix is returned: no copy.

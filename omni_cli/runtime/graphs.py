@@ -68,7 +68,7 @@ class Policy:
         graphs = bool(runtime.graphs) and graphs_possible(device)
         packed = runtime.quantize is not None
         if packed and runtime.compile and graphs:
-            _compile_refused(runtime.quantize)
+            _compile_refused(str(runtime.quantize))
         return cls(device=device, graphs_on=graphs, compile_on=bool(runtime.compile) and graphs and not packed,
                    kernels_on=bool(runtime.kernels), attention_kernel_on=bool(runtime.attention_kernel),
                    packed=packed)
