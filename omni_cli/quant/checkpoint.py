@@ -307,7 +307,7 @@ def load(cls, path: Path, dtype: torch.dtype, device: torch.device, name: str) -
         from transformers import GenerationConfig
 
         model.generation_config = GenerationConfig.from_pretrained(str(path), local_files_only=True)
-    log.info("%s: %s %s weights loaded packed (%d layers)", name, q.method, q.format, len(quantized))
+    log.info("%s: %s %s weights loaded packed (%d matrices)", name, q.method, q.format, len(quantized))
     return model
 
 
