@@ -234,21 +234,78 @@ def test_qwen3_tiny_on_cuda_equals_transformers():
     prompt = "Hello there! What is the weather like today?"
     reply = assistant.say(prompt, greedy=True, voice="Ethan", max_text_tokens=12, max_codes=40)
     ids = build_ids(assistant.loaded.tokenizer, Conversation(system=assistant.default_system).messages(prompt))
-    model = assistant.loaded.model
+    assert (reply.text_ids, reply.codes) == _qwen3_generate(assistant.loaded.model, ids, assistant, 12, 40)
+    assert len(reply.audio) == 1920 * len(reply.codes) - 555
+
+
+def _qwen3_generate(model, ids, assistant, n_text: int, frames: int):
+    """(text ids, frames) of transformers' greedy generate on CUDA, voice Ethan."""
     caught = {}
     hook = model.code2wav.register_forward_pre_hook(lambda _m, args: caught.setdefault("codes", args[0]))
     try:
         with torch.no_grad():
             sequences, _wav = model.generate(
-                torch.tensor([ids], device="cuda"), speaker="ethan", thinker_max_new_tokens=12,
+                torch.tensor([ids], device="cuda"), speaker="ethan", thinker_max_new_tokens=n_text,
                 thinker_eos_token_id=assistant.engine.eos_ids, thinker_do_sample=False,
                 thinker_repetition_penalty=assistant.thinker_sampling.repetition_penalty,
-                talker_do_sample=False, talker_max_new_tokens=41)
+                talker_do_sample=False, talker_max_new_tokens=frames + 1)
     finally:
         hook.remove()
-    assert reply.text_ids == sequences[0, len(ids):].tolist()
-    assert reply.codes == caught["codes"][0].T.tolist()
-    assert len(reply.audio) == 1920 * len(reply.codes) - 555
+    return sequences[0, len(ids):].tolist(), caught["codes"][0].T.tolist()
+
+
+@pytest.mark.parametrize("family", ["qwen2.5", "qwen3"])
+@pytest.mark.parametrize("kind", ["int4", "fp8"])
+def test_packed_tiny_on_cuda_equals_transformers_on_its_dequantized_weights(family, kind):
+    """--quantize on CUDA (float32, graphs): the packed steps (the int4 / FP8 decode kernels, the prefill's
+    tile products, the picked experts' kernels) give the greedy text and codes of transformers' generate
+    on a model holding the dequantized weights."""
+    import copy
+
+    import qwen3_reference as ref
+
+    from omni_cli.assistant import Assistant
+    from omni_cli.loader import TINY_MODEL_DIR
+    from omni_cli.prompt import Conversation, build_ids
+    from omni_cli.quant.apply import dequantized, has_packed
+
+    folder = str(ref.ASSET if family == "qwen3" else TINY_MODEL_DIR)
+    runtime = RuntimeOptions(device="cuda", dtype="float32", quantize=kind, group_size=16 if kind == "int4" else None)
+    if kind == "fp8":
+        from omni_cli.quant import apply
+
+        saved = apply.SPECS["fp8"]
+        apply.SPECS["fp8"] = dict(kind="fp8", block=(16, 16))  # blocks that the tiny widths fill
+    try:
+        assistant = Assistant.load(folder, runtime=runtime)
+    finally:
+        if kind == "fp8":
+            apply.SPECS["fp8"] = saved
+    model = assistant.loaded.model
+    assert has_packed(model)
+    prompt = "Hello there! What is the weather like today?"
+    voice = "Ethan" if family == "qwen3" else "Chelsie"
+    n_codes = 40 if family == "qwen3" else 100
+    reply = assistant.say(prompt, greedy=True, voice=voice, max_text_tokens=12, max_codes=n_codes)
+    ids = build_ids(assistant.loaded.tokenizer, Conversation(system=assistant.default_system).messages(prompt))
+    if family == "qwen3":
+        from transformers import Qwen3OmniMoeForConditionalGeneration as cls
+    else:
+        from transformers import Qwen2_5OmniForConditionalGeneration as cls
+    plain = cls.from_pretrained(folder, dtype=torch.float32).cuda().eval()
+    with torch.no_grad():
+        for name, tensors in dequantized(model):
+            for attr, value in tensors.items():
+                getattr(plain.get_submodule(name), attr).copy_(value)
+    if family == "qwen3":
+        want = _qwen3_generate(plain, ids, assistant, 12, n_codes)
+    else:
+        if not hasattr(plain, "speaker_map"):
+            plain.speaker_map = copy.copy(model.speaker_map)
+        want = reference_generate(plain, ids, n_text=12, n_codes=n_codes, eos=assistant.engine.eos_ids,
+                                  repetition_penalty=assistant.thinker_sampling.repetition_penalty)[:2]
+        want = (list(want[0]), list(want[1]))
+    assert (reply.text_ids, list(reply.codes)) == want
 
 
 # -- Qwen3-Omni ------------------------------------------------------------------------------------------
