@@ -355,3 +355,19 @@ def test_no_float_copy_of_the_packed_layers_is_made(tmp):
     assert isinstance(layer.self_attn.q_proj, QuantLinear) and layer.mlp.gate.weight.dtype == torch.float32
     assert not any(p.is_meta for p in model.parameters())
     assert not any(isinstance(m, nn.Linear) for m in layer.self_attn.modules())
+
+
+def test_omni_quantize_never_writes_over_its_source(tmp_path):
+    """--force may replace a folder, never the checkpoint being read (nor one that holds it): that would
+    delete the float weights after packing them."""
+    import shutil
+
+    from omni_cli.loader import TINY_MODEL_DIR
+
+    src = tmp_path / "models" / "float"
+    shutil.copytree(TINY_MODEL_DIR, src)
+    before = sorted(p.name for p in src.iterdir())
+    for dst in (src, tmp_path / "models"):
+        result = run_cli(str(src), dst, "--group-size", G, "--force")
+        assert result.exit_code == 2 and "holds the source checkpoint" in result.output, result.output
+    assert sorted(p.name for p in src.iterdir()) == before

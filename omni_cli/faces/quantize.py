@@ -55,7 +55,7 @@ def quantize(
         problem = model_name_problem(source)
         if problem:
             raise UsageError(problem)
-        check_destination(dst, force)
+        check_destination(dst, force, source)
         report_library_logs(quiet)
         t0 = time.perf_counter()
         written, packed = _run(source, dst, options, quiet)

@@ -212,12 +212,17 @@ def save(model: nn.Module, folder: Path, config: dict[str, Any], spec: formats.Q
 WEIGHT_FILE = re.compile(r"(model.*\.safetensors|model\.safetensors\.index\.json|pytorch_model.*\.bin(\.index\.json)?)$")
 
 
-def check_destination(dst: Path, force: bool) -> None:
-    """A UsageError unless `dst` may be written: absent, an empty folder, or (with `force`) any folder."""
+def check_destination(dst: Path, force: bool, src: str | None = None) -> None:
+    """A UsageError unless `dst` may be written: absent, an empty folder, or (with `force`) any folder;
+    never the source folder `src` or a folder holding it (--force would replace the checkpoint being read)."""
     from ..errors import UsageError
 
     if dst.is_symlink() or (dst.exists() and not dst.is_dir()):
         raise UsageError(f"{dst} exists and is not a folder")
+    if src is not None and Path(src).exists() and dst.exists():
+        source, target = Path(src).resolve(), dst.resolve()
+        if source == target or target in source.parents:
+            raise UsageError(f"{dst} holds the source checkpoint {src}: write the packed one to another folder")
     if dst.is_dir() and any(dst.iterdir()) and not force:
         raise UsageError(f"{dst} is a folder that is not empty: pass --force to replace it")
 
