@@ -105,17 +105,31 @@ def layer_progress(progress: Callable[[str], None]) -> Callable[[int, int], None
     return report
 
 
-def pack_loaded(model, device, dtype, quantize: str, group_size: int | None, progress: Callable[[str], None]):
-    """A model loaded in host memory (a built-in tiny checkpoint) with its decoder layers packed on
-    `device` (the loader's `load_packed`, int4's group size fitted to the layers when none is given)."""
+def load_asset(load: Callable, folder, device, name: str, quantize: str | None, group_size: int | None,
+               progress: Callable[[str], None]):
+    """(model, voices) of a built-in tiny checkpoint through its family's `load`, in float32: on `device`,
+    or, with `quantize`, in host memory with its decoder layers then packed on `device` (the loader's
+    `load_packed`, int4's group size fitted to the layers when none is given)."""
+    import torch
+
+    if quantize is None:
+        return load(folder, device, torch.float32, name)
     from ..loader import load_packed
 
-    load_packed(model, None, device, dtype, "the model", quantize, group_size, layer_progress(progress))
-    return model
+    model, voices = load(folder, torch.device("cpu"), torch.float32, name)
+    load_packed(model, None, device, torch.float32, "the model", quantize, group_size, layer_progress(progress))
+    return model, voices
 
 
-def spec(quantize: str, dtype, group_size: int | None):
-    """The QuantSpec of `--quantize` for a full-size preset (int4's group: 128 unless given)."""
+def build(make: Callable[[], object], device, dtype, quantize: str | None, group_size: int | None,
+          progress: Callable[[str], None]):
+    """A full-size preset's random model: `make()` on `device`, or, with `quantize`, `build_packed` with
+    `--quantize`'s spec (int4's group: 128 unless given)."""
+    import torch
+
+    if quantize is None:
+        with torch.device(device):
+            return make()
     from ..quant.apply import spec_for
 
-    return spec_for(quantize, dtype, group_size)
+    return build_packed(make, device, spec_for(quantize, dtype, group_size), layer_progress(progress))[0]

@@ -115,27 +115,18 @@ def _build_model(name: str, device, dtype, progress=lambda message: None, quanti
     import torch
 
     if "asset" in PRESETS[name]:  # the tiny model is made and checked in float32
+        from ..random_packed import load_asset
         from .checkpoint import load
 
-        if quantize is None:
-            model, voices = load(_asset_folder(name), device, torch.float32, name)
-        else:
-            from ..random_packed import pack_loaded
-
-            model, voices = load(_asset_folder(name), torch.device("cpu"), torch.float32, name)
-            pack_loaded(model, device, torch.float32, quantize, group_size, progress)
+        model, voices = load_asset(load, _asset_folder(name), device, name, quantize, group_size, progress)
         return model.eval(), voices
     from transformers import Qwen2_5OmniForConditionalGeneration
 
     config = build_config(name)
-    if quantize is not None:
-        from ..random_packed import build_packed, layer_progress, spec
+    from ..random_packed import build
 
-        model, _ = build_packed(lambda: Qwen2_5OmniForConditionalGeneration._from_config(config, dtype=dtype),
-                                device, spec(quantize, dtype, group_size), layer_progress(progress))
-    else:
-        with torch.device(device):
-            model = Qwen2_5OmniForConditionalGeneration._from_config(config, dtype=dtype)
+    model = build(lambda: Qwen2_5OmniForConditionalGeneration._from_config(config, dtype=dtype), device, dtype,
+                  quantize, group_size, progress)
     model.token2wav.float()
     g = torch.Generator(device=device).manual_seed(0)
     mel = config.token2wav_config.dit_config.mel_dim

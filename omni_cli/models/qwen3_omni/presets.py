@@ -134,19 +134,12 @@ def build_model(name: str, device, dtype, progress=lambda message: None, quantiz
 
 
 def _build_model(name: str, device, dtype, progress, quantize=None, group_size=None):
-    import torch
-
     p = PRESETS[name]
     if "asset" in p:  # the tiny model is made and checked in float32
+        from ..random_packed import load_asset
         from .checkpoint import load
 
-        if quantize is None:
-            model, voices = load(_asset_folder(name), device, torch.float32, name)
-        else:
-            from ..random_packed import pack_loaded
-
-            model, voices = load(_asset_folder(name), torch.device("cpu"), torch.float32, name)
-            pack_loaded(model, device, torch.float32, quantize, group_size, progress)
+        model, voices = load_asset(load, _asset_folder(name), device, name, quantize, group_size, progress)
         return model.eval(), voices
     config = build_config(name)
     total = count_parameters(config)
@@ -155,15 +148,11 @@ def _build_model(name: str, device, dtype, progress, quantize=None, group_size=N
     assert abs(total - expected) < 0.01e9, f"{name} has {total / 1e9:.3f} B parameters, not {expected / 1e9:.2f} B"
     from transformers import Qwen3OmniMoeForConditionalGeneration
 
-    if quantize is not None:
-        from ..random_packed import build_packed, layer_progress, spec
+    from ..random_packed import build
 
-        model, _ = build_packed(lambda: Qwen3OmniMoeForConditionalGeneration._from_config(config, dtype=dtype),
-                                device, spec(quantize, dtype, group_size), layer_progress(progress))
-        # (the routers and expert banks got random values as they were made: nothing for _init_talker_moe)
-    else:
-        with torch.device(device):
-            model = Qwen3OmniMoeForConditionalGeneration._from_config(config, dtype=dtype)
+    model = build(lambda: Qwen3OmniMoeForConditionalGeneration._from_config(config, dtype=dtype), device, dtype,
+                  quantize, group_size, progress)
+    if quantize is None:  # packed, the routers and expert banks got random values as they were made
         _init_talker_moe(model, device)
     voices = {str(n).capitalize(): int(i) for n, i in model.config.talker_config.speaker_id.items()}
     return model.eval(), voices
