@@ -277,12 +277,7 @@ def load(cls, path: Path, dtype: torch.dtype, device: torch.device, name: str) -
     for bank, experts in banks.items():
         meta = model.get_submodule(modules[bank])
         count, two_i, hidden = meta.gate_up_proj.shape
-        for e in range(count):
-            for part in ("gate_proj", "up_proj", "down_proj"):
-                if part not in experts.get(e, {}):
-                    raise ModelError(f"{name}: the weights lack {bank}.{e}.{part} (quantized)")
-        if len(experts) != count:
-            raise ModelError(f"{name}: unexpected tensor {bank}.{max(experts)}.gate_proj: the model has {count} experts")
+        _every_expert(experts, count, bank, name, " (quantized)", f": the model has {count} experts")
         gate_up, down = [], []
         for e in range(count):
             parts = experts[e]
@@ -331,18 +326,24 @@ def _load_float(model: nn.Module, files: Files, params: dict[str, str], used: se
         if current is None:
             raise ModelError(f"{name}: unexpected tensor {experts[min(experts)]['gate_proj']}: {bank} is stored quantized too")
         count = current.shape[0]
-        for e in range(count):
-            for part in ("gate_proj", "up_proj", "down_proj"):
-                if part not in experts.get(e, {}):
-                    raise ModelError(f"{name}: the weights lack {bank}.{e}.{part}.weight")
-        if len(experts) != count:
-            raise ModelError(f"{name}: unexpected tensor {bank}.{max(experts)}.gate_proj.weight")
+        _every_expert(experts, count, bank, name, ".weight", ".weight")
         gate = torch.stack([files.get(experts[e]["gate_proj"]) for e in range(count)])
         up = torch.stack([files.get(experts[e]["up_proj"]) for e in range(count)])
         _put(model, target, torch.cat([gate, up], dim=1), name, f"{bank}.*.gate_proj/up_proj.weight")
         del gate, up
         down = torch.stack([files.get(experts[e]["down_proj"]) for e in range(count)])
         _put(model, params[f"{bank}.down_proj"], down, name, f"{bank}.*.down_proj.weight")
+
+
+def _every_expert(experts: dict, count: int, bank: str, name: str, lack: str, extra: str) -> None:
+    """A one-line ModelError unless the files hold gate, up and down of each of the bank's `count` experts
+    and no more (`lack` / `extra`: how the message names the missing or the surplus tensor)."""
+    for e in range(count):
+        for part in ("gate_proj", "up_proj", "down_proj"):
+            if part not in experts.get(e, {}):
+                raise ModelError(f"{name}: the weights lack {bank}.{e}.{part}{lack}")
+    if len(experts) != count:
+        raise ModelError(f"{name}: unexpected tensor {bank}.{max(experts)}.gate_proj{extra}")
 
 
 def _current(model: nn.Module, target: str) -> torch.Tensor | None:
