@@ -20,8 +20,8 @@ Prefill:
   reads one expert's weight; the number of tiles is bounded on the host by M*k + E*(BLOCK_M - 1) rows,
   which fixes every shape for a fixed M (CUDA graphs). The idea is vLLM's moe_align_block_size.
 
-The two formats share one kernel per product: a tile of the weight is dequantized by `_int4_tile` or
-`_fp8_tile` (a constexpr picks), the rest is the same. An expert bank is the single weight's layout with
+The two formats share one kernel per product (a constexpr picks the format's code inside): int4 by its
+packed words' nibble planes (`_int4_rows`, `_int4_planes`), FP8 by tiles (`_fp8_rows`, `_fp8_tile`). An expert bank is the single weight's layout with
 a leading E, on the weight and on its scales (and zeros).
 
 The layouts they read (the in-memory form of omni_cli.quant.formats; a checkpoint's layout is turned into
@@ -64,31 +64,6 @@ MAGIC_BITS: tl.constexpr = tl.constexpr(0x4B000000)  # its bits
 
 
 @triton.jit
-def _int4_tile(q_ptr, s_ptr, z_ptr, rows, k0, N, K, G, ZEROS: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_K: tl.constexpr):
-    """float32 [BLOCK_N, BLOCK_K]: rows `rows`, columns k0.. of the int4 weight (q_ptr [N, K/8], s_ptr and
-    z_ptr [N, K/G]) as (q - z) * s; zero past the edges."""
-    BLOCK_W: tl.constexpr = BLOCK_K // 8
-    KW = K // 8
-    KG = K // G
-    shifts = tl.arange(0, 8) * 4
-    row_ok = rows[:, None] < N
-    words = k0 // 8 + tl.arange(0, BLOCK_W)
-    packed = tl.load(q_ptr + rows[:, None] * KW + words[None, :], mask=row_ok & (words[None, :] < KW), other=0)
-    # [BLOCK_N, BLOCK_W, 8] -> [BLOCK_N, BLOCK_K]: column 8w + i is nibble i of word w
-    q = tl.reshape((packed[:, :, None] >> shifts[None, None, :]) & 0xF, [BLOCK_N, BLOCK_K]).to(tl.float32)
-    cols = k0 + tl.arange(0, BLOCK_K)
-    mask = row_ok & (cols[None, :] < K)
-    at = rows[:, None] * KG + cols[None, :] // G
-    s = tl.load(s_ptr + at, mask=mask, other=0.0).to(tl.float32)
-    if ZEROS:
-        z = tl.load(z_ptr + at, mask=mask, other=0).to(tl.float32)
-    else:
-        z = 8.0
-    return (q - z) * s
-
-
-@triton.jit
 def _fp8_tile(w_ptr, s_ptr, rows, k0, N, K, BN, BK, s_row, BLOCKED: tl.constexpr, BLOCK_N: tl.constexpr,
               BLOCK_K: tl.constexpr):
     """float32 [BLOCK_N, BLOCK_K]: rows `rows`, columns k0.. of the e4m3 weight w_ptr [N, K] times its block
@@ -104,18 +79,6 @@ def _fp8_tile(w_ptr, s_ptr, rows, k0, N, K, BN, BK, s_row, BLOCKED: tl.constexpr
 
 
 @triton.jit
-def _tile(q_ptr, s_ptr, z_ptr, rows, k0, N, K, G, BN, BK, s_row, dt: tl.constexpr, FP8: tl.constexpr,
-          ZEROS: tl.constexpr, BLOCKED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """A dequantized tile of either format, rounded to the activations' dtype dt (kept as float32): the
-    weight an eager layer holding it in dt would multiply with."""
-    if FP8:
-        w = _fp8_tile(q_ptr, s_ptr, rows, k0, N, K, BN, BK, s_row, BLOCKED, BLOCK_N, BLOCK_K)
-    else:
-        w = _int4_tile(q_ptr, s_ptr, z_ptr, rows, k0, N, K, G, ZEROS, BLOCK_N, BLOCK_K)
-    return w.to(dt).to(tl.float32)
-
-
-@triton.jit
 def _rows(x_ptr, q_ptr, s_ptr, z_ptr, rows, N, K, G, BN, BK, s_row, FP8: tl.constexpr, ZEROS: tl.constexpr,
           BLOCKED: tl.constexpr, PROLOGUE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
           SCALE_BLOCK: tl.constexpr = -1):
@@ -124,14 +87,16 @@ def _rows(x_ptr, q_ptr, s_ptr, z_ptr, rows, N, K, G, BN, BK, s_row, FP8: tl.cons
 
     SCALE_BLOCK >= 0 (the decode kernels' fast path; `_blocks` picks it): the scales are applied to partial
     sums, not to each weight (`_int4_rows`, `_fp8_rows`): the exact product of the dequantized weight,
-    rounded once. -1: each weight dequantized and rounded to the activations' dtype first, as an eager
-    layer holding it would (`_tile`), where an FP8 block width does not line up with BLOCK_K."""
+    rounded once. -1 (FP8 only: int4's scales always line up with its packed words): each weight dequantized
+    and rounded to the activations' dtype first, as an eager layer holding it would (`_fp8_tile`), where
+    an FP8 block width does not line up with BLOCK_K."""
     if SCALE_BLOCK < 0:
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            w = _tile(q_ptr, s_ptr, z_ptr, rows, k0, N, K, G, BN, BK, s_row, x_ptr.dtype.element_ty, FP8, ZEROS,
-                      BLOCKED, BLOCK_N, BLOCK_K)
-            acc += w * prologue_input(x_ptr, x_ptr, k0 + tl.arange(0, BLOCK_K), K, 0.0, PROLOGUE)[None, :]
+            # rounded to the activations' dtype, as the weight an eager layer holding it would multiply with
+            w = _fp8_tile(q_ptr, s_ptr, rows, k0, N, K, BN, BK, s_row, BLOCKED, BLOCK_N, BLOCK_K)
+            x = prologue_input(x_ptr, x_ptr, k0 + tl.arange(0, BLOCK_K), K, 0.0, PROLOGUE)
+            acc += w.to(x_ptr.dtype.element_ty).to(tl.float32) * x[None, :]
         y = tl.sum(acc, axis=1)
     elif FP8:
         y = _fp8_rows(x_ptr, q_ptr, s_ptr, rows, N, K, BN, BK, s_row, BLOCKED, PROLOGUE, BLOCK_N, BLOCK_K)
@@ -285,8 +250,7 @@ def _mm_kernel(x_ptr, q_ptr, s_ptr, z_ptr, slots_ptr, tile_e_ptr, out_ptr, M, N,
         if FP8:
             cols = (k0 + tl.arange(0, BLOCK_K))[None, :]
             a = prologue_input(x_rows, x_rows, cols, K, 0.0, PROLOGUE).to(dt)
-            w = _tile(q_ptr, s_ptr, z_ptr, cols_n, k0, N, K, G, BN, BK, s_row, dt, FP8, ZEROS, BLOCKED, BLOCK_N,
-                      BLOCK_K).to(dt)
+            w = _fp8_tile(q_ptr, s_ptr, cols_n, k0, N, K, BN, BK, s_row, BLOCKED, BLOCK_N, BLOCK_K).to(dt)
             # "ieee": float32 activations multiply in float32, not TF32 (half-precision ones are unaffected)
             acc = tl.dot(a, tl.trans(w), acc, input_precision="ieee")
         else:
