@@ -13,7 +13,6 @@ import io
 import json
 import os
 import random
-import signal
 import sys
 import threading
 import time
@@ -29,6 +28,7 @@ from prompt_toolkit.output import DummyOutput
 from audio_device import FakeSoundDevice
 from conftest import cli_env, invoke_chat
 from fakes import FakeAssistant
+from interrupting import interrupt_when
 from omni_cli.faces.chat.loop import ChatRepl, line_reader
 from omni_cli.config import ReplyOptions
 from omni_cli.errors import OutputError, UsageError
@@ -242,17 +242,13 @@ def test_an_error_in_a_turn_keeps_the_session():
     assert s.repl.chat.history.turns[-1]["content"] == "Hi there." and len(s.repl.chat.history.turns) == 2
 
 
-def _interrupt_after(seconds: float) -> threading.Timer:
-    timer = threading.Timer(seconds, os.kill, (os.getpid(), signal.SIGINT))
-    timer.start()
-    return timer
-
-
 def test_ctrl_c_during_a_reply_stops_it_and_the_session_goes_on(hang_guard):
     # 2 s of audio in 10 blocks, one every 0.2 s, played at real time.
     s = Session(assistant=FakeAssistant(seconds=2.0, blocks=10, block_delay=0.2), sd=FakeSoundDevice(speed=1.0))
-    _interrupt_after(0.7)
+    interrupter = interrupt_when(lambda: s.sd.streams[0].active, delay=0.3)  # 0.3 s into the sound
     s.run("Tell me a story\r\x04")
+    interrupter.cancel()
+    assert interrupter.reached
     assert "interrupted" in s.err
     (record,) = s.repl.interrupts
     assert record["to_silence"] < 0.2 and record["to_prompt"] < 0.2, record
@@ -681,13 +677,15 @@ def hang_guard():
 @pytest.mark.model
 def test_real_ctrl_c_during_a_reply_with_the_tiny_model(tiny, hang_guard):
     # A 30 s reply played at real time (seed 2: the tiny model says 1500 codes; a reply that ended before
-    # the Ctrl-C would let it reach pytest); Ctrl-C after 1 s: generation and sound stop within 200 ms.
+    # the Ctrl-C would let it reach pytest); Ctrl-C 1 s into the sound: generation and sound stop within 200 ms.
     s = Session(assistant=tiny, sd=FakeSoundDevice(speed=1.0), options=ReplyOptions(seed=2, max_text_tokens=200, max_codes=1500))
     records = []
     for attempt in range(3):
-        timer = _interrupt_after(1.0 + 0.13 * attempt)
+        turn = len(s.sd.streams)  # this turn's stream is the next one opened
+        interrupter = interrupt_when(lambda: s.sd.streams[turn].active, delay=1.0 + 0.13 * attempt)
         s.run("Tell me a long story\r\x04")
-        timer.join()
+        interrupter.cancel()
+        assert interrupter.reached
         records.append(s.repl.interrupts[-1])
         assert s.sinks[-1].aborted and not s.sd.streams[-1].active
     assert all(r["to_silence"] < 0.2 and r["to_prompt"] < 0.2 for r in records), records

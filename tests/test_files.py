@@ -27,6 +27,7 @@ from pathlib import Path
 import pytest
 from conftest import cli_env, invoke, invoke_chat
 from fakes import FakeAssistant
+from interrupting import interrupt_when
 from test_chat import Session
 
 from omni_cli import atomic
@@ -271,24 +272,20 @@ def test_a_signal_after_wrote_ends_quietly(signum, code):
 # -- Ctrl-C during a slash command ------------------------------------------------------------------
 
 
-def _interrupt_main_thread_after(seconds: float) -> threading.Timer:
-    timer = threading.Timer(seconds, os.kill, (os.getpid(), signal.SIGINT))
-    timer.start()
-    return timer
-
-
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
 def test_ctrl_c_during_a_blocking_command_returns_to_the_prompt(tmp_path):
     # /save onto a FIFO (talk.json) waits for a reader that never comes, as a slow disk or share would.
     os.mkfifo(tmp_path / "talk.json")
     s = Session(muted=True)
-    timer = _interrupt_main_thread_after(0.5)
+    main = threading.main_thread().ident
+    interrupter = interrupt_when(lambda: sys._current_frames()[main].f_code.co_name == "open_stream")
     try:
         code = s.run(f"Hello\r/save {tmp_path / 'talk'}\rAgain\r/save {tmp_path / 'after'}\r\x04")
     except KeyboardInterrupt:
         pytest.fail("the Ctrl-C ended the session")  # before: so it did (omni-chat: exit 130, the conversation lost)
     finally:
-        timer.cancel()
+        interrupter.cancel()
+    assert interrupter.reached, "/save never waited on the FIFO"
     assert code == 0
     assert "interrupted: /save stopped; the conversation is as it was" in s.err, s.err
     assert s.out.count("Hi there.") == 2  # before: the KeyboardInterrupt ended the session (omni-chat: exit 130)
