@@ -267,6 +267,9 @@ class FakeSteps:
         self.thinker_fed.append(tok)
         return self._thinker_out([tok])
 
+    def kept_context(self):
+        return 0, 0  # a fresh prefill each turn
+
     def reply_vector(self, out):
         self._hook("reply_vector")
         return out.hidden[:, -1:, :]

@@ -87,6 +87,10 @@ class ModelSteps(Protocol):
 
     def decode_one(self, token: "torch.Tensor") -> ThinkerOutput: ...
 
+    # (positions the last prefill found kept from the turn before, bytes the kept context holds beside the
+    # thinker's cache): a prompt that extends the last prefills only the rest (runtime/context.py).
+    def kept_context(self) -> tuple[int, int]: ...
+
     def reply_vector(self, out: ThinkerOutput) -> "torch.Tensor": ...
 
     # True where a token's text entry depends on the token alone (Qwen3-Omni: its projected embedding):

@@ -47,11 +47,12 @@ def forward_layers_keeping(model, embeds: torch.Tensor, cache: StaticKVCache, ke
     position_embeddings = model.rotary_emb(embeds, positions)
     layers = model.layers
     cache_kw = compat.layer_cache_kwargs(cache, layers[0])  # the same keyword for every layer of a stack
+    mask = suffix_mask(start, n, embeds.dtype, embeds.device)
     hidden = embeds
     kept = embeds if keep == 0 else None
     with no_cudnn_attention(n > 1 and embeds.device.type == "cuda"):
         for i, layer in enumerate(layers):
-            hidden = layer(hidden, attention_mask=None, position_embeddings=position_embeddings, use_cache=True,
+            hidden = layer(hidden, attention_mask=mask, position_embeddings=position_embeddings, use_cache=True,
                            **cache_kw)
             if keep is not None and i + 1 == keep:
                 kept = hidden
@@ -60,6 +61,17 @@ def forward_layers_keeping(model, embeds: torch.Tensor, cache: StaticKVCache, ke
     cache.advance(n)
     normed = model.norm(hidden)
     return normed, (normed if keep is not None and keep >= len(layers) else kept)
+
+
+def suffix_mask(start: int, n: int, dtype, device) -> torch.Tensor | None:
+    """The additive causal mask [1, 1, n, start + n] of n positions fed after `start` cached ones (a prompt's
+    rest over a kept context); None where the layers' own causal rule is right: from an empty cache, and
+    one position (it sees the whole cache). SDPA's `is_causal` aligns its triangle to the first key, so n
+    queries after `start` keys would see only the first keys, not the cache and themselves."""
+    if start == 0 or n == 1:
+        return None
+    mask = torch.full((n, start + n), torch.finfo(dtype).min, dtype=dtype, device=device)
+    return mask.triu(start + 1).view(1, 1, n, start + n)  # 0 where key j <= start + i
 
 
 def no_cudnn_attention(enabled: bool):

@@ -39,3 +39,13 @@ def place(embeds: torch.Tensor, input_ids: torch.Tensor, token: int, features: t
     """`features` ([n, W], in order) at the n positions of `token` in `input_ids` ([1, L])."""
     positions = (input_ids == token).unsqueeze(-1).expand_as(embeds)
     return embeds.masked_scatter(positions, features.to(embeds.dtype)), positions
+
+
+def timed_into(media: dict | None, part: dict) -> None:
+    """The encoders' times recorded in `part` (a prompt's new clips and images, runtime/context.py) added to
+    the whole prompt's `media`, which the turn's stats read."""
+    if media is None or part is media:
+        return
+    for key in ("encoder_time", "image_encoder_time"):
+        if part.get(key):
+            media[key] = media.get(key, []) + part[key]

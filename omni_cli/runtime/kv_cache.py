@@ -41,6 +41,12 @@ class StaticKVCache:
         # Nothing to clear: stale entries past `length` are never read.
         self.length = 0
 
+    def keep_first(self, n: int) -> None:
+        """Keep the first `n` positions (a kept context's prefix); what follows is written over."""
+        if not 0 <= n <= self.length:
+            raise ValueError(f"cannot keep {n} of {self.length} cached positions")
+        self.length = n
+
     def room(self) -> int:
         return self.max_len - self.length
 

@@ -83,6 +83,12 @@ class Qwen25Steps:
     def decode_one(self, token: torch.Tensor):
         return self.thinker.decode_one(token)
 
+    def kept_context(self) -> tuple[int, int]:
+        """(positions the last prefill found in the thinker's cache, device bytes the kept context holds
+        beside the cache: the last prompt's embeddings and hidden states the talker reads)."""
+        context = self.thinker.context
+        return self.thinker.kept_positions, 0 if context is None else context.nbytes()
+
     def reply_vector(self, out) -> torch.Tensor:
         """What the talker reads for the fed token: the thinker's hidden state plus the token's embedding."""
         return out.hidden + out.embeds

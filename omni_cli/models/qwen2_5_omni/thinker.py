@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ...runtime import compat
+from ...runtime.context import KeptContext, Reuse
 from ...runtime.decoder import forward_layers, mrope_positions
 from ...runtime.kv_cache import StaticKVCache
 from ...runtime import encoders
@@ -52,6 +53,9 @@ class Thinker:
         self.embed_tokens = thinker_module.get_input_embeddings()
         self.lm_head = thinker_module.lm_head
         self.cache = cache
+        # The last prompt's positions kept for the next (runtime/context.py); None: every prefill is whole.
+        self.context: KeptContext | None = KeptContext(self.audio_token, self.image_token)
+        self.kept_positions = 0  # positions the last prefill found in the cache
 
     def enable_fast_decode(self, policy) -> None:
         """Decode through the fused fixed-shape step (`runtime/fused.py`), replayed as CUDA graphs where
@@ -61,6 +65,8 @@ class Thinker:
         self.fused = TokenDecoder(self.model, self.cache, self.embed, self.lm_head, policy=policy)
 
     def capture_graphs(self) -> None:
+        if self.context is not None:
+            self.context.clear()  # the captures write the cache
         if self.fused is not None:
             self.fused.capture()
 
@@ -70,23 +76,43 @@ class Thinker:
         return self.embed_tokens(ids)
 
     def prefill(self, input_ids: torch.Tensor, media: dict | None = None) -> ThinkerOut:
-        """Run the whole prompt ([1, L] ids) from an empty cache; `media`: its audio features and images."""
-        self.cache.reset()
-        embeds = self.embed(input_ids)
+        """Run the prompt ([1, L] ids; `media`: its audio features and images): over the kept context
+        where the prompt extends the last one (runtime/context.py: only the rest is prefilled, only its
+        clips and images encoded), else from an empty cache. The outputs cover the whole prompt."""
+        ids = input_ids[0].tolist()
+        reuse = self.context.reuse(ids, media) if self.context is not None else Reuse(0, media)
+        start, part = reuse.start, reuse.media or {}
+        if start:
+            self.cache.keep_first(start)
+        else:
+            self.cache.reset()
+        self.kept_positions = start
+        rest = input_ids[:, start:]
+        embeds = self.embed(rest)
         talker_embeds, positions, self.rope_delta = None, None, 0
-        media = media or {}
-        if media.get("input_features") is not None:
-            embeds, talker_embeds = self._with_audio(input_ids, embeds, media)
-        if media.get("pixel_values") is not None:
-            embeds, talker_embeds = self._with_images(input_ids, embeds, talker_embeds, media)
-            positions, self.rope_delta = mrope_positions(self.module, input_ids[0].tolist(), media, embeds.device)
+        if part.get("input_features") is not None:
+            embeds, talker_embeds = self._with_audio(rest, embeds, part)
+        if part.get("pixel_values") is not None:
+            embeds, talker_embeds = self._with_images(rest, embeds, talker_embeds, part)
+        encoders.timed_into(media, part)
+        if media and media.get("pixel_values") is not None:  # the whole prompt's 3-D positions, this part's
+            positions, self.rope_delta = mrope_positions(self.module, ids, media, embeds.device)
+            positions = positions[..., start:]
         if self.fused is not None:
             self.fused.fused.rope_shift.fill_(self.rope_delta)
         hidden = forward_layers(self.model, embeds, self.cache, positions=positions)
         # The reference projects every position and keeps the last row: do the same matmul so the
         # picked token is bit-identical (a one-row matmul may round differently).
         logits = self.lm_head(hidden)[:, -1].float()
-        return ThinkerOut(embeds, hidden, logits, talker_embeds, media or None, input_ids[0].tolist())
+        talker_embeds = embeds if talker_embeds is None else talker_embeds
+        if start:
+            assert self.context is not None  # a reuse comes from it
+            embeds, hidden, talker_embeds = (self.context.joined(name, start, t) for name, t in
+                                             (("embeds", embeds), ("hidden", hidden), ("talker", talker_embeds)))
+        if self.context is not None:
+            self.context.keep(ids, media, {"embeds": embeds, "hidden": hidden, "talker": talker_embeds},
+                              self.rope_delta)
+        return ThinkerOut(embeds, hidden, logits, talker_embeds, media or None, ids)
 
     def _with_images(self, input_ids, embeds, talker_embeds, media):
         """The vision encoder's outputs at the image positions (and zeros there for the talker)."""

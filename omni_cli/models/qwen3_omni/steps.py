@@ -80,6 +80,12 @@ class Qwen3Steps:
     def decode_one(self, token: torch.Tensor):
         return self.thinker.decode_one(token)
 
+    def kept_context(self) -> tuple[int, int]:
+        """(positions the last prefill found in the thinker's cache, device bytes the kept context holds
+        beside the cache: the last prompt's embeddings and hidden states the talker reads)."""
+        context = self.thinker.context
+        return self.thinker.kept_positions, 0 if context is None else context.nbytes()
+
     def reply_vector(self, out) -> torch.Tensor:
         return self.talker.reply_vector(out)
 

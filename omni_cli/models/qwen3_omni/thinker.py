@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ...runtime import compat
+from ...runtime.context import KeptContext, Reuse
 from ...runtime.decoder import forward_layers_keeping, mrope_positions
 from ...runtime.kv_cache import StaticKVCache
 from ...runtime import encoders
@@ -62,6 +63,9 @@ class Thinker:
         self.lm_head = thinker_module.lm_head
         self.cache = cache
         self.accept_layer = accept_hidden_layer
+        # The last prompt's positions kept for the next (runtime/context.py); None: every prefill is whole.
+        self.context: KeptContext | None = KeptContext(self.audio_token, self.image_token)
+        self.kept_positions = 0  # positions the last prefill found in the cache
 
     def enable_fast_decode(self, policy) -> None:
         """Decode through the fused fixed-shape step (`runtime/fused.py`), replayed as CUDA graphs where
@@ -76,6 +80,8 @@ class Thinker:
                                                     keep=self.accept_layer, allowed=weight.dtype == torch.bfloat16)
 
     def capture_graphs(self) -> None:
+        if self.context is not None:
+            self.context.clear()  # the captures write the cache
         if self.fused is not None:
             self.fused.capture()
             assert self.prefill_graphs is not None  # made with the fused step (`enable_fast_decode`)
@@ -89,7 +95,9 @@ class Thinker:
         return self.embed_tokens(ids)
 
     def _forward(self, embeds: torch.Tensor, prefill: bool = False, positions=None, after_layer=None) -> ThinkerOut:
-        if prefill and self.prefill_graphs is not None and positions is None:  # a graph per length bucket
+        # A prefill from an empty cache replays a graph per length bucket; one over a kept context (the
+        # cache not empty) and one with 3-D positions run eagerly.
+        if prefill and self.prefill_graphs is not None and positions is None and self.cache.length == 0:
             hidden, accepted = self.prefill_graphs(embeds)
         else:
             hidden, accepted = forward_layers_keeping(self.model, embeds, self.cache, self.accept_layer,
@@ -101,21 +109,41 @@ class Thinker:
         return ThinkerOut(embeds, hidden, logits, accepted)
 
     def prefill(self, input_ids: torch.Tensor, media: dict | None = None) -> ThinkerOut:
-        """Run the whole prompt ([1, L] ids) from an empty cache; `media`: its audio features, whose
-        encoder outputs go to the audio placeholder positions (positions stay 1-D: for audio the
-        reference's M-RoPE rows are equal and consecutive)."""
-        self.cache.reset()
-        embeds = self.embed(input_ids)
-        if media and media.get("input_features") is not None:
-            embeds, _ = encoders.with_audio(self.module, input_ids, embeds, media, self.audio_token)
+        """Run the prompt ([1, L] ids; `media`: its audio features and images): over the kept context where
+        the prompt extends the last one (runtime/context.py: only the rest is prefilled, only its clips and
+        images encoded), else from an empty cache. Audio positions stay 1-D (for audio the reference's
+        M-RoPE rows are equal and consecutive). The outputs cover the whole prompt."""
+        ids = input_ids[0].tolist()
+        reuse = self.context.reuse(ids, media) if self.context is not None else Reuse(0, media)
+        start, part = reuse.start, reuse.media or {}
+        if start:
+            self.cache.keep_first(start)
+        else:
+            self.cache.reset()
+        self.kept_positions = start
+        rest = input_ids[:, start:]
+        embeds = self.embed(rest)
+        if part.get("input_features") is not None:
+            embeds, _ = encoders.with_audio(self.module, rest, embeds, part, self.audio_token)
         positions, deepstack, self.rope_delta = None, None, 0
-        if media and media.get("pixel_values") is not None:
-            embeds, deepstack = self._with_images(input_ids, embeds, media)
-            positions, self.rope_delta = mrope_positions(self.module, input_ids[0].tolist(), media, embeds.device)
+        if part.get("pixel_values") is not None:
+            embeds, deepstack = self._with_images(rest, embeds, part)
+        encoders.timed_into(media, part)
+        if media and media.get("pixel_values") is not None:  # the whole prompt's 3-D positions, this part's
+            positions, self.rope_delta = mrope_positions(self.module, ids, media, embeds.device)
+            positions = positions[..., start:]
         if self.fused is not None:
             self.fused.fused.rope_shift.fill_(self.rope_delta)
         out = self._forward(embeds, prefill=True, positions=positions, after_layer=deepstack)
-        out.media, out.prompt_ids = media or None, input_ids[0].tolist()
+        if start:
+            assert self.context is not None  # a reuse comes from it
+            out.embeds, out.hidden, out.accepted = (self.context.joined(name, start, t) for name, t in
+                                                    (("embeds", out.embeds), ("hidden", out.hidden),
+                                                     ("accepted", out.accepted)))
+        if self.context is not None:
+            self.context.keep(ids, media, {"embeds": out.embeds, "hidden": out.hidden, "accepted": out.accepted},
+                              self.rope_delta)
+        out.media, out.prompt_ids = media or None, ids
         return out
 
     def _with_images(self, input_ids, embeds, media):

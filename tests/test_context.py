@@ -1,0 +1,187 @@
+"""The conversation's context kept between turns (runtime/context.py): each turn prefills only what the
+thinker's cache lacks, encodes only its new clips and images, and still replies as transformers'
+`generate` does on that turn's whole conversation (greedy, every text id and code, both tiny families).
+
+A conversation of five turns: text; a clip; an image; text; then, under a context made too small for
+all of it, a turn that drops the oldest exchanges (the kept prefix is then the system prompt alone).
+The kept cache itself equals a fresh prefill's within float32 rounding (bound below).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_reference import reference_generate
+from test_media_input import ASSET, QWEN3, assert_qwen3_reference, picture, processor, tone
+
+pytestmark = pytest.mark.model
+
+# |kept - fresh| of the cache's keys and values and of the prompt's hidden states, float32: the same math
+# over other row counts (a suffix's matmuls against the whole prompt's), so rounding only. Measured on
+# the tiny models on a CPU (2 cores): 7e-7 (Qwen2.5-Omni), 1.1e-6 (Qwen3-Omni).
+CACHE_BOUND = 2e-5
+
+
+@pytest.fixture(scope="module")
+def qwen25():
+    import omni_cli
+
+    return omni_cli.load(ASSET, device="cpu")
+
+
+@pytest.fixture(scope="module")
+def qwen3():
+    import omni_cli
+
+    return omni_cli.load(QWEN3, device="cpu")
+
+
+class Spy:
+    """Counts the clips and images each encoder is given, and the prompt ids each turn's engine got."""
+
+    def __init__(self, model, monkeypatch) -> None:
+        self.clips, self.images, self.ids = [], [], []
+        thinker = model.loaded.model.thinker
+        audio, vision, stream = thinker.get_audio_features, thinker.get_image_features, model.engine.stream
+
+        def heard(features, *args, **kwargs):
+            self.clips.append(features.shape[0])
+            return audio(features, *args, **kwargs)
+
+        def seen(pixels, grid, *args, **kwargs):
+            self.images.append(grid.shape[0])
+            return vision(pixels, grid, *args, **kwargs)
+
+        def spied(req):
+            self.ids.append(list(req.input_ids))
+            return stream(req)
+
+        monkeypatch.setattr(thinker, "get_audio_features", heard)
+        monkeypatch.setattr(thinker, "get_image_features", seen)
+        monkeypatch.setattr(model.engine, "stream", spied)
+
+
+def processor_inputs(model, path: str, cls_name: str, history, text: str, clips: list, images: list) -> dict:
+    """The processor's inputs for `history` (as the turn saw it) and the pending user turn."""
+    from omni_cli.prompt import user_parts
+
+    proc = processor(path, cls_name)
+    proc.image_processor = model.family.image_processor(path)
+    past_clips, past_images = history.media()
+    messages = history.messages(user_parts(text, len(images), len(clips)) if clips or images else text)
+    rendered = proc.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    all_clips, all_images = [c.at().pcm for c in past_clips + clips], past_images + images
+    return dict(proc(text=rendered, images=all_images or None, audio=all_clips or None, return_tensors="pt",
+                     padding=True))
+
+
+# (text, clips: (seconds, rate, hz), images: (height, width)); the last turn drops the oldest exchanges.
+TURNS = [
+    ("Tell me about the sea.", [], []),
+    ("What is this sound?", [(1.3, 22_050, 300.0)], []),
+    ("And what is in this picture?", [], [(90, 120)]),
+    ("Thank you, that is all.", [], []),
+    ("One more question, please.", [], []),
+]
+# Qwen3-Omni's talker cannot place a prompt that holds both a clip and an image (its positions ask the
+# talker's config for an audio encoder it lacks: transformers' own generate fails alike), so its clip
+# comes in the last turn, after the drop has taken the image's exchange away.
+TURNS_QWEN3 = [TURNS[0], TURNS[2], TURNS[3], ("Tell me more.", [], []), ("What is this sound?", [(1.3, 22_050, 300.0)], [])]
+
+
+def run_conversation(model, monkeypatch, path: str, cls_name: str, check, steps: int, turns=TURNS) -> list:
+    """The five `turns`, each compared by `check(inputs, ids, reply)`; returns the replies' stats."""
+    from omni_cli.media import AudioClip
+
+    spy = Spy(model, monkeypatch)
+    chat = model.conversation()
+    stats = []
+    for i, (text, clips, images) in enumerate(turns):
+        clips = [AudioClip(tone(s, r, hz, i), r) for s, r, hz in clips]
+        images = [picture(h, w, i) for h, w in images]
+        if i == len(turns) - 1:  # the last turn: a context with room for the system prompt and this turn only
+            room = len(spy.ids[-1]) // 2
+            monkeypatch.setattr(model, "max_context", room + 10)
+        before = list(chat.history.turns)
+        reply = chat.say(text, audio=clips or None, images=images or None, greedy=True, seed=0,
+                         max_text_tokens=10, max_codes=steps)
+        dropped = reply.stats.get("dropped_exchanges", 0)
+        history = type(chat.history)(chat.history.system, before[2 * dropped:])
+        check(processor_inputs(model, path, cls_name, history, text, clips, images), spy.ids[-1], reply)
+        stats.append(dict(reply.stats, clips_encoded=sum(spy.clips), images_encoded=sum(spy.images),
+                          images_left=len(history.media()[1])))
+        spy.clips.clear(), spy.images.clear()
+    return stats
+
+
+def assert_kept_and_fresh(stats: list, clip: int, image: int) -> None:
+    """Turn `clip` brought a clip, turn `image` an image; the last turn dropped the oldest exchanges."""
+    assert stats[0]["prefill_tokens"] == stats[0]["prompt_tokens"]  # nothing kept yet
+    for before, later in zip(stats, stats[1:-1]):  # the whole last prompt kept: the reply and the new turn fed
+        assert later["prompt_tokens"] - later["prefill_tokens"] == before["prompt_tokens"]
+    assert [s["clips_encoded"] for s in stats] == [int(i == clip) for i in range(len(stats))]  # never again
+    assert [s["images_encoded"] for s in stats] == [int(i == image) for i in range(len(stats))]
+    dropping = stats[-1]
+    assert dropping.get("dropped_exchanges", 0) >= 1  # the kept prefix: the system prompt, the rest prefilled
+    assert dropping["prefill_tokens"] < dropping["prompt_tokens"]
+
+
+def test_a_kept_qwen25_conversation_equals_transformers_at_every_turn(qwen25, monkeypatch):
+    def check(inputs, ids, reply):
+        assert ids == inputs["input_ids"][0].tolist()
+        if "pixel_values" in inputs:
+            inputs["thinker_pixel_values"] = inputs.pop("pixel_values")  # as test_media_input's reference
+        text_ids, codes = reference_generate(qwen25.loaded.model, [], n_text=10, n_codes=60,
+                                             eos=qwen25.engine.eos_ids, inputs=inputs,
+                                             repetition_penalty=qwen25.thinker_sampling.repetition_penalty)
+        assert reply.text_ids == text_ids
+        assert reply.codes == codes and len(codes) > 0
+
+    assert_kept_and_fresh(run_conversation(qwen25, monkeypatch, ASSET, "Qwen2_5OmniProcessor", check, 60), 1, 2)
+
+
+def test_a_kept_qwen3_conversation_equals_transformers_at_every_turn(qwen3, monkeypatch):
+    def check(inputs, ids, reply):
+        assert_qwen3_reference(qwen3, inputs, ids, reply)
+
+    stats = run_conversation(qwen3, monkeypatch, QWEN3, "Qwen3OmniMoeProcessor", check, 30, TURNS_QWEN3)
+    assert stats[-1]["images_left"] == 0  # the image's exchange was dropped before the clip came
+    assert_kept_and_fresh(stats, 4, 1)
+
+
+@pytest.mark.parametrize("family", ["qwen25", "qwen3"])
+def test_the_kept_cache_equals_a_fresh_prefill(family, request):
+    """Two prompts, the second extending the first with a clip: its cache over the kept prefix, and its
+    per-position outputs, equal those of a fresh prefill of the whole second prompt (float32)."""
+    from omni_cli.config import ReplyOptions
+    from omni_cli.media import AudioClip
+    from omni_cli.prompt import Conversation
+
+    model = request.getfixturevalue(family)
+    steps, opts = model.engine.steps, ReplyOptions(greedy=True, seed=0, max_text_tokens=4, max_codes=4)
+    past = Conversation(model.default_system, [{"role": "user", "content": "Hello there."},
+                                               {"role": "assistant", "content": "Hello! How can I help?"}])
+    first, *_ = model._request("Hello there.", opts, None, Conversation(model.default_system))
+    clip = AudioClip(tone(0.9, 16_000, 500.0, 7), 16_000)
+    second, *_ = model._request("Listen to this.", opts, None, past, audio=[clip])
+
+    def prefill(req):
+        with torch.inference_mode():
+            out = steps.prefill(torch.tensor([req.input_ids]), req.media)
+        n = len(req.input_ids)
+        cache = steps.thinker.cache
+        return out, [t[:, :, :n].clone() for t in cache.keys + cache.values]
+
+    prefill(first)
+    kept_out, kept_cache = prefill(second)
+    kept = steps.kept_context()[0]
+    assert kept == len(first.input_ids) and kept < len(second.input_ids) - 20  # the first prompt's positions
+    steps.thinker.context.clear()
+    fresh_out, fresh_cache = prefill(second)
+    assert steps.kept_context()[0] == 0
+    worst = max((a - b).abs().max().item() for a, b in zip(kept_cache, fresh_cache))
+    assert worst <= CACHE_BOUND
+    for name in ("embeds", "hidden"):
+        assert (getattr(kept_out, name) - getattr(fresh_out, name)).abs().max().item() <= CACHE_BOUND, name
+    assert torch.equal(kept_out.logits.argmax(-1), fresh_out.logits.argmax(-1))
