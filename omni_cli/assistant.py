@@ -149,7 +149,8 @@ class Assistant(WarmsUp):
         """The model's bytes as `--verbose` and /show tell them: `packed` (the packed weights, 0 without
         --quantize), `float` (the parameters left in their dtype), `weights` (both), `quantize`; `peak`:
         the device's most allocated so far (torch.cuda.max_memory_allocated; None off CUDA, where only the
-        weights are known)."""
+        weights are known); `context`: the conversation's context kept for the next turn (`held` positions,
+        `bytes` in the thinker's cache, already reserved, and beside it)."""
         import torch
 
         from .quant.apply import packed_bytes
@@ -160,7 +161,8 @@ class Assistant(WarmsUp):
         device = torch.device(self.loaded.device)
         peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
         return {"packed": packed, "float": floats, "weights": packed + floats,
-                "quantize": getattr(self.loaded, "quantize", None), "peak": peak}
+                "quantize": getattr(self.loaded, "quantize", None), "peak": peak,
+                "context": self.engine.steps.kept_context()}
 
     def compile_beside(self, on_ready=None, on_failure=None):
         """Compile the steps on a thread of their own while the plain ones go on serving (runtime/beside.py);

@@ -268,7 +268,7 @@ class FakeSteps:
         return self._thinker_out([tok])
 
     def kept_context(self):
-        return 0, 0  # a fresh prefill each turn
+        return {"found": 0, "held": 0, "bytes": 0}  # a fresh prefill each turn
 
     def reply_vector(self, out):
         self._hook("reply_vector")

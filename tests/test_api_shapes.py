@@ -714,7 +714,8 @@ def test_completion_puts_spoken_text_in_the_transcript():
     assert message["content"] is None
     assert message["audio"] == {"id": "audio_x", "data": b64(wav), "expires_at": CREATED + 3600,
                                 "transcript": "Hello."}
-    assert spoken["usage"] == {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}
+    assert spoken["usage"] == {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8,
+                               "prompt_tokens_details": {"cached_tokens": 0}}
     assert spoken["object"] == "chat.completion" and spoken["choices"][0]["finish_reason"] == "stop"
 
     text = p.completion(ids, "m", "Hello.", "length", p.usage(5, 3), None, {"stats": {}})

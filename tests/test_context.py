@@ -175,13 +175,25 @@ def test_the_kept_cache_equals_a_fresh_prefill(family, request):
 
     prefill(first)
     kept_out, kept_cache = prefill(second)
-    kept = steps.kept_context()[0]
+    kept = steps.kept_context()["found"]
     assert kept == len(first.input_ids) and kept < len(second.input_ids) - 20  # the first prompt's positions
     steps.thinker.context.clear()
     fresh_out, fresh_cache = prefill(second)
-    assert steps.kept_context()[0] == 0
+    assert steps.kept_context()["found"] == 0
     worst = max((a - b).abs().max().item() for a, b in zip(kept_cache, fresh_cache))
     assert worst <= CACHE_BOUND
     for name in ("embeds", "hidden"):
         assert (getattr(kept_out, name) - getattr(fresh_out, name)).abs().max().item() <= CACHE_BOUND, name
     assert torch.equal(kept_out.logits.argmax(-1), fresh_out.logits.argmax(-1))
+
+
+def test_verbose_and_show_tell_the_kept_context(qwen25):
+    from omni_cli.faces.timing import memory_rows
+
+    reply = qwen25.conversation().say("Hello there.", greedy=True, seed=0, max_text_tokens=4, max_codes=4)
+    context = qwen25.memory["context"]
+    assert context["held"] == reply.stats["prompt_tokens"]
+    cache = qwen25.engine.steps.thinker.cache
+    per_position = sum(t[0, :, 0].numel() * t.element_size() for t in cache.keys + cache.values)
+    assert context["bytes"] > context["held"] * per_position  # the cache's and the talker's rows beside it
+    assert dict(memory_rows(qwen25.memory))["kept context"].startswith(f"{context['held']} tokens, ")

@@ -143,6 +143,32 @@ def test_openai_client_streams_text_and_audio(server):
     assert text_only.choices[0].message.content and text_only.usage.completion_tokens <= 5
 
 
+def test_a_conversation_through_the_openai_client_prefills_only_its_new_part(server):
+    """Each request resends the conversation; one that extends the last request's is prefilled over the
+    kept context (usage.prompt_tokens_details.cached_tokens: the last prompt's tokens), and its greedy
+    replies equal a local model's that prefills every prompt whole (the path test_parity.py holds to
+    transformers)."""
+    openai = pytest.importorskip("openai")
+    from omni_cli.assistant import Assistant
+
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY)
+    name = client.models.list().data[0].id
+    local = Assistant.load(None, device="cpu")
+    local.engine.steps.thinker.context = None
+    chat, messages, last_prompt = local.conversation(), [], None
+    for text in ("Hello there", "Tell me more.", "And then what?"):
+        messages.append({"role": "user", "content": text})
+        r = client.chat.completions.create(model=name, messages=messages, max_tokens=8, seed=0,
+                                           extra_body={"omni": {"greedy": True}})
+        expected = chat.say(text, greedy=True, seed=0, max_text_tokens=8, text_only=True)
+        assert r.choices[0].message.content == expected.text
+        assert r.usage.prompt_tokens == expected.stats["prompt_tokens"]
+        if last_prompt is not None:  # (the first request may find another test's prompt's start kept)
+            assert r.usage.prompt_tokens_details.cached_tokens == last_prompt
+        last_prompt = r.usage.prompt_tokens
+        messages.append({"role": "assistant", "content": r.choices[0].message.content})
+
+
 def test_say_with_server_writes_the_wav_the_server_streamed(server, tmp_path):
     import soundfile
 

@@ -340,9 +340,17 @@ def audio_file(pcm: "np.ndarray", fmt: str) -> bytes:
     return out.getvalue()
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    """OpenAI's usage object; `cached_tokens`: the prompt's tokens found in the kept context (not prefilled)."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def reply_usage(reply) -> dict:
+    """The usage of a reply (runtime.events.Reply): its stats' prompt and prefilled tokens, its text ids."""
+    prompt = reply.stats.get("prompt_tokens", 0)
+    return usage(prompt, len(reply.text_ids), prompt - reply.stats.get("prefill_tokens", prompt))
 
 
 def completion(ids: tuple[str, str, int], model: str, text: str, finish: str, use: dict, audio: bytes | None,

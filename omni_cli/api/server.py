@@ -344,8 +344,7 @@ def create_app(assistant, name: str, api_key: str | None = None, key: str | None
                     reply = item.reply
                     yield p.sse(p.chunk(ids, name, {}, _finish(reply), omni=_omni(reply)))
                     if req.include_usage:
-                        yield p.sse(p.chunk(ids, name, None, usage=p.usage(reply.stats.get("prompt_tokens", 0),
-                                                                         len(reply.text_ids))))
+                        yield p.sse(p.chunk(ids, name, None, usage=p.reply_usage(reply)))
                 elif isinstance(item, BaseException):  # failed mid-reply: the stream says so and ends
                     ended = True
                     yield p.sse(_as_request_error(item).body())
@@ -382,7 +381,7 @@ def create_app(assistant, name: str, api_key: str | None = None, key: str | None
             audio = None
             if req.spoken:
                 audio = p.audio_file(np.concatenate(pcm) if pcm else np.zeros(0, np.float32), req.audio_format)
-            use = p.usage(reply.stats.get("prompt_tokens", 0), len(reply.text_ids))
+            use = p.reply_usage(reply)
             return json.dumps(p.completion(ids, name, reply.text, _finish(reply), use, audio, _omni(reply)),
                               ensure_ascii=False, separators=(",", ":")).encode("utf-8")
 

@@ -152,6 +152,9 @@ def memory_rows(memory: dict | None) -> list[tuple[str, str]]:
         weights += (f" ({size_text(memory['packed'])} packed {memory.get('quantize') or ''}".rstrip()
                     + f" + {size_text(memory['float'])} float)")
     rows = [("weights", weights)]
+    context = memory.get("context")
+    if context and context.get("held"):
+        rows.append(("kept context", f"{context['held']} tokens, {size_text(context['bytes'])}"))
     if memory.get("peak") is not None:
         rows.append(("device peak", size_text(memory["peak"])))
     return rows

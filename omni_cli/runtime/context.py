@@ -135,3 +135,14 @@ class KeptContext:
         if kept is None or suffix is None:
             return None
         return torch.cat([kept[:, :start], suffix], dim=1)
+
+
+def context_figures(thinker) -> dict:
+    """A thinker's kept context as `ModelSteps.kept_context` gives it (`found`, `held`, `bytes`); a thinker
+    has `context` (a KeptContext or None), `kept_positions` and `cache` (a StaticKVCache)."""
+    context = thinker.context
+    held = len(context.ids) if context is not None else 0
+    cache = thinker.cache
+    per_position = sum(t[0, :, 0].numel() * t.element_size() for t in cache.keys + cache.values)
+    extra = context.nbytes() if context is not None else 0
+    return {"found": thinker.kept_positions, "held": held, "bytes": held * per_position + extra}

@@ -219,7 +219,7 @@ class Turn:
         rate = self.steps.sample_rate
         stats = turn_stats(st, self.clock, t0, end, len(audio) / rate)
         stats["prompt_tokens"] = len(self.req.input_ids)
-        kept, _ = self.steps.kept_context()
+        kept = self.steps.kept_context()["found"]
         stats["prefill_tokens"] = len(self.req.input_ids) - kept  # the rest was kept from the turn before
         stats.update(media_stats(self.req.media))
         return Reply(self.detok.text(st.text_ids), list(st.text_ids), list(st.codes), audio, rate, stats)

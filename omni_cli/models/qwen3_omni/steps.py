@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from ...config import RuntimeOptions
+from ...runtime.context import context_figures
 from ...runtime.engine import enable_fast_steps
 from ...runtime.graphs import Policy
 from ...runtime.kv_cache import StaticKVCache
@@ -80,11 +81,11 @@ class Qwen3Steps:
     def decode_one(self, token: torch.Tensor):
         return self.thinker.decode_one(token)
 
-    def kept_context(self) -> tuple[int, int]:
-        """(positions the last prefill found in the thinker's cache, device bytes the kept context holds
-        beside the cache: the last prompt's embeddings and hidden states the talker reads)."""
-        context = self.thinker.context
-        return self.thinker.kept_positions, 0 if context is None else context.nbytes()
+    def kept_context(self) -> dict:
+        """The thinker's kept context (runtime/context.py): `found`, the positions the last prefill found in
+        the cache; `held`, the positions kept for the next; `bytes`, their keys and values in the cache and
+        the prompt's embeddings and hidden states kept for the talker."""
+        return context_figures(self.thinker)
 
     def reply_vector(self, out) -> torch.Tensor:
         return self.talker.reply_vector(out)
