@@ -281,3 +281,21 @@ def test_each_family_gives_the_bench_the_same_names_and_its_own_presets():
     code = "import sys, omni_cli.faces.bench; print('torch' in sys.modules, 'transformers' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False", "False"]
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-qwen3"])
+def test_bench_turns_times_a_spoken_conversation_kept_and_whole(capsys, preset):
+    """`--turns`: each turn's prompt holds the conversation so far; kept, a turn prefills only what the last
+    prompt lacks (its reply and the new spoken turn) and encodes only its own clip; whole, everything."""
+    code, out, err = bench(capsys, "--preset", preset, "--turns", 3, "--audio-seconds", 1, "--text-tokens", 4,
+                           "--codes", 12, "--json")
+    assert code == 0, err
+    result = json.loads(out)
+    kept, whole = result["turns"]["kept"], result["turns"]["whole"]
+    assert [t["prompt_tokens"] for t in kept] == [t["prompt_tokens"] for t in whole]
+    prompts = [t["prompt_tokens"] for t in kept]
+    assert prompts[0] < prompts[1] < prompts[2]
+    assert [t["prefill_tokens"] for t in whole] == prompts
+    assert [t["prefill_tokens"] for t in kept[1:]] == [b - a for a, b in zip(prompts, prompts[1:])]
+    assert all(t["text_tokens"] == 4 and t["codes"] == 12 and t["audio_encoder_ms"] > 0 for t in kept + whole)
+    assert result["meta"]["turns"] == 3 and result["meta"]["audio_seconds"] == 1

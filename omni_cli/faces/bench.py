@@ -89,9 +89,10 @@ def _subject(model, family, voices: dict, quantize: str | None = None) -> _Subje
                     quantize)
 
 
-def _engine(subject: _Subject, prompt_ids, text_tokens, codes, **steps_options):
+def _engine(subject: _Subject, prompt_ids, text_tokens, codes, context: int | None = None, **steps_options):
     """The family's steps for these lengths (`steps_options`: graphs, compile, variant) in an engine, warmed
-    up: (engine, the warm-up's phases)."""
+    up: (engine, the warm-up's phases). `context`: the thinker's cache length where the prompt and the
+    reply do not say it (a conversation)."""
     from ..runtime.engine import Engine
 
     from ..config import RuntimeOptions
@@ -100,7 +101,7 @@ def _engine(subject: _Subject, prompt_ids, text_tokens, codes, **steps_options):
     graphs, compile = steps_options.pop("graphs", True), steps_options.pop("compile", True)
     runtime = RuntimeOptions.from_env(graphs=None if graphs else False, compile=True if compile else None,
                                       quantize=subject.quantize)
-    steps = subject.family.steps(subject.model, subject.voices, max_context=max(1024, len(prompt_ids) + text_tokens + 8),
+    steps = subject.family.steps(subject.model, subject.voices, max_context=context or max(1024, len(prompt_ids) + text_tokens + 8),
                                  max_codes=codes, runtime=runtime, **steps_options)
     engine = Engine(steps, BenchTokenizer(), eos_ids=subject.eos_ids)
     return engine, engine.warmup()
@@ -161,8 +162,10 @@ def _summary(results: list[dict]) -> dict:
     return out
 
 
-def _reply(engine, subject: _Subject, prompt_ids, text_tokens, codes, device, i: int, label: str = "") -> dict:
-    """Run `i` (0: the warm-up) of a benchmark: one timed reply at forced lengths, seeded with `i`."""
+def _reply(engine, subject: _Subject, prompt_ids, text_tokens, codes, device, i: int, label: str = "",
+           media: dict | None = None, text_ids: list | None = None) -> dict:
+    """Run `i` (0: the warm-up) of a benchmark: one timed reply at forced lengths, seeded with `i`; `media`:
+    the prompt's encoder inputs; the reply's text ids are appended to `text_ids` where given."""
     import torch
 
     from ..config import SamplingOptions
@@ -171,7 +174,7 @@ def _reply(engine, subject: _Subject, prompt_ids, text_tokens, codes, device, i:
     thinker = SamplingOptions(do_sample=True, temperature=0.7, top_k=20, top_p=0.8, repetition_penalty=1.05)
     sink = _TimedSink()
     req = TurnRequest(prompt_ids, subject.voice, thinker, subject.talker_sampling, text_tokens, codes, seed=i,
-                      sink=sink, force_lengths=True, step_events=True)
+                      sink=sink, force_lengths=True, step_events=True, media=media)
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -181,6 +184,8 @@ def _reply(engine, subject: _Subject, prompt_ids, text_tokens, codes, device, i:
     wall = time.perf_counter() - t
     reply = event.reply
     s = reply.stats
+    if text_ids is not None:
+        text_ids.extend(reply.text_ids)
     progress(f"{label}{'warm-up run' if i == 0 else f'run {i}'}: {wall:.2f} s, first audio "
              f"{1000 * (s['time_to_first_audio'] or 0):.0f} ms, {s['audio_seconds']:.1f} s of audio")
     return {
@@ -204,6 +209,9 @@ def _reply(engine, subject: _Subject, prompt_ids, text_tokens, codes, device, i:
         "audio_s": s["audio_seconds"],
         "text_tokens": len(reply.text_ids),
         "codes": len(reply.codes),
+        "prompt_tokens": s["prompt_tokens"],
+        "prefill_tokens": s["prefill_tokens"],  # the rest was kept from the turn before
+        "audio_encoder_ms": s.get("audio_encoder_ms"),
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
     }
 
@@ -382,6 +390,12 @@ def bench(
                                                               "(Qwen2.5)"),
     streams: bool = typer.Option(False, "--streams", help="time the talker's steps on the thinker's stream and on "
                                                           "their own (the default), side by side"),
+    turns: Optional[int] = typer.Option(None, "--turns", min=1, show_default=False,
+                                        help="a spoken conversation of this many turns, each with a clip "
+                                             "(--audio-seconds), timed turn by turn with the context kept "
+                                             "between turns and with every prompt prefilled whole, side by "
+                                             "side (--prompt-tokens does not apply)"),
+    audio_seconds: float = typer.Option(5.0, "--audio-seconds", min=0.1, help="the clip of each --turns turn"),
     as_json: bool = typer.Option(False, "--json", help="print JSON instead of a table"),
     quantize: QuantizeOpt = None,
     group_size: GroupSizeOpt = None,
@@ -432,6 +446,9 @@ def bench(
                  for name in family.VARIANTS}
         typer.echo(json.dumps(table, indent=2) if as_json else _variants_table(table))
         return
+    if turns is not None:
+        typer.echo(_conversation(subject, turns, audio_seconds, text_tokens, codes, dev, graphs, compile, as_json))
+        return
     if schedules or streams:
         table = (_schedules(subject, prompt, text_tokens, codes, dev, runs) if schedules
                  else _streams(subject, prompt, text_tokens, codes, dev, runs, compile))
@@ -467,6 +484,32 @@ def bench(
           + (f", cap {limit / 2**30:.1f} GiB" if limit else "")
           + (f", peak {meta['peak_bytes'] / 2**30:.2f} GiB" if meta["peak_bytes"] is not None else ""), file=sys.stderr)
     typer.echo(_table(ours, ref, family.LABELS))
+
+
+def _conversation(subject: _Subject, turns: int, audio_seconds: float, text_tokens: int, codes: int, device,
+                  graphs: bool, compile: bool, as_json: bool) -> str:
+    """`--turns`: the conversation kept and whole on one engine (faces/bench_turns.py), as JSON or a table."""
+    import torch
+
+    from . import bench_turns
+
+    # Room for every turn: its clip (Qwen2.5-Omni: 25 placeholders a second, Qwen3-Omni: 13), its words,
+    # its reply and the template around them.
+    context = max(1024, turns * (int(30 * audio_seconds) + text_tokens + 32))
+    engine, _ = _engine(subject, [], text_tokens, codes, context=context, graphs=graphs, compile=compile)
+
+    def reply(prompt, media, i, label, text_ids):
+        return _reply(engine, subject, prompt, text_tokens, codes, device, i, label, media, text_ids)
+
+    result = bench_turns.conversation(engine, subject, turns, audio_seconds, reply)
+    if as_json:
+        meta = {"preset_family": subject.family.FAMILY, "turns": turns, "audio_seconds": audio_seconds,
+                "text_tokens": text_tokens, "codes": codes, "unit": subject.family.UNIT, "graphs": graphs,
+                "compiled": bool(engine.steps.compile), "max_context": context, "date": time.strftime("%Y-%m-%d"),
+                "device": torch.cuda.get_device_name(device) if device.type == "cuda" else str(device),
+                "torch": torch.__version__, "transformers": _transformers_version()}
+        return json.dumps({"meta": meta, "turns": result}, indent=2)
+    return bench_turns.table(result)
 
 
 def _weights_bytes(model) -> dict:

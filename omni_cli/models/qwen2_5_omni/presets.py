@@ -151,6 +151,33 @@ def prompt(model, prompt_tokens: int) -> list[int]:
     return torch.randint(0, min(vocab, 150000), (prompt_tokens,), generator=g).tolist()
 
 
+def spoken_turn(model, audio_tokens: int, seed: int) -> list[int]:
+    """A user turn for `omni-bench --turns`: a clip's `audio_tokens` placeholders between its start and end
+    ids, eight random words around it (the template's ids random too, as in `prompt`)."""
+    import torch
+
+    cfg = model.config.thinker_config
+    g = torch.Generator().manual_seed(100 + seed)
+    words = torch.randint(0, min(cfg.text_config.vocab_size, cfg.audio_start_token_id), (8,), generator=g).tolist()
+    return words[:3] + [cfg.audio_start_token_id] + [cfg.audio_token_index] * audio_tokens + [cfg.audio_end_token_id] + words[3:]
+
+
+def reply_end(model) -> list[int]:
+    """What follows a reply's text in the next prompt (random ids, as the template's are here)."""
+    return [7, 11]
+
+
+def spoken_inputs(clips) -> tuple[dict, list[int]]:
+    """The clips' encoder inputs as the processor makes them (the built-in checkpoint's feature extractor:
+    the real one's settings), and each clip's placeholder count."""
+    from transformers import AutoFeatureExtractor
+
+    from . import audio_inputs
+
+    extractor = AutoFeatureExtractor.from_pretrained(str(_asset_folder("tiny")), local_files_only=True)
+    return audio_inputs(extractor, clips)
+
+
 def steps(model, voices: dict, *, max_context: int, max_codes: int, graphs: bool = True, variant: str | None = None,
           compile: bool = True, runtime=None):
     """The engine's steps: `runtime` (omni-bench's RuntimeOptions; else `graphs` and `compile`) with these

@@ -193,6 +193,41 @@ def prompt(model, prompt_tokens: int) -> list[int]:
     return [start, cfg.user_token_id, nl] + body + [end, nl, start, cfg.assistant_token_id, nl]
 
 
+def spoken_turn(model, audio_tokens: int, seed: int) -> list[int]:
+    """A user turn for `omni-bench --turns`: `<|im_start|>user`, a clip's `audio_tokens` placeholders
+    between its start and end ids, eight random words, `<|im_end|>`, then the assistant opener (the talker
+    reads the chat's turns by these ids)."""
+    import torch
+
+    cfg = model.config
+    g = torch.Generator().manual_seed(100 + seed)
+    words = torch.randint(0, cfg.im_start_token_id - 1, (8,), generator=g).tolist()
+    nl, t = _newline(model), cfg.thinker_config
+    clip = [t.audio_start_token_id] + [t.audio_token_id] * audio_tokens + [t.audio_end_token_id]
+    return ([cfg.im_start_token_id, cfg.user_token_id, nl] + clip + words
+            + [cfg.im_end_token_id, nl, cfg.im_start_token_id, cfg.assistant_token_id, nl])
+
+
+def reply_end(model) -> list[int]:
+    """What follows a reply's text in the next prompt: `<|im_end|>` and the newline."""
+    return [model.config.im_end_token_id, _newline(model)]
+
+
+def _newline(model) -> int:
+    return prompt(model, PROMPT_FRAME + 1)[2]  # the newline id `prompt` uses
+
+
+def spoken_inputs(clips) -> tuple[dict, list[int]]:
+    """The clips' encoder inputs as the processor makes them (the built-in checkpoint's feature extractor:
+    the real one's settings), and each clip's placeholder count."""
+    from transformers import AutoFeatureExtractor
+
+    from . import audio_inputs
+
+    extractor = AutoFeatureExtractor.from_pretrained(str(_asset_folder("tiny-qwen3")), local_files_only=True)
+    return audio_inputs(extractor, clips)
+
+
 def steps(model, voices: dict, *, max_context: int, max_codes: int, graphs: bool = True, variant: str | None = None,
           compile: bool = True, runtime=None):
     """The engine's steps (`max_codes`: frames) under `runtime` (omni-bench's RuntimeOptions; else `graphs`

@@ -1,0 +1,76 @@
+"""`omni-bench --turns N`: a spoken conversation of N turns on one engine, timed turn by turn.
+
+Each user turn holds a clip of `--audio-seconds` (noise and a tone: the encoders' cost depends on its
+length, not on what it says) and a few words; each reply is forced to `--text-tokens` and `--codes`; the
+next prompt is the whole conversation so far, as a chat sends it. The conversation runs twice on the same
+engine, side by side: with the thinker's context kept between turns (runtime/context.py, the default) and
+with every prompt prefilled whole (as before it), after one warm-up reply with a clip (the encoders' first
+run). Per turn: first audio, real-time factor, prompt and prefilled tokens, the audio encoder's time, the
+time until the prefill is issued, and the host's feature extraction for the clips (which a face does before
+the turn: the processor's features of every clip the conversation holds).
+
+It knows the families only through their presets modules (`spoken_turn`, `reply_end`, `spoken_inputs`).
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+MODES = {"kept": True, "whole": False}  # whether the thinker keeps its context between turns
+
+
+def clip(seconds: float, seed: int):
+    """A 16 kHz clip: a tone in noise."""
+    from ..media import AudioClip
+
+    t = np.arange(int(seconds * 16_000)) / 16_000
+    noise = np.random.default_rng(seed).standard_normal(len(t))
+    return AudioClip((0.3 * np.sin(2 * np.pi * (200 + 20 * seed) * t) + 0.05 * noise).astype(np.float32), 16_000)
+
+
+def conversation(engine, subject, turns: int, audio_seconds: float, reply) -> dict:
+    """{"kept": [turn stats], "whole": [...]}: the conversation in each mode on `engine`, each after a
+    warm-up reply with a clip. `reply(prompt, media, i, label, text_ids)` times one turn (bench._reply) and
+    appends the reply's text ids to `text_ids`."""
+    family, model, thinker = subject.family, subject.model, engine.steps.thinker
+    kept_context = thinker.context
+    out: dict = {}
+    try:
+        for mode, keep in MODES.items():
+            thinker.context = kept_context if keep else None
+            if kept_context is not None:
+                kept_context.clear()
+            media, counts = family.spoken_inputs([clip(audio_seconds, 99)])
+            reply(family.spoken_turn(model, counts[0], 99), media, 0, f"{mode}, warm-up with a clip, ", [])
+            clips: list = []
+            prompt: list[int] = []
+            rows = []
+            for i in range(turns):
+                clips.append(clip(audio_seconds, i))
+                t = time.perf_counter()
+                media, counts = family.spoken_inputs(clips)  # every clip of the conversation, as a face does
+                features_ms = 1000 * (time.perf_counter() - t)
+                prompt = prompt + family.spoken_turn(model, counts[-1], i)
+                text_ids: list[int] = []
+                row = reply(prompt, media, i + 1, f"{mode}, turn {i + 1}, ", text_ids)
+                rows.append(dict(row, features_ms=features_ms))
+                prompt = prompt + text_ids + family.reply_end(model)
+            out[mode] = rows
+    finally:
+        thinker.context = kept_context
+    return out
+
+
+def table(result: dict) -> str:
+    """Each turn side by side: first audio, RTF and prefilled tokens, kept vs whole."""
+    lines = [f"{'turn':>4}  {'prompt':>6}  {'prefill kept/whole':>18}  {'first audio ms kept/whole':>26}  "
+             f"{'RTF kept/whole':>15}  {'encoder ms kept/whole':>22}  {'features ms':>11}"]
+    for i, (k, w) in enumerate(zip(result["kept"], result["whole"]), 1):
+        lines.append(f"{i:>4}  {k['prompt_tokens']:>6}  {k['prefill_tokens']:>8}/{w['prefill_tokens']:<9}  "
+                     f"{k['time_to_first_audio_ms']:>12.0f}/{w['time_to_first_audio_ms']:<13.0f}  "
+                     f"{k['real_time_factor']:>7.3f}/{w['real_time_factor']:<7.3f}  "
+                     f"{k['audio_encoder_ms'] or 0:>10.1f}/{w['audio_encoder_ms'] or 0:<11.1f}  "
+                     f"{k['features_ms']:>11.1f}")
+    return "\n".join(lines)
