@@ -217,6 +217,7 @@ TIERS: dict[str, str | tuple[str, dict[str, str]]] = {
         "test_stop_ends_the_recording_at_once_and_keeps_it", "test_ctrl_c_stops_the_stream_and_reraises_with_the_recording",
         "test_a_silent_microphone_is_an_error_that_carries_the_clip", "test_a_device_at_48_khz_needs_no_resampling_for_the_vad",
         "test_input_devices_list_the_alsa_microphone_and_unknown_names_are_one_line_errors")}),
+    "test_context.py": "model",
     "test_parity.py": "model",
     "test_playback.py": "e2e",
     "test_qwen3_cli.py": "e2e",

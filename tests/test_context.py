@@ -15,8 +15,6 @@ import torch
 from hf_reference import reference_generate
 from test_media_input import ASSET, QWEN3, assert_qwen3_reference, picture, processor, tone
 
-pytestmark = pytest.mark.model
-
 # |kept - fresh| of the cache's keys and values and of the prompt's hidden states, float32: the same math
 # over other row counts (a suffix's matmuls against the whole prompt's), so rounding only. Measured on
 # the tiny models on a CPU (2 cores): 7e-7 (Qwen2.5-Omni), 1.1e-6 (Qwen3-Omni).
