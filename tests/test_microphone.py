@@ -32,7 +32,8 @@ import soundfile as sf
 
 from audio_device import FakeSoundDevice, alsa_capture_device, have_portaudio, no_alsa_device
 from conftest import REPO_ROOT, cli_env
-from omni_cli.audio.microphone import (Clip, RecordOptions, SilentMicrophone, _Endpoint, find_input_device,
+from omni_cli.audio.vad import Endpoint
+from omni_cli.audio.microphone import (Clip, RecordOptions, SilentMicrophone, find_input_device,
                                        save_clip)
 from omni_cli.errors import AudioDeviceError, OutputError, UsageError
 
@@ -373,7 +374,7 @@ def test_options_refuse_what_cannot_work():
 
 def test_endpoint_needs_enough_speech_and_then_the_whole_silence():
     def run(flags: str, min_speech=3, end_silence=4):
-        ep = _Endpoint(min_speech, end_silence)
+        ep = Endpoint(min_speech, end_silence)
         for i, f in enumerate(flags):
             if ep.push(f == "#"):
                 return i + 1, ep.speech_end

@@ -12,16 +12,8 @@ nothing recorded is lost. `save_clip` writes a clip as a 16-bit WAV that exists 
 A clip is media.py's `AudioClip` (source "microphone"), the type every audio input has; `Clip` is
 the same class under its old name here.
 
-Voice activity: WebRTC's VAD (the `webrtcvad-wheels` build of py-webrtcvad): a small C library with
-binary wheels for CPython 3.10-3.13 on Linux, macOS and Windows, no dependencies, no model file to
-download, nothing but 16-bit PCM in and a yes/no per 10-30 ms frame out. Silero VAD hears speech in
-noise better, but its package needs torch (or an ONNX Runtime of ~15 MB plus a model file), and this
-module must stay light enough for a client that imports no torch. WebRTC's VAD takes 8, 16, 32 or
-48 kHz: a device at any other rate (44.1 kHz is common) is resampled to 16 kHz for the VAD only, with
-soxr's streaming resampler (its output stays aligned in time with its input, so the VAD's frame times
-are the clip's times).
-
-It does not know models or prompts: the clip keeps the device's rate, and resampling it for a
+Voice activity is audio/vad.py's (WebRTC's VAD, resampled to one of its rates where the device's is
+not one). It does not know models or prompts: the clip keeps the device's rate, and resampling it for a
 model's audio encoder is the caller's business. It prints nothing and draws no meter: the terminal
 face decides what a person sees from `on_level` and from the errors (one line each).
 """
@@ -39,10 +31,11 @@ from typing import TYPE_CHECKING, Any, Callable
 from .. import atomic
 from ..errors import AudioDeviceError, OmniError, UsageError
 from ..media import AudioClip
-from .format import to_int16, wav_bytes
+from .format import wav_bytes
 from .sinks import failure_reason
 from . import speaker
 from .speaker import devices_of_kind, match_device
+from .vad import VAD_FRAME_MS, Endpoint, WebRtcVad
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     import numpy as np
@@ -59,9 +52,6 @@ SILENCE_DBFS = -120.0
 # The drain loop waits at most this long (seconds) for a block before it looks at `stop` again: the
 # longest a set `stop` can go unnoticed.
 POLL_SECONDS = 0.02
-# The rates WebRTC's VAD takes, and its frame length (30 ms: its steadiest decisions; 10 and 20 work too).
-VAD_RATES = (8000, 16000, 32000, 48000)
-VAD_FRAME_MS = 30
 
 
 @dataclass(frozen=True)
@@ -214,74 +204,6 @@ def dbfs(mean_square: float) -> float:
     return 10.0 * math.log10(mean_square) if mean_square > 10 ** (SILENCE_DBFS / 10) else SILENCE_DBFS
 
 
-class _Vad:
-    """WebRTC VAD over the stream: blocks in at the device's rate, one yes/no per 30 ms frame out."""
-
-    def __init__(self, rate: int, mode: int) -> None:
-        try:
-            import webrtcvad
-        except ImportError as exc:
-            raise AudioDeviceError("cannot detect speech: the webrtcvad-wheels package is missing: "
-                                   "pip install webrtcvad-wheels (or record without VAD)") from exc
-        import numpy as np
-
-        self._vad = webrtcvad.Vad(mode)
-        self._resampler = None
-        self.rate = rate
-        if rate not in VAD_RATES:  # resampled for the VAD only: the clip keeps the device's samples
-            import soxr
-
-            self.rate = 16000
-            self._resampler = soxr.ResampleStream(rate, self.rate, 1, dtype="float32")
-        self.frame = self.rate * VAD_FRAME_MS // 1000  # samples per frame at the VAD's rate
-        self._pending = np.zeros(0, np.int16)  # samples of the next, unfinished frame
-
-    def feed(self, block: "np.ndarray") -> list[bool]:
-        import numpy as np
-
-        if self._resampler is not None:
-            block = self._resampler.resample_chunk(block)
-        pending = np.concatenate([self._pending, to_int16(block)])  # the one PCM16 rule
-        whole = pending.shape[0] // self.frame * self.frame
-        self._pending = pending[whole:]
-        return [self._vad.is_speech(pending[i:i + self.frame].tobytes(), self.rate)
-                for i in range(0, whole, self.frame)]
-
-
-class _Endpoint:
-    """Turns per-frame speech flags into a turn: speech heard, then ended by silence.
-
-    Voiced frames add up within a stretch; once they reach `min_speech` frames, speech was heard. A
-    quiet run of `end_silence` frames then ends the turn; before speech was heard it only starts a new
-    stretch, so clicks scattered over a long wait never add up to speech."""
-
-    def __init__(self, min_speech: int, end_silence: int) -> None:
-        self.min_speech = max(1, min_speech)
-        self.end_silence = max(1, end_silence)
-        self.frames = 0  # frames seen
-        self.heard = False
-        self.speech_end = 0  # frames up to the end of the last voiced frame (once heard)
-        self._voiced = 0  # voiced frames in the current stretch
-        self._quiet = 0  # unvoiced frames in a row
-
-    def push(self, speech: bool) -> bool:
-        """One frame's flag; True when this frame ends the turn."""
-        self.frames += 1
-        if speech:
-            self._voiced += 1
-            self._quiet = 0
-            self.heard = self.heard or self._voiced >= self.min_speech
-            if self.heard:
-                self.speech_end = self.frames
-            return False
-        self._quiet += 1
-        if self._quiet >= self.end_silence:
-            if self.heard:
-                return True
-            self._voiced = 0
-        return False
-
-
 class _Turn:
     """Everything recorded so far, and the decision when to stop.
 
@@ -298,9 +220,9 @@ class _Turn:
         self.judged = 0  # blocks of `arrived` the meter and the VAD have seen
         self.samples = 0  # samples in those blocks (up to the limit)
         self.meter = _LevelMeter(rate, on_level)
-        self.vad = _Vad(rate, options.vad_mode) if options.vad else None
+        self.vad = WebRtcVad(rate, options.vad_mode) if options.vad else None
         # Whole frames, rounded up: at least the configured speech and silence (800 ms: 27 frames, 810 ms).
-        self.endpoint = _Endpoint(math.ceil(options.min_speech_ms / VAD_FRAME_MS),
+        self.endpoint = Endpoint(math.ceil(options.min_speech_ms / VAD_FRAME_MS),
                                   math.ceil(options.end_silence_ms / VAD_FRAME_MS))
         self.ended_at: int | None = None  # samples of audio when the VAD ended the turn
         self.overflows = 0  # input overflows PortAudio reported (counted by the stream's callback)
