@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Generator
 import numpy as np
 
 from .config import ReplyOptions, RuntimeOptions, SamplingOptions
+from .encoder_inputs import EncoderInputs
 from .interface import ModelInfo, OmniAssistant
 from .errors import UsageError
 from .limits import DEFAULT as DEFAULT_INPUT_LIMITS, LimitError, Limits
@@ -412,12 +413,14 @@ class Assistant(WarmsUp):
             return prompt, None, None
 
         config = self.loaded.model.config
+        if self._encoder_inputs is None:  # each clip's and image's inputs, made once a conversation
+            self._encoder_inputs = EncoderInputs()
         media: dict[str, Any] = {}  # the encoders' inputs, and what the stats count of them
         expansions: list[tuple[int, list[int]]] = []  # (placeholder id, tokens each item becomes)
         if pictures:
             if self._image_processor is None:
                 self._image_processor = self.family.image_processor(self.loaded.path)
-            found, counts = self.family.image_inputs(self._image_processor, pictures)
+            found, counts = self._encoder_inputs.image_inputs(self.family, self._image_processor, pictures)
             media.update(found, images=len(pictures))
             expansions.append((self.family.image_token_id(config), counts))
         if clips:
@@ -426,7 +429,7 @@ class Assistant(WarmsUp):
             if self._feature_extractor is None:
                 self._feature_extractor = AutoFeatureExtractor.from_pretrained(str(self.loaded.path),
                                                                                local_files_only=True)
-            found, counts = self.family.audio_inputs(self._feature_extractor, clips)  # the processor's rules
+            found, counts = self._encoder_inputs.audio_inputs(self.family, self._feature_extractor, clips)
             media.update(found, audio_seconds=sum(clip.seconds for clip in clips))
             expansions.append((self.family.audio_token_id(config), counts))
 
@@ -438,6 +441,7 @@ class Assistant(WarmsUp):
         return user, media, expand
 
     _feature_extractor = _image_processor = None
+    _encoder_inputs: EncoderInputs | None = None
 
     def _limit(self, value, key) -> int:
         return self.limits[key] if value is None else int(value)

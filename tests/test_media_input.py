@@ -202,6 +202,53 @@ def test_qwen3_hears_an_earlier_turns_clip_again(qwen3):
     assert_qwen3_reference(qwen3, inputs, ids, reply)
 
 
+def test_a_conversations_clips_and_images_are_made_into_encoder_inputs_once(assistant):
+    """Each turn's prompt holds every clip and image said so far; their features are made once, when
+    they are new (omni_cli/encoder_inputs.py), and a dropped turn's go with it."""
+    from omni_cli.media import AudioClip
+
+    chat = assistant.conversation()
+    kw = dict(greedy=True, seed=0, max_text_tokens=3, max_codes=8)
+    chat.say("What is this?", audio=[AudioClip(tone(0.9, 16_000, 300.0, 1), 16_000)], **kw)
+    kept = assistant._encoder_inputs
+    made = kept.clips.made, kept.images.made
+    chat.say("And this?", images=[picture(60, 80, 2)], **kw)
+    chat.say("Both again?", **kw)
+    chat.say("One more sound", audio=[AudioClip(tone(0.5, 16_000, 500.0, 4), 16_000)], **kw)
+    assert (kept.clips.made - made[0], kept.images.made - made[1]) == (1, 1)  # turn 4's clip; turn 2's image
+    assert len(kept.clips.items) == 2 and len(kept.images.items) == 1
+    chat.clear()
+    chat.say("hi", audio=[AudioClip(tone(0.5, 16_000, 500.0, 4), 16_000)], **kw)  # the same samples
+    assert kept.clips.made - made[0] == 1 and len(kept.clips.items) == 1
+
+
+@pytest.mark.parametrize("family, path, cls_name", [
+    ("qwen2_5_omni", ASSET, "Qwen2_5OmniProcessor"), ("qwen3_omni", QWEN3, "Qwen3OmniMoeProcessor")])
+def test_features_made_per_clip_equal_the_processors_where_the_encoder_reads(family, path, cls_name):
+    """A clip's features made alone and joined equal the processor's batch on every frame its mask
+    keeps: Qwen2.5-Omni's exactly, for every clip; Qwen3-Omni's exactly for the longest clip and, for a
+    shorter one, but for its last frame (models/audio_features.py says why)."""
+    import importlib
+
+    from omni_cli.encoder_inputs import EncoderInputs
+    from omni_cli.media import AudioClip
+
+    fam = importlib.import_module(f"omni_cli.models.{family}")
+    clips = [AudioClip(tone(s, 16_000, hz, i), 16_000) for i, (s, hz) in enumerate([(0.73, 250.0), (1.41, 400.0)])]
+    extractor = processor(path, cls_name).feature_extractor
+    ours, counts = EncoderInputs().audio_inputs(fam, extractor, clips)
+    padding = dict(padding="max_length") if family == "qwen2_5_omni" else dict(padding=True, truncation=False)
+    theirs = extractor([c.pcm for c in clips], sampling_rate=16_000, return_attention_mask=True,
+                       return_tensors="pt", **padding)
+    assert ours["feature_attention_mask"].sum(-1).tolist() == theirs["attention_mask"].sum(-1).tolist()
+    for i, n in enumerate(ours["feature_attention_mask"].sum(-1).tolist()):
+        mine, ref = ours["input_features"][i, :, :n], theirs["input_features"][i, :, :n]
+        if family == "qwen3_omni" and n < ours["input_features"].shape[-1]:
+            mine, ref = mine[:, :-1], ref[:, :-1]
+        torch.testing.assert_close(mine, ref, rtol=0, atol=0)
+    assert counts == fam.audio_inputs(extractor, clips)[1] and min(counts) > 0
+
+
 def test_dropping_old_turns_drops_their_media():
     """`fit` drops the oldest exchanges; their clips' placeholders go with them, and the expansion uses
     the counts of the clips that stayed (the newest)."""

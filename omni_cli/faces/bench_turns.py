@@ -6,8 +6,9 @@ next prompt is the whole conversation so far, as a chat sends it. The conversati
 engine, side by side: with the thinker's context kept between turns (runtime/context.py, the default) and
 with every prompt prefilled whole (as before it), after one warm-up reply with a clip (the encoders' first
 run). Per turn: first audio, real-time factor, prompt and prefilled tokens, the audio encoder's time, the
-time until the prefill is issued, and the host's feature extraction for the clips (which a face does before
-the turn: the processor's features of every clip the conversation holds).
+time until the prefill is issued, and the host's feature extraction for the clips before the turn (kept:
+the new clip's only, as an assistant's conversation keeps each clip's features, encoder_inputs.py; whole:
+every clip the conversation holds, as before).
 
 It knows the families only through their presets modules (`spoken_turn`, `reply_end`, `spoken_inputs`).
 """
@@ -17,6 +18,8 @@ from __future__ import annotations
 import time
 
 import numpy as np
+
+from ..encoder_inputs import EncoderInputs
 
 MODES = {"kept": True, "whole": False}  # whether the thinker keeps its context between turns
 
@@ -45,12 +48,13 @@ def conversation(engine, subject, turns: int, audio_seconds: float, reply) -> di
             media, counts = family.spoken_inputs([clip(audio_seconds, 99)])
             reply(family.spoken_turn(model, counts[0], 99), media, 0, f"{mode}, warm-up with a clip, ", [])
             clips: list = []
+            features = EncoderInputs() if keep else None  # None: every clip's features made each turn
             prompt: list[int] = []
             rows = []
             for i in range(turns):
                 clips.append(clip(audio_seconds, i))
                 t = time.perf_counter()
-                media, counts = family.spoken_inputs(clips)  # every clip of the conversation, as a face does
+                media, counts = family.spoken_inputs(clips, features)  # every clip of the conversation, as a face
                 features_ms = 1000 * (time.perf_counter() - t)
                 prompt = prompt + family.spoken_turn(model, counts[-1], i)
                 text_ids: list[int] = []
@@ -66,11 +70,11 @@ def conversation(engine, subject, turns: int, audio_seconds: float, reply) -> di
 def table(result: dict) -> str:
     """Each turn side by side: first audio, RTF and prefilled tokens, kept vs whole."""
     lines = [f"{'turn':>4}  {'prompt':>6}  {'prefill kept/whole':>18}  {'first audio ms kept/whole':>26}  "
-             f"{'RTF kept/whole':>15}  {'encoder ms kept/whole':>22}  {'features ms':>11}"]
+             f"{'RTF kept/whole':>15}  {'encoder ms kept/whole':>22}  {'features ms kept/whole':>22}"]
     for i, (k, w) in enumerate(zip(result["kept"], result["whole"]), 1):
         lines.append(f"{i:>4}  {k['prompt_tokens']:>6}  {k['prefill_tokens']:>8}/{w['prefill_tokens']:<9}  "
                      f"{k['time_to_first_audio_ms']:>12.0f}/{w['time_to_first_audio_ms']:<13.0f}  "
                      f"{k['real_time_factor']:>7.3f}/{w['real_time_factor']:<7.3f}  "
                      f"{k['audio_encoder_ms'] or 0:>10.1f}/{w['audio_encoder_ms'] or 0:<11.1f}  "
-                     f"{k['features_ms']:>11.1f}")
+                     f"{k['features_ms']:>10.1f}/{w['features_ms']:<11.1f}")
     return "\n".join(lines)

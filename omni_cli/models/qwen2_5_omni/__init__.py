@@ -18,6 +18,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ...config import SamplingOptions
+from ..audio_features import clip_rows, join
 from ..base import Family, family_of
 from ..vision import image_inputs, image_processor  # noqa: F401 - the family's, shared with Qwen3-Omni
 
@@ -82,13 +83,18 @@ def talker_sampling(generation_config=None) -> SamplingOptions:
 
 def audio_inputs(feature_extractor, clips) -> tuple[dict, list[int]]:
     """The encoder inputs for `clips` (16 kHz mono AudioClips) as Qwen2_5OmniProcessor makes them
-    (Whisper log-mel features padded to the extractor's 300 s, with their mask), and how many audio
-    tokens each clip becomes in the prompt (its features' length after the encoder's two halvings)."""
-    out = feature_extractor([clip.pcm for clip in clips], sampling_rate=16_000, padding="max_length",
-                            return_attention_mask=True, return_tensors="pt")
-    mask = out["attention_mask"]
+    (Whisper log-mel features, clips cut at the extractor's 300 s, with their mask: the frames the mask
+    keeps are the processor's; the batch is padded to its longest clip, not to 300 s, which the encoder
+    never reads), and how many audio tokens each clip becomes in the prompt (its features' length after
+    the encoder's two halvings)."""
+    features, mask = join([clip_inputs(feature_extractor, clip) for clip in clips])
     lengths = ((mask.sum(-1) - 1) // 2 + 1 - 2) // 2 + 1
-    return {"input_features": out["input_features"], "feature_attention_mask": mask}, lengths.tolist()
+    return {"input_features": features, "feature_attention_mask": mask}, lengths.tolist()
+
+
+def clip_inputs(feature_extractor, clip):
+    """One clip's kept feature frames, as its processor makes them in a batch padded past its end."""
+    return clip_rows(feature_extractor, clip.pcm, margin=True, limit=feature_extractor.n_samples)
 
 
 def audio_token_id(config) -> int:

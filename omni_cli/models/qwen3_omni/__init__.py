@@ -18,6 +18,7 @@ import json
 from pathlib import Path
 
 from ...config import SamplingOptions
+from ..audio_features import clip_rows, join
 from ..base import Family, family_of
 from ..vision import image_inputs  # noqa: F401 - the family's, shared with Qwen2.5-Omni
 
@@ -85,17 +86,21 @@ def talker_sampling(generation_config=None) -> SamplingOptions:
 
 def audio_inputs(feature_extractor, clips, n_window: int = 50) -> tuple[dict, list[int]]:
     """The encoder inputs for `clips` (16 kHz mono AudioClips) as Qwen3OmniMoeProcessor makes them
-    (Whisper log-mel features padded to the longest clip, with their mask), and how many audio tokens each
-    becomes in the prompt (the encoder's length rule: 13 tokens a 100-frame chunk, then the rest halved
-    three times; `n_window` as the processor's default, which must match the encoder's config)."""
-    out = feature_extractor([clip.pcm for clip in clips], sampling_rate=16_000, padding=True, truncation=False,
-                            return_attention_mask=True, return_tensors="pt")
-    mask = out["attention_mask"]
+    (Whisper log-mel features padded to the longest clip, with their mask; each clip's frames made alone:
+    models/audio_features.py says where that differs), and how many audio tokens each becomes in the
+    prompt (the encoder's length rule: 13 tokens a 100-frame chunk, then the rest halved three times;
+    `n_window` as the processor's default, which must match the encoder's config)."""
+    features, mask = join([clip_inputs(feature_extractor, clip) for clip in clips])
     frames = mask.sum(-1)
     chunk = 2 * n_window
     rest = (frames % chunk - 1) // 2 + 1
     lengths = ((rest - 1) // 2 + 1 - 1) // 2 + 1 + (frames // chunk) * 13
-    return {"input_features": out["input_features"], "feature_attention_mask": mask}, lengths.tolist()
+    return {"input_features": features, "feature_attention_mask": mask}, lengths.tolist()
+
+
+def clip_inputs(feature_extractor, clip):
+    """One clip's feature frames, as its processor makes them for the clip alone."""
+    return clip_rows(feature_extractor, clip.pcm, margin=False)
 
 
 def audio_token_id(config) -> int:

@@ -11,6 +11,8 @@ variant (eager) and no vocoder schedule to choose. Torch and transformers are im
 
 from __future__ import annotations
 
+import functools
+
 import time
 from typing import Any
 
@@ -217,15 +219,22 @@ def _newline(model) -> int:
     return prompt(model, PROMPT_FRAME + 1)[2]  # the newline id `prompt` uses
 
 
-def spoken_inputs(clips) -> tuple[dict, list[int]]:
+def spoken_inputs(clips, kept=None) -> tuple[dict, list[int]]:
     """The clips' encoder inputs as the processor makes them (the built-in checkpoint's feature extractor:
-    the real one's settings), and each clip's placeholder count."""
+    the real one's settings), and each clip's placeholder count. `kept`: an encoder_inputs.EncoderInputs,
+    which makes each clip's features once, as an assistant's conversation does."""
+    from .. import qwen3_omni as family
+
+    if kept is None:
+        return family.audio_inputs(_extractor(), clips)
+    return kept.audio_inputs(family, _extractor(), clips)
+
+
+@functools.cache
+def _extractor():
     from transformers import AutoFeatureExtractor
 
-    from . import audio_inputs
-
-    extractor = AutoFeatureExtractor.from_pretrained(str(_asset_folder("tiny-qwen3")), local_files_only=True)
-    return audio_inputs(extractor, clips)
+    return AutoFeatureExtractor.from_pretrained(str(_asset_folder("tiny-qwen3")), local_files_only=True)
 
 
 def steps(model, voices: dict, *, max_context: int, max_codes: int, graphs: bool = True, variant: str | None = None,
