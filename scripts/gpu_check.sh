@@ -7,6 +7,9 @@
 #   setup      install the wheels carried in .gpu_wheels/ (the machine has torch and transformers only)
 #   qwen3      Qwen3-Omni-30B-A3B, plain graphs (the commands' default), the issue's unit ($OUT/qwen3-plain.json)
 #   qwen25     Qwen2.5-Omni-7B compiled ($OUT/qwen25-compiled.json)
+#   turns25    a 10-turn spoken conversation, 7B, plain graphs, kept vs whole ($OUT/turns-qwen25.json)
+#   turns3     the same, Qwen3-Omni-30B-A3B ($OUT/turns-qwen3.json)
+#   kept       tests/test_gpu.py's kept-context and lazy-graph tests only
 # Each step has its own time limit so a call stays under the 600 s it may take; omni-bench prints a
 # progress line per phase on stderr, so a step cut short still shows how far it got.
 #   usage: bash scripts/gpu_check.sh [STEP ...]
@@ -28,6 +31,14 @@ for step in "${@:-bench tests}"; do
              echo "qwen3 rc=$?"; grep '^\[omni-bench' "$out/qwen3-plain.err" | tail -5 ;;
       qwen25) timeout 540 $bench --runs 3 > "$out/qwen25-compiled.json" 2> "$out/qwen25-compiled.err"
              echo "qwen25 rc=$?"; grep '^\[omni-bench' "$out/qwen25-compiled.err" | tail -5 ;;
+      turns25) timeout 420 python3 -m omni_cli.faces.bench --preset qwen2.5-omni-7b --turns 10 --audio-seconds 5 \
+               --text-tokens 64 --codes 250 --no-compile --json > "$out/turns-qwen25.json" 2> "$out/turns-qwen25.err"
+             echo "turns25 rc=$?"; grep 'turn' "$out/turns-qwen25.err" | tail -22 ;;
+      turns3) timeout 480 python3 -m omni_cli.faces.bench --preset qwen3-omni-30b-a3b --turns 10 --audio-seconds 5 \
+               --text-tokens 64 --frames 63 --no-compile --json > "$out/turns-qwen3.json" 2> "$out/turns-qwen3.err"
+             echo "turns3 rc=$?"; grep 'turn' "$out/turns-qwen3.err" | tail -22 ;;
+      kept) timeout 300 python3 -m pytest tests/test_gpu.py -q -s -p no:cacheprovider -o addopts="" -k "kept or lazy" \
+               2>&1 | grep -v DEBUG > "$out/test_gpu_kept.log"; tail -3 "$out/test_gpu_kept.log"; grep -E "kept vs|^E " "$out/test_gpu_kept.log" | head ;;
       tests) timeout 420 python3 -m pytest tests/test_gpu.py -q -s -p no:cacheprovider -o addopts="" 2>&1 | grep -v DEBUG > "$out/test_gpu.log"
              tail -3 "$out/test_gpu.log"; grep -E "codes: ref|text eq|talker step|^E " "$out/test_gpu.log" | head -20 ;;
       *) echo "unknown step $s"; exit 2 ;;

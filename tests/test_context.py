@@ -152,11 +152,19 @@ def test_a_kept_qwen3_conversation_equals_transformers_at_every_turn(qwen3, monk
 def test_the_kept_cache_equals_a_fresh_prefill(family, request):
     """Two prompts, the second extending the first with a clip: its cache over the kept prefix, and its
     per-position outputs, equal those of a fresh prefill of the whole second prompt (float32)."""
+    worst = kept_against_fresh(request.getfixturevalue(family))
+    assert max(worst.values()) <= CACHE_BOUND, worst
+
+
+def kept_against_fresh(model) -> dict:
+    """{"cache", "embeds", "hidden"}: the largest |kept - fresh| of the second prompt's cache over the
+    kept positions and of its per-position outputs (the first prompt's positions kept, then a fresh
+    prefill); asserts what must be exact (the kept length, the greedy picks). tests/test_gpu.py runs it
+    on CUDA too."""
     from omni_cli.config import ReplyOptions
     from omni_cli.media import AudioClip
     from omni_cli.prompt import Conversation
 
-    model = request.getfixturevalue(family)
     steps, opts = model.engine.steps, ReplyOptions(greedy=True, seed=0, max_text_tokens=4, max_codes=4)
     past = Conversation(model.default_system, [{"role": "user", "content": "Hello there."},
                                                {"role": "assistant", "content": "Hello! How can I help?"}])
@@ -178,11 +186,11 @@ def test_the_kept_cache_equals_a_fresh_prefill(family, request):
     steps.thinker.context.clear()
     fresh_out, fresh_cache = prefill(second)
     assert steps.kept_context()["found"] == 0
-    worst = max((a - b).abs().max().item() for a, b in zip(kept_cache, fresh_cache))
-    assert worst <= CACHE_BOUND
-    for name in ("embeds", "hidden"):
-        assert (getattr(kept_out, name) - getattr(fresh_out, name)).abs().max().item() <= CACHE_BOUND, name
     assert torch.equal(kept_out.logits.argmax(-1), fresh_out.logits.argmax(-1))
+    worst = {"cache": max((a - b).abs().max().item() for a, b in zip(kept_cache, fresh_cache))}
+    for name in ("embeds", "hidden"):
+        worst[name] = (getattr(kept_out, name) - getattr(fresh_out, name)).abs().max().item()
+    return worst
 
 
 def test_verbose_and_show_tell_the_kept_context(qwen25):

@@ -605,3 +605,21 @@ def test_no_graphs_means_no_cuda_graph_anywhere_in_a_reply(family, monkeypatch):
     # The control: with graphs, the same load captures.
     omni_cli.load(path, runtime=RuntimeOptions(device="cuda"))
     assert captures
+
+
+# |kept - fresh| on CUDA, float32 without TF32: the same math over other row counts, whose kernels may
+# split their sums differently than the CPU's (tests/test_context.py states the CPU's bound, 2e-5).
+GPU_CACHE_BOUND = 1e-4
+
+
+@pytest.mark.parametrize("asset", ["assets/tiny-qwen2.5-omni", "assets/tiny-qwen3-omni"])
+def test_the_kept_cache_equals_a_fresh_prefill_on_cuda(asset):
+    """The conversation issue's check of the kept context on the GPU: the second prompt's cache over the
+    first prompt's kept positions, and its outputs, equal a fresh prefill's (graphs on, as replies run)."""
+    import omni_cli
+    from test_context import kept_against_fresh
+
+    model = omni_cli.load(asset, device="cuda", dtype="float32")
+    worst = kept_against_fresh(model)
+    print(f"kept vs fresh on cuda, {asset}: {worst}")
+    assert max(worst.values()) <= GPU_CACHE_BOUND, worst
