@@ -10,6 +10,9 @@
 #   turns25    a 10-turn spoken conversation, 7B, plain graphs, kept vs whole ($OUT/turns-qwen25.json)
 #   turns3     the same, Qwen3-Omni-30B-A3B ($OUT/turns-qwen3.json)
 #   kept       tests/test_gpu.py's kept-context and lazy-graph tests only
+#   attend     the attention kernel over spans 256..8192 beside the library's ($OUT/attend-spans.jsonl)
+#   long3      Qwen3-Omni, a 2,500-token prompt, plain graphs ($OUT/qwen3-2500.json)
+#   long25     Qwen2.5-Omni-7B, a 2,500-token prompt, plain graphs ($OUT/qwen25-2500.json)
 # Each step has its own time limit so a call stays under the 600 s it may take; omni-bench prints a
 # progress line per phase on stderr, so a step cut short still shows how far it got.
 #   usage: bash scripts/gpu_check.sh [STEP ...]
@@ -37,8 +40,16 @@ for step in "${@:-bench tests}"; do
       turns3) timeout 480 python3 -m omni_cli.faces.bench --preset qwen3-omni-30b-a3b --turns 10 --audio-seconds 5 \
                --text-tokens 64 --frames 63 --no-compile --json > "$out/turns-qwen3.json" 2> "$out/turns-qwen3.err"
              echo "turns3 rc=$?"; grep 'turn' "$out/turns-qwen3.err" | tail -22 ;;
-      kept) timeout 300 python3 -m pytest tests/test_gpu.py -q -s -p no:cacheprovider -o addopts="" -k "kept or lazy" \
+      kept) timeout 420 python3 -m pytest tests/test_gpu.py -q -s -p no:cacheprovider -o addopts="" -k "kept or lazy or true_size" \
                2>&1 | grep -v DEBUG > "$out/test_gpu_kept.log"; tail -3 "$out/test_gpu_kept.log"; grep -E "kept vs|^E " "$out/test_gpu_kept.log" | head ;;
+      attend) timeout 200 python3 scripts/attend_bench.py --spans > "$out/attend-spans.jsonl" 2> "$out/attend.err"
+             echo "attend rc=$?"; cat "$out/attend-spans.jsonl"; tail -3 "$out/attend.err" ;;
+      long3) timeout 420 python3 -m omni_cli.faces.bench --preset qwen3-omni-30b-a3b --runs 3 --prompt-tokens 2500 \
+               --text-tokens 64 --frames 188 --json --no-compile > "$out/qwen3-2500.json" 2> "$out/qwen3-2500.err"
+             echo "long3 rc=$?"; grep '^\[omni-bench' "$out/qwen3-2500.err" | tail -4 ;;
+      long25) timeout 420 python3 -m omni_cli.faces.bench --preset qwen2.5-omni-7b --runs 3 --prompt-tokens 2500 \
+               --no-compile --json > "$out/qwen25-2500.json" 2> "$out/qwen25-2500.err"
+             echo "long25 rc=$?"; grep '^\[omni-bench' "$out/qwen25-2500.err" | tail -4 ;;
       tests) timeout 420 python3 -m pytest tests/test_gpu.py -q -s -p no:cacheprovider -o addopts="" 2>&1 | grep -v DEBUG > "$out/test_gpu.log"
              tail -3 "$out/test_gpu.log"; grep -E "codes: ref|text eq|talker step|^E " "$out/test_gpu.log" | head -20 ;;
       *) echo "unknown step $s"; exit 2 ;;

@@ -174,7 +174,7 @@ def kept_against_fresh(model) -> dict:
 
     def prefill(req):
         with torch.inference_mode():
-            out = steps.prefill(torch.tensor([req.input_ids]), req.media)
+            out = steps.prefill(torch.tensor([req.input_ids], device=steps.device), req.media)
         n = len(req.input_ids)
         cache = steps.thinker.cache
         return out, [t[:, :, :n].clone() for t in cache.keys + cache.values]

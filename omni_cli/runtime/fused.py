@@ -342,7 +342,7 @@ def attention(hidden, in_w, qkv_w, qkv_b, q_norm_w, k_norm_w, o_w, keys, values,
     else:
         qkv = linear(rms_norm(hidden, in_w, eps), qkv_w, qkv_b, as_sum)
     span = valid.shape[-1]
-    if attend and n == 1 and span <= _kernels.ATTEND_MAX_SPAN:
+    if attend and n == 1:  # any span: a long one split over programs (kernels.ATTEND_MAX_SPAN)
         att = _kernels.attend(qkv, q_norm_w, k_norm_w, cos.view(-1), sin.view(-1), keys, values, pos, span, eps,
                               scaling, split[0] // head_dim).view(1, 1, -1)
         return _out(hidden, att, o_w, as_sum, kernels)
@@ -405,8 +405,9 @@ class FusedDecoder:
                         and all(L.qkv_b is None for L in self.layers))
         # A one-token attention block as one launch, compiled or not (kernels.attend): where inductor
         # made four kernels and cuDNN's attention a fifth, whose one query over a few rows leaves most of
-        # the GPU idle. Its blocks need a head size that is a power of two.
-        self.attend = (as_sum and policy.attention_kernel_on and attend_wanted(param.device)
+        # the GPU idle. Its blocks need a head size that is a power of two. Every stack, with or without
+        # `as_sum` (Qwen2.5-Omni's thinker and talker: their q/k/v bias is in the product, before it).
+        self.attend = (policy.attention_kernel_on and attend_wanted(param.device)
                        and all(L.head_dim & (L.head_dim - 1) == 0 for L in self.layers))
         # Added to a slot's position for its RoPE angle: the delta an image prompt's 3-D positions leave
         # for what follows (0 for text and audio); a device tensor, so one captured graph serves every turn.

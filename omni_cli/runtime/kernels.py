@@ -181,7 +181,17 @@ def picked_gemv(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, *, weights:
 
 # --- one-token attention ----------------------------------------------------------------------------
 
-ATTEND_MAX_SPAN = 1024  # rows one program reads in turn; a longer span takes the library's attention
+# Rows one program reads in turn. A longer span is split over programs (flash-decoding): its rows in
+# parts of ATTEND_SPLIT_ROWS, one program per query head and part, each with its own softmax statistics,
+# then one program per head joins the parts. H200, bfloat16, µs a call (scripts/attend_bench.py --spans,
+# benchmarks/results/2026-12-03-h200-attend-spans.jsonl), Qwen3-Omni's thinker (32 heads / 4): one program
+# a head 6.4 / 21.6 / 41 / 81 at spans 256 / 1,024 / 2,048 / 4,096; split in parts of 128 rows 5.4 / 7.2
+# / 11.5 / 18; the library's attention alone 10.4 / 11.3 / 11.6 / 12.6, beside the four kernels around
+# it that this launch also does. Past ~4,096 rows the library reads each key/value head once for its
+# group where these programs read it once per query head (8,192: 33.6 against 15.7 alone); a grouped
+# program would close that.
+ATTEND_MAX_SPAN = 256
+ATTEND_SPLIT_ROWS = 128
 
 
 @triton.jit
@@ -211,16 +221,17 @@ def _rotated(x1, x2, cos_ptr, sin_ptr, lo, hi, dt: tl.constexpr):
 
 
 @triton.jit
-def _attend_kernel(qkv_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, pos_ptr, out_ptr, span, eps, scale,
-                   k_head, k_row, v_head, v_row, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr,
-                   NORM: tl.constexpr, BLOCK_L: tl.constexpr):
-    h = tl.program_id(0)
+def _attend_rows(qkv_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, pos, h, first, last, span, eps, scale,
+                 k_head, k_row, v_head, v_row, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr,
+                 NORM: tl.constexpr, BLOCK_L: tl.constexpr, part):
+    """Query head `h`'s online softmax over cache rows first..last-1 (of rows 0..pos): (the largest
+    score, the sum of exp(score - it), the exp-weighted sum of the values [D]), float32; in part 0,
+    the group's first head also writes the new key and value at row `pos`."""
     g = h // (HEADS // KV_HEADS)  # the head's key/value head (grouped-query attention)
     dt = qkv_ptr.dtype.element_ty
     lo = tl.arange(0, D // 2)
     hi = lo + D // 2
     full = tl.arange(0, D)
-    pos = tl.load(pos_ptr)
     q1, q2 = _headed(qkv_ptr + h * D, qn_ptr, lo, hi, eps, D, NORM)
     q1, q2 = _rotated(q1, q2, cos_ptr, sin_ptr, lo, hi, dt)
     k1, k2 = _headed(qkv_ptr + (HEADS + g) * D, kn_ptr, lo, hi, eps, D, NORM)
@@ -228,18 +239,18 @@ def _attend_kernel(qkv_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, pos_
     v = tl.load(qkv_ptr + (HEADS + KV_HEADS + g) * D + full).to(tl.float32)
     k_base = k_ptr + g * k_head
     v_base = v_ptr + g * v_head
-    if h % (HEADS // KV_HEADS) == 0:  # one program of the group writes the new row; the others use it from registers
+    if (part == 0) & (h % (HEADS // KV_HEADS) == 0):  # one program writes the new row; the others use it from registers
         tl.store(k_base + pos * k_row + lo, k1.to(dt))
         tl.store(k_base + pos * k_row + hi, k2.to(dt))
         tl.store(v_base + pos * v_row + full, v.to(dt))
-    # Online softmax over rows 0..pos (float32 scores, as the library's attention accumulates).
+    # Online softmax (float32 scores, as the library's attention accumulates). Every block the loop
+    # takes holds a row before `last`, so its largest score is finite.
     m = tl.full([1], float("-inf"), tl.float32)
     total = tl.zeros([1], dtype=tl.float32)
     acc = tl.zeros([D], dtype=tl.float32)
-    end = tl.minimum(pos + 1, span)
-    for start in range(0, end, BLOCK_L):
+    for start in range(first, last, BLOCK_L):
         rows = start + tl.arange(0, BLOCK_L)
-        old = (rows < end) & (rows != pos)  # rows written by earlier steps; row `pos` is this step's
+        old = (rows < last) & (rows != pos)  # rows written by earlier steps; row `pos` is this step's
         new = (rows == pos)[:, None]
         K1 = tl.load(k_base + rows[:, None] * k_row + lo[None, :], mask=old[:, None], other=0.0).to(tl.float32)
         K2 = tl.load(k_base + rows[:, None] * k_row + hi[None, :], mask=old[:, None], other=0.0).to(tl.float32)
@@ -247,7 +258,7 @@ def _attend_kernel(qkv_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, pos_
         K2 = tl.where(new, k2[None, :], K2)
         # float32 throughout (compiled, inductor passes `scale` as a double, which would widen the scores)
         s = ((tl.sum(K1 * q1[None, :], axis=1) + tl.sum(K2 * q2[None, :], axis=1)) * scale).to(tl.float32)
-        s = tl.where(rows < end, s, float("-inf"))
+        s = tl.where(rows < last, s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=0))
         p = tl.exp(s - m_new)
         shrink = tl.exp(m - m_new)
@@ -256,7 +267,57 @@ def _attend_kernel(qkv_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, pos_
         acc = acc * shrink + tl.sum(p[:, None] * V, axis=0)
         total = total * shrink + tl.sum(p, axis=0)
         m = m_new
-    tl.store(out_ptr + h * D + full, (acc / total).to(dt))
+    return m, total, acc
+
+
+@triton.jit
+def _attend_kernel(qkv_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, pos_ptr, out_ptr, span, eps, scale,
+                   k_head, k_row, v_head, v_row, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr,
+                   NORM: tl.constexpr, BLOCK_L: tl.constexpr):
+    h = tl.program_id(0)
+    pos = tl.load(pos_ptr)
+    end = tl.minimum(pos + 1, span)
+    m, total, acc = _attend_rows(qkv_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, pos, h, 0, end, span, eps,
+                                 scale, k_head, k_row, v_head, v_row, HEADS, KV_HEADS, D, NORM, BLOCK_L, 0)
+    tl.store(out_ptr + h * D + tl.arange(0, D), (acc / total).to(out_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _attend_part_kernel(qkv_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, pos_ptr, part_ptr, span, eps, scale,
+                        k_head, k_row, v_head, v_row, parts, HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
+                        D: tl.constexpr, NORM: tl.constexpr, BLOCK_L: tl.constexpr, ROWS: tl.constexpr):
+    """Part `program_id(1)` of head `program_id(0)`: rows [part * ROWS, (part + 1) * ROWS) of 0..pos, its
+    statistics into part_ptr [heads, parts, D + 2] (the weighted values, then the largest score and the
+    sum; a part past `pos` holds -inf and zeros, which weigh nothing when joined)."""
+    h = tl.program_id(0)
+    part = tl.program_id(1)
+    pos = tl.load(pos_ptr)
+    end = tl.minimum(pos + 1, span)
+    first = part * ROWS
+    last = tl.minimum(first + ROWS, end)
+    m, total, acc = _attend_rows(qkv_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, pos, h, first, last, span,
+                                 eps, scale, k_head, k_row, v_head, v_row, HEADS, KV_HEADS, D, NORM, BLOCK_L, part)
+    base = part_ptr + (h * parts + part) * (D + 2)
+    tl.store(base + tl.arange(0, D), acc)
+    one = tl.arange(0, 1)
+    tl.store(base + D + one, m)
+    tl.store(base + D + 1 + one, total)
+
+
+@triton.jit
+def _attend_join_kernel(part_ptr, out_ptr, parts, D: tl.constexpr, PARTS: tl.constexpr):
+    """Head `program_id(0)`'s parts joined: each part's sums rescaled to the largest score of all."""
+    h = tl.program_id(0)
+    idx = tl.arange(0, PARTS)
+    here = idx < parts
+    base = part_ptr + (h * parts + idx) * (D + 2)
+    m = tl.load(base + D, mask=here, other=float("-inf"))
+    top = tl.max(m, axis=0)  # part 0 always holds row 0: finite
+    w = tl.exp(m - top)
+    total = tl.sum(tl.load(base + D + 1, mask=here, other=0.0) * w, axis=0)
+    acc = tl.load(base[:, None] + tl.arange(0, D)[None, :], mask=here[:, None], other=0.0)
+    out = tl.sum(acc * w[:, None], axis=0) / total
+    tl.store(out_ptr + h * D + tl.arange(0, D), out.to(out_ptr.dtype.element_ty))
 
 
 ATTEND_BLOCKS = None  # (rows a block, warps) for every span: a developer's override (scripts/attend_bench.py)
@@ -274,18 +335,32 @@ def _attend_blocks(span: int) -> tuple[int, int]:
 def attend(qkv: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, cos: torch.Tensor,
            sin: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos: torch.Tensor, span: int, eps: float,
            scale: float, heads: int) -> torch.Tensor:
-    """One token's attention block after its q/k/v product, in one launch: the per-head norms (when
-    given), RoPE, the new key and value written to the cache at `pos`, and softmax attention over the
-    cache's rows 0..pos. qkv [.., (heads + 2 kv) * D] (one row), cos/sin [D] (the row of `pos`), keys and
-    values [1, kv, L, D] with rows of D contiguous; returns [heads * D]. A program per query head reads
-    its key/value head's rows in turn (few: a decode step's span is at most ATTEND_MAX_SPAN). A
-    `torch.library` op, so that a compiled step launches it as it is (inductor sees the cache writes)."""
+    """One token's attention block after its q/k/v product, in one launch (two over a long span): the
+    per-head norms (when given), RoPE, the new key and value written to the cache at `pos`, and softmax
+    attention over the cache's rows 0..pos. qkv [.., (heads + 2 kv) * D] (one row), cos/sin [D] (the row
+    of `pos`), keys and values [1, kv, L, D] with rows of D contiguous; returns [heads * D]. A program per
+    query head reads its key/value head's rows in turn; over ATTEND_MAX_SPAN rows, a program per head
+    and part of ATTEND_SPLIT_ROWS rows, then a program per head joins them. A `torch.library` op, so
+    that a compiled step launches it as it is (inductor sees the cache writes)."""
     kv, D = keys.shape[1], keys.shape[-1]
     qkv, cos, sin = qkv.contiguous(), cos.contiguous(), sin.contiguous()
     out = torch.empty(heads * D, device=qkv.device, dtype=qkv.dtype)
-    block, warps = _attend_blocks(span)
-    torch.library.wrap_triton(_attend_kernel)[(heads,)](
-        qkv, q_norm if q_norm is not None else qkv, k_norm if k_norm is not None else qkv, cos, sin, keys, values,
-        pos, out, span, eps, scale, keys.stride(1), keys.stride(2), values.stride(1), values.stride(2),
-        HEADS=heads, KV_HEADS=kv, D=D, NORM=q_norm is not None, BLOCK_L=block, num_warps=warps)
+    norms = (q_norm if q_norm is not None else qkv, k_norm if k_norm is not None else qkv)
+    strides = (keys.stride(1), keys.stride(2), values.stride(1), values.stride(2))
+    shape = dict(HEADS=heads, KV_HEADS=kv, D=D, NORM=q_norm is not None)
+    if span <= ATTEND_MAX_SPAN:
+        block, warps = _attend_blocks(span)
+        torch.library.wrap_triton(_attend_kernel)[(heads,)](
+            qkv, *norms, cos, sin, keys, values, pos, out, span, eps, scale, *strides, **shape, BLOCK_L=block,
+            num_warps=warps)
+        return out
+    rows = ATTEND_SPLIT_ROWS
+    parts = triton.cdiv(span, rows)
+    block, warps = _attend_blocks(rows)
+    stats = torch.empty(heads, parts, D + 2, device=qkv.device, dtype=torch.float32)
+    torch.library.wrap_triton(_attend_part_kernel)[(heads, parts)](
+        qkv, *norms, cos, sin, keys, values, pos, stats, span, eps, scale, *strides, parts, **shape, BLOCK_L=block,
+        ROWS=rows, num_warps=warps)
+    torch.library.wrap_triton(_attend_join_kernel)[(heads,)](stats, out, parts, D=D,
+                                                               PARTS=triton.next_power_of_2(parts), num_warps=4)
     return out
