@@ -4,7 +4,8 @@ over rows-a-block x warps. Prints JSON lines: `python scripts/attend_bench.py`.
 
 `--spans`: over spans 256..8192 for those stacks and Qwen2.5-Omni-7B's (thinker 28/4, talker 12/4), the
 library's attention (a mask over the span, as the steps call it) beside the kernel, one program a head
-and split into parts of 128, 256 and 512 rows (`ATTEND_MAX_SPAN`, `ATTEND_SPLIT_ROWS`)."""
+and split into parts of 64, 128 and 256 rows (`ATTEND_MAX_SPAN`, `ATTEND_SPLIT_ROWS`), a program a query
+head (split_) or a key/value head's group (group_, `ATTEND_GROUPED`)."""
 
 from __future__ import annotations
 
@@ -74,12 +75,14 @@ def spans() -> None:
             row["one_program_us"] = round(time_us(lambda: kernels.attend(qkv, None, None, cos, sin, keys, values, p,
                                                                          span, 1e-6, D ** -0.5, heads)), 2)
             kernels.ATTEND_MAX_SPAN = 0
-            for rows in (128, 256, 512):
+            for rows in (64, 128, 256):
                 kernels.ATTEND_SPLIT_ROWS = rows
-                row[f"split_{rows}_us"] = round(time_us(lambda: kernels.attend(qkv, None, None, cos, sin, keys, values,
-                                                                               p, span, 1e-6, D ** -0.5, heads)), 2)
+                for grouped, key in ((False, "split"), (True, "group")):
+                    kernels.ATTEND_GROUPED = grouped
+                    row[f"{key}_{rows}_us"] = round(time_us(lambda: kernels.attend(
+                        qkv, None, None, cos, sin, keys, values, p, span, 1e-6, D ** -0.5, heads)), 2)
             print(json.dumps(row), flush=True)
-    kernels.ATTEND_MAX_SPAN, kernels.ATTEND_SPLIT_ROWS = 1024, 256
+    kernels.ATTEND_MAX_SPAN, kernels.ATTEND_SPLIT_ROWS, kernels.ATTEND_GROUPED = 256, 128, True
 
 
 if __name__ == "__main__":

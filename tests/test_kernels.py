@@ -71,6 +71,7 @@ def test_picked_gemv_is_the_eager_experts(kernels):
     # over ATTEND_MAX_SPAN (made 32 here): parts of 16 rows, the last of them past `pos` (empty), row `pos`
     # in a part of its own or mid-part, and a span whose parts are all full
     (4, 2, 100, 77, True, True), (4, 1, 100, 64, True, True), (2, 2, 48, 0, False, True), (4, 2, 128, 127, True, True),
+    (7, 1, 100, 50, False, True), (6, 2, 90, 89, True, True),  # groups of 7 and 3 heads (the 7B's), padded to 16
 ], ids=lambda v: str(v))
 def test_attend_is_the_eager_attention_block(kernels, heads, kv, span, pos, norm, split, monkeypatch):
     """One token's attention (per-head norms, RoPE, the cache write, softmax over rows 0..pos) in one launch
@@ -202,16 +203,19 @@ def test_qwen25_steps_with_the_attention_kernel_are_as_close_as_the_librarys(ker
         assert torch.equal(attend[name][:, :2], want[:, :2])  # the two-row first step: the library's
 
 
-def test_a_span_longer_than_one_program_reads_is_split_and_is_the_same_attention(kernels, monkeypatch):
+@pytest.mark.parametrize("grouped", [True, False], ids=["a-program-a-group", "a-program-a-head"])
+def test_a_span_longer_than_one_program_reads_is_split_and_is_the_same_attention(kernels, monkeypatch, grouped):
     """Past `ATTEND_MAX_SPAN` rows a step's attention is split over programs (parts of
-    `ATTEND_SPLIT_ROWS`) and joined: the steps' hidden states equal those of the one-program kernel to the
-    rounding of the dtype (the sums are regrouped), and differ from them where a part is lost."""
+    `ATTEND_SPLIT_ROWS`; a program for each key/value head's group of query heads, or for each query head)
+    and joined: the steps' hidden states equal those of the one-program kernel to the rounding of the
+    dtype (the sums are regrouped), and differ from them where a part is lost."""
     import qwen3_reference as ref
     from omni_cli.runtime.kv_cache import StaticKVCache
 
     model = copy.deepcopy(ref.model("tiny")).to(DT)
     stack, config = model.talker.code_predictor.model, model.config.talker_config.code_predictor_config
     monkeypatch.setattr(fused, "attend_wanted", _forced(kernels))
+    monkeypatch.setattr(kernels, "ATTEND_GROUPED", grouped)
 
     def run(limit: int, rows: int):
         monkeypatch.setattr(kernels, "ATTEND_MAX_SPAN", limit)
@@ -236,7 +240,8 @@ def test_a_span_longer_than_one_program_reads_is_split_and_is_the_same_attention
 
     monkeypatch.setattr(torch.library, "wrap_triton", spy)
     run(4, 2)
-    assert {"_attend_part_kernel", "_attend_join_kernel"} <= set(launched) and "_attend_kernel" not in launched
+    parts = "_attend_group_kernel" if grouped else "_attend_part_kernel"  # the code predictor: 16 heads / 8
+    assert {parts, "_attend_join_kernel"} <= set(launched) and "_attend_kernel" not in launched
     monkeypatch.setattr(torch.library, "wrap_triton", lambda kernel: spy(kernel, lose=True))
     assert ulps(run(4, 2)[:, 2:], whole[:, 2:]) > 8  # rows 2.. lost from the one-token steps: far off
 

@@ -192,6 +192,8 @@ def picked_gemv(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, *, weights:
 # program would close that.
 ATTEND_MAX_SPAN = 256
 ATTEND_SPLIT_ROWS = 128
+# A long span's parts read once per key/value head for its group of query heads (`_attend_group_kernel`).
+ATTEND_GROUPED = True
 
 
 @triton.jit
@@ -305,6 +307,74 @@ def _attend_part_kernel(qkv_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr,
 
 
 @triton.jit
+def _attend_group_kernel(qkv_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, pos_ptr, part_ptr, span, eps, scale,
+                         k_head, k_row, v_head, v_row, parts, HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
+                         D: tl.constexpr, NORM: tl.constexpr, BLOCK_L: tl.constexpr, ROWS: tl.constexpr,
+                         GP: tl.constexpr):
+    """`_attend_part_kernel` for every query head of key/value head `program_id(0)` at once: the part's
+    rows are read once for the group (not once per query head), the scores and the weighted values as
+    products of [heads, D] by [D, rows] (the group padded to GP >= 16 rows, as `tl.dot` needs; the
+    padding repeats the group's last head and is not stored). The same float32 math: the scores of
+    half-precision values summed in float32, the weights kept float32 ("ieee": no TF32)."""
+    g = tl.program_id(0)
+    part = tl.program_id(1)
+    G = HEADS // KV_HEADS
+    dt = qkv_ptr.dtype.element_ty
+    lo = tl.arange(0, D // 2)
+    hi = lo + D // 2
+    full = tl.arange(0, D)
+    i = tl.arange(0, GP)
+    here = i < G
+    heads = g * G + tl.minimum(i, G - 1)  # the group's query heads, the padding repeating the last
+    x1 = tl.load(qkv_ptr + heads[:, None] * D + lo[None, :]).to(tl.float32)
+    x2 = tl.load(qkv_ptr + heads[:, None] * D + hi[None, :]).to(tl.float32)
+    if NORM:
+        rstd = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / D + eps).to(tl.float32)
+        x1 = (tl.load(qn_ptr + lo).to(tl.float32)[None, :] * (x1 * rstd[:, None]).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+        x2 = (tl.load(qn_ptr + hi).to(tl.float32)[None, :] * (x2 * rstd[:, None]).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+    q1, q2 = _rotated(x1, x2, cos_ptr, sin_ptr, lo, hi, dt)
+    q1, q2 = q1.to(dt), q2.to(dt)  # exact: `_rotated` rounds to dt
+    k1, k2 = _headed(qkv_ptr + (HEADS + g) * D, kn_ptr, lo, hi, eps, D, NORM)
+    k1, k2 = _rotated(k1, k2, cos_ptr, sin_ptr, lo, hi, dt)
+    v = tl.load(qkv_ptr + (HEADS + KV_HEADS + g) * D + full).to(tl.float32)
+    k_base = k_ptr + g * k_head
+    v_base = v_ptr + g * v_head
+    pos = tl.load(pos_ptr)
+    if part == 0:  # the new row, written once; every program uses it from registers
+        tl.store(k_base + pos * k_row + lo, k1.to(dt))
+        tl.store(k_base + pos * k_row + hi, k2.to(dt))
+        tl.store(v_base + pos * v_row + full, v.to(dt))
+    end = tl.minimum(pos + 1, span)
+    first = part * ROWS
+    last = tl.minimum(first + ROWS, end)
+    m = tl.full([GP], float("-inf"), tl.float32)
+    total = tl.zeros([GP], dtype=tl.float32)
+    acc = tl.zeros([GP, D], dtype=tl.float32)
+    for start in range(first, last, BLOCK_L):
+        rows = start + tl.arange(0, BLOCK_L)
+        old = (rows < last) & (rows != pos)
+        new = (rows == pos)[:, None]
+        K1 = tl.load(k_base + rows[:, None] * k_row + lo[None, :], mask=old[:, None], other=0.0)
+        K2 = tl.load(k_base + rows[:, None] * k_row + hi[None, :], mask=old[:, None], other=0.0)
+        K1 = tl.where(new, k1.to(dt)[None, :], K1)
+        K2 = tl.where(new, k2.to(dt)[None, :], K2)
+        s = (tl.dot(q1, tl.trans(K1)) + tl.dot(q2, tl.trans(K2))) * scale  # [GP, BLOCK_L], float32
+        s = tl.where((rows < last)[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        p = tl.exp(s - m_new[:, None])
+        shrink = tl.exp(m - m_new)
+        V = tl.load(v_base + rows[:, None] * v_row + full[None, :], mask=old[:, None], other=0.0).to(tl.float32)
+        V = tl.where(new, v[None, :], V)
+        acc = acc * shrink[:, None] + tl.dot(p, V, input_precision="ieee")
+        total = total * shrink + tl.sum(p, axis=1)
+        m = m_new
+    base = part_ptr + ((g * G + i) * parts + part) * (D + 2)
+    tl.store(base[:, None] + full[None, :], acc, mask=here[:, None])
+    tl.store(base + D, m, mask=here)
+    tl.store(base + D + 1, total, mask=here)
+
+
+@triton.jit
 def _attend_join_kernel(part_ptr, out_ptr, parts, D: tl.constexpr, PARTS: tl.constexpr):
     """Head `program_id(0)`'s parts joined: each part's sums rescaled to the largest score of all."""
     h = tl.program_id(0)
@@ -358,9 +428,14 @@ def attend(qkv: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.Tensor 
     parts = triton.cdiv(span, rows)
     block, warps = _attend_blocks(rows)
     stats = torch.empty(heads, parts, D + 2, device=qkv.device, dtype=torch.float32)
-    torch.library.wrap_triton(_attend_part_kernel)[(heads, parts)](
-        qkv, *norms, cos, sin, keys, values, pos, stats, span, eps, scale, *strides, parts, **shape, BLOCK_L=block,
-        ROWS=rows, num_warps=warps)
+    if ATTEND_GROUPED and heads > kv:
+        torch.library.wrap_triton(_attend_group_kernel)[(kv, parts)](
+            qkv, *norms, cos, sin, keys, values, pos, stats, span, eps, scale, *strides, parts, **shape, BLOCK_L=block,
+            ROWS=rows, GP=max(16, triton.next_power_of_2(heads // kv)), num_warps=warps)
+    else:
+        torch.library.wrap_triton(_attend_part_kernel)[(heads, parts)](
+            qkv, *norms, cos, sin, keys, values, pos, stats, span, eps, scale, *strides, parts, **shape,
+            BLOCK_L=block, ROWS=rows, num_warps=warps)
     torch.library.wrap_triton(_attend_join_kernel)[(heads,)](stats, out, parts, D=D,
                                                                PARTS=triton.next_power_of_2(parts), num_warps=4)
     return out
