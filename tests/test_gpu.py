@@ -114,6 +114,17 @@ def test_tiny_lazy_graphs_across_span_buckets_equal_eager():
     diff = float(abs(b.audio - a.audio).max())
     print(f"lazy graphs: audio max |eager - graphs| {diff:.2e}")
     assert b.audio.shape == a.audio.shape and diff <= 1e-4
+    # After the turn, the capture ahead: the thinker's and the talker's buckets up to CAPTURE_AHEAD past
+    # where their caches stopped; the next reply (replaying them) equals the eager engine's again.
+    from omni_cli.runtime.graphs import CAPTURE_AHEAD, bucket
+
+    lazy.settle()
+    thinker_graphs, steps = lazy.steps.thinker.fused.graphs, lazy.steps
+    for graph_set, cache in ((thinker_graphs, steps.thinker.cache), (talker_graphs, steps.talker.cache)):
+        top = bucket(cache.length + CAPTURE_AHEAD, graph_set.limit)
+        assert top in graph_set.graphs, (cache.length, sorted(graph_set.graphs))
+    c, d = run(eager, ids[:30], 12, 300, force_lengths=True), run(lazy, ids[:30], 12, 300, force_lengths=True)
+    assert d.text_ids == c.text_ids and d.codes == c.codes
 
 
 @pytest.fixture(scope="module")

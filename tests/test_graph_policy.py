@@ -149,3 +149,31 @@ def test_a_reply_without_graphs_captures_nothing_on_a_device_that_could(family, 
     with pytest.raises(AssertionError, match="capture"):
         assistant.family.build_steps(assistant.loaded.model, assistant.loaded.speakers,
                                      runtime=RuntimeOptions(max_codes=64))
+
+
+def test_capture_ahead_captures_only_the_lazy_buckets_not_yet_captured_up_to_the_span(monkeypatch):
+    """Between turns (`Engine._capture_ahead`) a lazy StepGraphs captures the buckets up to a span that it
+    lacks, the last being the limit where that is no multiple of the bucket; graphs captured at warm-up
+    (not lazy) or switched off capture nothing."""
+    made = []
+    steps = graphs.StepGraphs(lambda span: None, torch.device("cpu"), limit=1000, enabled=False, lazy=True)
+    steps.enabled = True  # as on CUDA; the capture itself is replaced
+    monkeypatch.setattr(steps, "_capture", lambda size: made.append(size) or ("graph", size))
+    steps.graphs[256] = ("warm-up's", 256)
+    assert steps.capture_upto(300) == 1 and made == [512]
+    assert steps.capture_upto(500) == 0  # 500 is in the 512 bucket: captured
+    assert steps.capture_upto(5000) == 2 and made == [512, 768, 1000]
+    steps.lazy = False
+    assert steps.capture_upto(5000) == 0
+    cache = type("Cache", (), {"length": 300})()
+    assert graphs.capture_ahead((None, cache)) == 0
+
+
+def test_an_engine_on_a_cpu_captures_nothing_ahead_and_settles_at_once():
+    """A finished turn on a CPU leaves no capture ahead (no graphs there): `settle` returns at once."""
+    from scripted import FakeSteps, make_engine, request, run_turn, text_script
+
+    engine = make_engine(FakeSteps(text_script(5, eos_at=3)))
+    run_turn(engine, request())
+    engine.settle()
+    assert engine._ahead is None

@@ -8,7 +8,8 @@ with every prompt prefilled whole (as before it), after one warm-up reply with a
 run). Per turn: first audio, real-time factor, prompt and prefilled tokens, the audio encoder's time, the
 time until the prefill is issued, and the host's feature extraction for the clips before the turn (kept:
 the new clip's only, as an assistant's conversation keeps each clip's features, encoder_inputs.py; whole:
-every clip the conversation holds, as before).
+every clip the conversation holds, as before). Before each turn the engine settles (`Engine.settle`: the
+step graphs a finished turn captures ahead, in the pause a person leaves between turns).
 
 It knows the families only through their presets modules (`spoken_turn`, `reply_end`, `spoken_inputs`).
 """
@@ -58,6 +59,7 @@ def conversation(engine, subject, turns: int, audio_seconds: float, reply) -> di
                 features_ms = 1000 * (time.perf_counter() - t)
                 prompt = prompt + family.spoken_turn(model, counts[-1], i)
                 text_ids: list[int] = []
+                engine.settle()  # the pause a person leaves between turns (the capture ahead), untimed
                 row = reply(prompt, media, i + 1, f"{mode}, turn {i + 1}, ", text_ids)
                 rows.append(dict(row, features_ms=features_ms))
                 prompt = prompt + text_ids + family.reply_end(model)

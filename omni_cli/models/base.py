@@ -107,6 +107,10 @@ class ModelSteps(Protocol):
 
     def warmup(self) -> "dict[str, float] | None": ...  # seconds per phase (None: nothing to do)
 
+    # Between turns, on CUDA (the engine's capture ahead): the lazy step graphs' buckets up to AHEAD
+    # positions past where the last turn left each cache; the number captured.
+    def capture_ahead(self) -> int: ...
+
 
 class Family:
     """What the loader, the API and the faces ask of a model family, every optional capability stated with

@@ -12,6 +12,7 @@ It knows no model family (the steps come from `omni_cli/models/<family>/`), no p
 from __future__ import annotations
 
 import gc
+import logging
 import os
 import threading
 from typing import TYPE_CHECKING, Generator, Protocol
@@ -21,6 +22,8 @@ import torch
 from .events import AudioBlock, Done, Reply, TextDelta, TurnRequest  # noqa: F401 - re-exported
 from .graphs import Policy
 from .turn import Turn
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:  # the interface the family's steps meet (models/base.py: Protocols, no family)
     from ..models.base import ModelSteps
@@ -47,6 +50,7 @@ class Engine:
         self._turn: Turn | None = None  # the running turn, for `interrupt`
         self._next_steps: ModelSteps | None = None  # steps to take over at the next turn (`adopt`)
         self._adopting = threading.Lock()  # held by `adopt` while it holds the turns' lock
+        self._ahead: threading.Thread | None = None  # the last capture ahead (`settle`)
 
     @property
     def has_talker(self) -> bool:
@@ -72,14 +76,45 @@ class Engine:
                 pass
             if not self._lock.acquire(blocking=False):
                 raise RuntimeError("a turn is already running on this model")
+        finished = False
         try:
             self._join_lingering()
             self._take_next_steps()
             self._turn = Turn(self, req)
-            yield from self._turn.run()
+            for event in self._turn.run():
+                finished = isinstance(event, Done)  # set before the yield: the consumer may stop at Done
+                yield event
         finally:
             self._turn = None
             self._lock.release()
+            if finished and self.device.type == "cuda":
+                self._ahead = threading.Thread(target=self._capture_ahead, name="capture-ahead", daemon=True)
+                self._ahead.start()
+
+    def settle(self) -> None:
+        """Wait for the work a finished turn left for the idle time (the capture ahead): what a person's
+        pause between turns gives it (omni-bench --turns waits so, outside its timings)."""
+        ahead = self._ahead
+        if ahead is not None:
+            ahead.join()
+
+    def _capture_ahead(self) -> None:
+        """After a finished turn, while the user reads, listens or speaks: the lazy step graphs' buckets
+        the next turn of a growing conversation reaches (steps.capture_ahead), so that it replays them
+        instead of capturing them in the middle of its reply. Under the turns' lock, held as `adopt`
+        holds it: a turn asked for meanwhile waits for it (tens of ms a bucket); one already running
+        makes it give up."""
+        with self._adopting:
+            if not self._lock.acquire(blocking=False):
+                return
+            try:
+                made = self.steps.capture_ahead()
+                if made:
+                    log.debug("captured %d step graphs ahead of the next turn", made)
+            except Exception as exc:  # the buckets stay lazy: a reply captures them when it reaches them
+                log.warning("capturing step graphs ahead of the next turn failed: %s", exc)
+            finally:
+                self._lock.release()
 
     def adopt(self, steps: ModelSteps) -> bool:
         """Run turns with `steps` from now on (the same model's steps built otherwise: compiled beside these,

@@ -13,7 +13,7 @@ host knows it without reading the device, so choosing a graph costs no sync). Gr
 pool. They are captured by `capture_all()` at warm-up, or, `lazy`, the first bucket there and each
 later one when a step first reaches it (`capture_anywhere`: a plain step's capture takes tens of ms, so
 a reply never waits for buckets it does not reach; compiled steps are never captured lazily, as a
-bucket's first run may compile). On CPU, with graphs switched off, or for a bucket without a graph,
+bucket's first run may compile), or between turns, ahead of a growing conversation (`capture_upto`). On CPU, with graphs switched off, or for a bucket without a graph,
 calling it runs `fn` eagerly with the same bucketed span, so both paths do identical math.
 
 Compiled code is kept in a persistent cache (`persistent_cache`). It knows nothing about models.
@@ -32,6 +32,10 @@ import torch
 from ..config import RuntimeOptions
 
 SPAN_BUCKET = 256  # attention-span granularity: a new graph every 256 positions
+# Between turns, the lazy buckets up to this many positions past each cache's length are captured: a
+# spoken turn and its reply (a 5 s clip is 150 audio positions; a reply of 64 text tokens, or of 250
+# codes for the talker) are about that much.
+CAPTURE_AHEAD = 512
 
 
 def graphs_possible(device: torch.device) -> bool:
@@ -203,6 +207,20 @@ class StepGraphs:
             if size not in self.graphs:
                 self.graphs[size] = self._capture(size)
 
+    def capture_upto(self, span: int) -> int:
+        """Capture the buckets up to `span`'s that are not captured yet; lazy graphs only (the others
+        hold every bucket from the warm-up). Called between turns (`Engine`: capture ahead), so that a
+        growing conversation's next reply replays its new buckets instead of capturing them mid-reply.
+        Returns how many it captured."""
+        if not (self.enabled and self.lazy):
+            return 0
+        top = bucket(span, self.limit)
+        sizes = sorted({min(size, self.limit) for size in range(SPAN_BUCKET, top + SPAN_BUCKET, SPAN_BUCKET)})
+        missing = [size for size in sizes if size <= top and size not in self.graphs]
+        for size in missing:
+            self.graphs[size] = self._capture(size)
+        return len(missing)
+
     def _capture(self, size: int):
         # Warm up on a side stream (lazy library init, autotuning), then capture. The step rewrites the
         # same cache row with the same values each time (mid-reply too: the row of the step being taken),
@@ -218,6 +236,17 @@ class StepGraphs:
         with capture_anywhere(graph, self.pool, side):
             outputs = self.fn(size)
         return graph, outputs
+
+
+def capture_ahead(*stacks) -> int:
+    """`capture_upto` for each (StepGraphs or None, its cache) of `stacks`, CAPTURE_AHEAD positions past
+    the cache's length: what a family's `capture_ahead` does between turns. Returns the graphs made."""
+    made = 0
+    with torch.inference_mode():
+        for graphs, cache in stacks:
+            if graphs is not None:
+                made += graphs.capture_upto(cache.length + CAPTURE_AHEAD)
+    return made
 
 
 @contextlib.contextmanager

@@ -108,6 +108,15 @@ class Qwen3Steps:
 
         return StreamingCode2Wav(self.model.code2wav, max_frames=max_codes, graphs=self.policy.graphs_on)
 
+    def capture_ahead(self) -> int:
+        """Between turns (the engine's capture ahead, CUDA): the thinker's and the talker's lazy span
+        buckets a growing conversation reaches next (runtime/graphs.py `capture_ahead`)."""
+        from ...runtime.graphs import capture_ahead
+
+        thinker = self.thinker.fused.graphs if self.thinker.fused is not None else None
+        talker = (self.talker.step_graphs if self.has_talker and self.talker.fused is not None else None)
+        return capture_ahead((thinker, self.thinker.cache), (talker, self.talker.cache if talker else None))
+
     def warmup(self) -> dict | None:
         """Capture the CUDA graphs (thinker and talker steps for every span bucket, the frame) and, with
         `compile`, compile, on this thread, with nothing else running: turns only replay them. Returns the seconds
