@@ -15,9 +15,10 @@ block onto a list; the listener's own thread takes them in order and, for each:
 A turn (speech of at least `min_speech_ms`, then `end_silence_ms` of silence) becomes an AudioClip on
 `turns`, from a short pre-roll before its first voiced frame to a short tail after its last one. While
 `speaking` is set (the talk loop sets it for a whole reply: thinking and speaking), a stretch of speech
-must reach `barge_in_ms` of voiced frames: then `on_barge_in()` is called on this thread, once, and the
-turn that follows is kept; a shorter stretch heard then (a cough, a click, residual echo) is dropped,
-so it neither interrupts nor becomes a turn.
+must reach `barge_in_ms` of voiced frames (pauses of up to BARGE_GAP_MS between words bridged; only
+frames that pass `_near_end`: loud enough, and not what the canceller took for echo): then
+`on_barge_in()` is called on this thread, once, and the turn that follows is kept; a shorter stretch
+heard then (a cough, a click, residual echo) is dropped, so it neither interrupts nor becomes a turn.
 
 It knows no model, no terminal and no reply: what a barge-in does (silence the speaker, stop the
 generation) is the talk loop's business. An error on this thread is kept and raised by `next_turn`.
@@ -59,6 +60,16 @@ POLL_SECONDS = 0.02
 # (the devices hand their blocks over in bursts of up to ~60 ms; a wait adds that to the VAD's delay).
 REFERENCE_WAIT_SECONDS = 0.1
 REFERENCE_POLL_SECONDS = 0.005
+# Barge-in counts the voiced frames of one stretch of speech, across the short pauses between words
+# (up to this long): a word of one syllable is shorter than --barge-in-ms, a sentence is not.
+BARGE_GAP_MS = 150
+# It counts only voiced frames of blocks louder than this after cancelling (a voice near the
+# microphone is -40 to -15 dBFS; what the canceller leaves of the echo, when it keeps up, -70 or less)...
+BARGE_FLOOR_DBFS = -50.0
+# ...and, with a canceller, of blocks where it kept at least this share of the microphone's power
+# (measured on speech-like signals: blocks of the user over the echo keep -8 dB median, down to -20 dB
+# where AEC3 damps the user while it also hears echo; echo alone -35 to -70 dB).
+ECHO_KEPT_DB = -25.0
 
 
 @dataclass(frozen=True)
@@ -146,6 +157,10 @@ class Listener:
         self._samples = 0  # stream samples judged
         self._barged = False  # this reply was interrupted (reset at each turn and reply)
         self._stretch_while_speaking = False  # the current stretch of speech began during a reply
+        self._barge_voiced = 0  # voiced frames of the current stretch that passed `_near_end`
+        self._barge_quiet = 0  # unvoiced frames in a row since (a longer run than BARGE_GAP_MS ends it)
+        # `_near_end` of the last blocks (a VAD frame spans up to three 10 ms blocks).
+        self._loud: collections.deque = collections.deque(maxlen=3)
         self._new_turn(0)
 
     # -- the stream and the thread -----------------------------------------------------------------
@@ -226,12 +241,27 @@ class Listener:
         import numpy as np
 
         clean = self._echo.process(block, self._take_reference(block.shape[0]))
+        level = dbfs(float(np.mean(np.square(clean, dtype=np.float64)))) if clean.shape[0] else -120.0
         if self.on_level is not None and clean.shape[0]:
-            self.on_level(dbfs(float(np.mean(np.square(clean, dtype=np.float64)))))
+            self.on_level(level)
+        self._loud.append(self._near_end(block, level))
         self._audio.append(clean)
         self._samples += clean.shape[0]
         for speech in self._vad.feed(clean):
             self._frame_flag(speech)
+
+    def _near_end(self, block: "np.ndarray", level: float) -> bool:
+        """Whether this block may hold the user rather than the assistant's echo, for barge-in: its cleaned
+        level is above BARGE_FLOOR_DBFS and, with a canceller, the canceller kept at least ECHO_KEPT_DB of
+        the microphone's power (it takes most of a block of echo away, little of the user's voice). The
+        VAD alone will not do: WebRTC's calls a faint harmonic residue of echo, 60 dB down, speech."""
+        import numpy as np
+
+        if level < BARGE_FLOOR_DBFS:
+            return False
+        if self.options.echo == "off" or not block.shape[0]:
+            return True
+        return level - dbfs(float(np.mean(np.square(block, dtype=np.float64)))) >= ECHO_KEPT_DB
 
     def _drain_references(self) -> None:
         while self._refs:
@@ -251,7 +281,16 @@ class Listener:
         ended = endpoint.push(speech)
         if speech and endpoint.voiced == 1:
             self._stretch_while_speaking = self.speaking.is_set()
-        if self.speaking.is_set() and not self._barged and endpoint.voiced * self._vad.frame_ms >= self.options.barge_in_ms:
+        # Voiced frames of this stretch that may be the user's (any of the blocks the frame ended in).
+        if not speech:
+            self._barge_quiet += 1
+            if self._barge_quiet * self._vad.frame_ms > BARGE_GAP_MS:
+                self._barge_voiced = 0
+        else:
+            self._barge_quiet = 0
+            if any(self._loud):
+                self._barge_voiced += 1
+        if self.speaking.is_set() and not self._barged and self._barge_voiced * self._vad.frame_ms >= self.options.barge_in_ms:
             self._barged = True
             self.barge_ins.append(time.perf_counter())
             if self.on_barge_in is not None:
@@ -310,6 +349,7 @@ class Listener:
     def reply_started(self) -> None:
         """The talk loop starts a reply: speech from now on must reach barge_in_ms, and may interrupt it."""
         self._barged = False
+        self._barge_voiced = self._barge_quiet = 0
         self._refs.append(None)  # the reply's speaker stream is placed afresh on the microphone's clock
         self.speaking.set()
 
