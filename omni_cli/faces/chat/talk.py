@@ -166,17 +166,20 @@ class TalkMode:
         figures = ReplyFigures(turn_ended=time.perf_counter())
         self.figures.append(figures)
         sink = repl.speaker() if not repl.muted and repl.speaker is not None else None
-        barged = threading.Event()
+        barged, handled = threading.Event(), threading.Event()
 
         def barge_in() -> None:  # the listener's thread, as a Ctrl-C handler: sound off, generation off
             if barged.is_set():
                 return
-            barged.set()
             figures.barge_in = time.perf_counter()
-            if sink is not None:
-                sink.abort()
-            figures.silenced = time.perf_counter()
-            repl.assistant.interrupt()
+            barged.set()
+            try:
+                if sink is not None:
+                    sink.abort()
+                figures.silenced = time.perf_counter()
+                repl.assistant.interrupt()
+            finally:
+                handled.set()
 
         if sink is not None:
             rate = repl.assistant.sample_rate
@@ -198,6 +201,8 @@ class TalkMode:
             if sink is not None:
                 sink.abort()  # a no-op after a normal close
             self._end_text(bool(pieces))
+        if barged.is_set():
+            handled.wait(timeout=2.0)  # the speaker's abort may still be under way on the listener's thread
         if sink is not None:
             figures.first_sound = sink.first_sound_time
             figures.played = sink.played / max(1, sink.sample_rate or 1)
@@ -215,6 +220,8 @@ class TalkMode:
             repl.error(OmniError("the reply ended without its end (no Done event)"))
             return None
         figures.kept = reply.text
+        if repl.verbose and figures.first_sound is not None and figures.turn_ended is not None:
+            repl.say(f"first sound {_ms(figures.first_sound, figures.turn_ended)} ms after the turn ended")
         repl.attached.append(clip)
         repl._record("", reply, sink, dict(reply.stats))
         return None
@@ -265,6 +272,13 @@ class TalkMode:
         repl.replies += 1
         repl.say(f"interrupted: kept {len(figures.kept.split())} of {len(figures.text.split())} words "
                  f"({figures.played:.1f} of {figures.made:.1f} s heard)")
+        if repl.verbose and figures.barge_in is not None:
+            repl.say(f"barge-in: sound off {_ms(figures.silenced, figures.barge_in)} ms, reply stopped "
+                     f"{_ms(figures.stopped, figures.barge_in)} ms after the speech was long enough")
+
+
+def _ms(later: float | None, earlier: float) -> str:
+    return "?" if later is None else f"{(later - earlier) * 1000:.0f}"
 
 
 def _stdin_closed() -> bool:
