@@ -102,6 +102,22 @@ def test_speech_when_no_reply_runs_is_a_turn_without_barge_in():
     assert heard.barge_times == [] and heard.turns.qsize() == 1
 
 
+def test_silero_ends_a_turn_in_noise_where_webrtc_keeps_it_open():
+    """scripts/measure_talk.py's finding on one clip: in pink noise at 5 dB SNR WebRTC's VAD hears speech
+    in the noise and never ends the turn; Silero's ends it after the speech and end_silence_ms."""
+    from speechlike import at_snr, noise
+
+    speech = np.concatenate([silence(0.5), utterance(5, seed=11)])
+    clip = np.concatenate([speech, silence(3.0)])
+    clip = at_snr(clip, noise(clip.shape[0] / RATE + 1, seed=2), 5.0)
+    turns = {}
+    for kind in ("webrtc", "silero"):
+        heard = listener(echo="off", vad=kind, end_silence_ms=800)
+        play(heard, clip)
+        turns[kind] = heard.turns.qsize()
+    assert turns == {"webrtc": 0, "silero": 1}
+
+
 def assistant_voice(seconds: float, seed: int) -> np.ndarray:
     """A reply's speech at 24 kHz (speech-like, as loud as a spoken reply)."""
     import soxr

@@ -9,7 +9,10 @@ speaker played over the same stretch of time. The block is cut into 10 ms frames
   (`livekit.rtc.AudioProcessingModule`; no network, no room: only its local FFI library is used). It
   estimates the echo's delay itself, which matters here: what the speaker's callback hands out reaches
   the microphone after the device's buffers and the room, a delay this module cannot know.
-  What it leaves of the echo is measured by scripts/measure_talk.py (docs there and in the report).
+  Measured (scripts/measure_talk.py echo; ten speech-like replies, echo at half level): ERLE from
+  11-12 dB in the first reply to 43-64 dB once converged, median 37-39 dB, for echo 60 or 260 ms late;
+  libspeexdsp's canceller (500 ms filter) on the same signals: median 12-18 dB, and it needs a system
+  library. It does let syllable onsets through at times (one false interruption in ten such replies).
 - "off" (`--headphones`): passes the microphone through; no reference is needed.
 
 It knows nothing of devices, threads or the VAD. `livekit` is imported only when "webrtc" is asked for,

@@ -136,6 +136,9 @@ class Listener:
         # perf_counter() of each barge-in, and stretches dropped as too short while speaking.
         self.barge_ins: list[float] = []
         self.dropped = 0
+        # For each barge-in: seconds of microphone audio from the first counted frame of its speech to it.
+        self.barge_in_after: list[float] = []
+        self._barge_from = 0
         self.overflows = 0
         self._vad = make_vad(self.options.vad, self.rate, mode=self.options.vad_mode,
                              threshold=self.options.silero_threshold)
@@ -289,10 +292,13 @@ class Listener:
         else:
             self._barge_quiet = 0
             if any(self._loud):
+                if self._barge_voiced == 0:
+                    self._barge_from = self._samples
                 self._barge_voiced += 1
         if self.speaking.is_set() and not self._barged and self._barge_voiced * self._vad.frame_ms >= self.options.barge_in_ms:
             self._barged = True
             self.barge_ins.append(time.perf_counter())
+            self.barge_in_after.append((self._samples - self._barge_from) / self.rate)
             if self.on_barge_in is not None:
                 self.on_barge_in()
         limit = endpoint.frames * self._frame >= self.options.max_seconds * self.rate

@@ -18,6 +18,7 @@ It knows no device, no model and no terminal; only `SileroVad` imports torch, an
 
 from __future__ import annotations
 
+import warnings
 from typing import TYPE_CHECKING
 
 from ..errors import AudioDeviceError, UsageError
@@ -132,7 +133,9 @@ class SileroVad:
         import numpy as np
 
         self._torch = torch
-        self._model = load_silero_vad()  # from the package's own files: no download
+        with warnings.catch_warnings():  # its loader's own deprecations (importlib.resources, torch.jit): not ours
+            warnings.simplefilter("ignore", DeprecationWarning)
+            self._model = load_silero_vad()  # from the package's own files: no download
         self.threshold = float(threshold)
         self.rate = SILERO_RATE
         self.frame = SILERO_FRAME

@@ -273,8 +273,10 @@ class TalkMode:
         repl.say(f"interrupted: kept {len(figures.kept.split())} of {len(figures.text.split())} words "
                  f"({figures.played:.1f} of {figures.made:.1f} s heard)")
         if repl.verbose and figures.barge_in is not None:
+            heard = self.listener.barge_in_after[-1:] if self.listener is not None else []
             repl.say(f"barge-in: sound off {_ms(figures.silenced, figures.barge_in)} ms, reply stopped "
-                     f"{_ms(figures.stopped, figures.barge_in)} ms after the speech was long enough")
+                     f"{_ms(figures.stopped, figures.barge_in)} ms after the speech was long enough"
+                     + (f" ({heard[0] * 1000:.0f} ms of the microphone's audio from its start)" if heard else ""))
 
 
 def _ms(later: float | None, earlier: float) -> str:
