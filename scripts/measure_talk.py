@@ -82,7 +82,7 @@ def part_room() -> None:
     heard = lines[2]["t"] + lines[2]["queued_s"]
     print(f"room: speech start -> the reply's last sound in the room: {(ends[1]['at'] - heard) * 1000:.0f} ms "
           f"(--barge-in-ms 300 of it)")
-    m = re.search(r"barge-in: sound off (\S+) ms, reply stopped (\S+) ms.*?(?:\((\d+) ms of the microphone)?$",
+    m = re.search(r"barge-in: sound off (\S+) ms, reply stopped (\S+) ms[^(\n]*(?:\((\d+) ms of the microphone)?",
                   run["err"], re.M)
     print(f"room: barge-in decided -> sound off {m[1] if m else '?'} ms, -> reply stopped (stream ended, engine "
           f"threads stopped) {m[2] if m else '?'} ms; first counted voiced frame -> decision "
