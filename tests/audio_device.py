@@ -390,3 +390,43 @@ def alsa_capture_device(folder: Path, wav: Path, paced: bool = True, pad_seconds
         "}\n"
     )
     return {"ALSA_CONFIG_PATH": str(conf)}, captured
+
+
+def room_device(folder: Path, rate: int = 16000) -> dict:
+    """A full-duplex default device for tests/room.py: playback into FOLDER/spk.fifo (24 kHz float32 as the
+    speaker opens it), capture from FOLDER/mic.fifo (the app's own format: `rate` float32, 16 kHz in talk
+    mode), paced at that rate by CAPTURE_READER, which takes the capture's copy.
+    The FIFOs are made here; the room process opens both ends' other side. The environment is returned."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in ("spk.fifo", "mic.fifo"):
+        if not (folder / name).exists():
+            os.mkfifo(folder / name)
+    reader = folder / "capture_reader.py"
+    reader.write_text(CAPTURE_READER)
+    conf = folder / "asound-room.conf"
+    conf.write_text(
+        "pcm.spk {\n"
+        "    type file\n"
+        "    slave.pcm { type null }\n"
+        f"    file \"{folder / 'spk.fifo'}\"\n"
+        "    format \"raw\"\n"
+        # true: an existing file is opened as it is (a FIFO is not truncated); false would make a new
+        # file beside it, spk.fifo.0001, unpaced.
+        "    truncate true\n"
+        "}\n"
+        "pcm.mic {\n"
+        "    type file\n"
+        "    slave.pcm { type null }\n"
+        f"    file \"|{sys.executable} {reader} /dev/null {rate}\"\n"
+        f"    infile \"{folder / 'mic.fifo'}\"\n"
+        "    format \"raw\"\n"
+        "    truncate false\n"
+        "}\n"
+        "pcm.!default {\n"
+        "    type asym\n"
+        "    playback.pcm \"spk\"\n"
+        "    capture.pcm \"mic\"\n"
+        "}\n"
+    )
+    return {"ALSA_CONFIG_PATH": str(conf)}

@@ -179,6 +179,7 @@ TIERS: dict[str, str | tuple[str, dict[str, str]]] = {
                               "test_an_oserror_naming_a_file_is_one_line": "unit"}),
     "test_terminal_text.py": "cli",
     "test_graph_policy.py": "model",
+    "test_heard.py": "unit",
     "test_ownership.py": "cli",
     "test_paths.py": "unit",
     "test_pcm16.py": "unit",
@@ -236,6 +237,8 @@ TIERS: dict[str, str | tuple[str, dict[str, str]]] = {
     "test_tiers.py": "unit",
     "test_tiny_assets.py": "model",
     "test_tiny_qwen3_assets.py": "model",
+    "test_talk.py": ("unit", {"test_three_spoken_turns_the_second_reply_cut_by_speech": "e2e",
+                              "test_the_second_reply_stops_soon_after_the_speech_starts": "e2e"}),
     "test_tmux.py": "e2e",
     "test_vocoder.py": "model",
 }

@@ -115,7 +115,7 @@ class SilentMicrophone(OmniError):
 # -- devices -----------------------------------------------------------------------------------
 
 
-def _sounddevice(hint: str) -> Any:
+def sounddevice_for_recording(hint: str) -> Any:
     """sounddevice, imported now (PortAudio reads the sound setup here); errors say "record"."""
     try:
         return speaker.import_sounddevice(hint)  # looked up now: one place to replace it (tests)
@@ -125,7 +125,7 @@ def _sounddevice(hint: str) -> Any:
 
 def input_devices(sd: Any = None, hint: str = RECORD_HINT) -> list[dict]:
     """The input devices PortAudio sees: dicts with index, name, hostapi, channels, samplerate, default."""
-    return devices_of_kind("input", sd if sd is not None else _sounddevice(hint), hint)
+    return devices_of_kind("input", sd if sd is not None else sounddevice_for_recording(hint), hint)
 
 
 def _listing(devices: list[dict]) -> str:
@@ -307,7 +307,7 @@ def record(options: RecordOptions | None = None, stop: threading.Event | None = 
     stops the stream and re-raises the KeyboardInterrupt with all the device delivered, untrimmed, as
     its `clip` attribute (an empty clip if none came yet). `backend` replaces the sounddevice module (tests)."""
     options = options if options is not None else RecordOptions()
-    sd = backend if backend is not None else _sounddevice(hint)
+    sd = backend if backend is not None else sounddevice_for_recording(hint)
     device = find_input_device(options.device, sd, hint)
     rate = int(options.sample_rate or device["samplerate"] or 16000)
     turn = _Turn(options, rate, on_level)
@@ -317,11 +317,11 @@ def record(options: RecordOptions | None = None, stop: threading.Event | None = 
         _start(stream, device, hint)
         ended = _drain(stream, turn, stop, device, hint)
     except KeyboardInterrupt as exc:
-        _close(stream)  # first: then nothing more arrives
+        close_input(stream)  # first: then nothing more arrives
         exc.clip = turn.clip("interrupted", trim=False, everything=True)  # type: ignore[attr-defined]
         raise
     finally:
-        _close(stream)
+        close_input(stream)
     if turn.overflows:
         log.warning("the microphone dropped input %d times (the machine was too busy to take it)", turn.overflows)
     why = turn.silence()
@@ -364,7 +364,7 @@ def _drain(stream: Any, turn: _Turn, stop: threading.Event | None, device: dict,
             raise AudioDeviceError(f"the audio device '{device['name']}' stopped recording (was it unplugged?); {hint}")
 
 
-def _close(stream: Any) -> None:
+def close_input(stream: Any) -> None:
     """Stop at once (input needs no draining) and close; never raises; None or a closed stream: nothing."""
     if stream is None or getattr(stream, "closed", False):
         return

@@ -14,7 +14,7 @@ from __future__ import annotations
 import collections
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Callable, Literal
 
 from ..config import SAMPLE_RATE
 from ..errors import AudioDeviceError, UsageError
@@ -238,6 +238,9 @@ class SpeakerSink(SinkBase):
         self.abort_time: float | None = None
         # time.perf_counter() when abort() had stopped the stream (the sound is off from then on).
         self.silent_time: float | None = None
+        # Called on the audio thread with a copy of every buffer handed to the device, silence included
+        # (so it keeps time): the echo canceller's reference in talk mode. It must only queue the copy.
+        self.tap: Callable[[np.ndarray], None] | None = None
 
     # -- the stream ----------------------------------------------------------------------------
     def open(self, sample_rate: int = SAMPLE_RATE) -> None:
@@ -312,6 +315,9 @@ class SpeakerSink(SinkBase):
                     self._dry_frames = 0
             if n < frames:
                 out[n:] = 0
+            if self.tap is not None:
+                self.tap(out.copy())
+            if n < frames:
                 if self._eof:
                     raise self._sd.CallbackStop  # this buffer still plays; then finished_callback
                 # Counted when the sound resumes: a spell that the end of input follows is no gap.

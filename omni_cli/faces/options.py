@@ -249,3 +249,27 @@ def where_from_flags(model, runtime, server, api_key, local: bool, keep_alive: s
     keep_seconds = 0.0 if local or server else parse_duration(keep_alive)
     return Where(model=model, runtime=runtime, server=server, api_key=api_key, local=local,
                  keep_seconds=keep_seconds, quiet=quiet)
+
+
+# Talk mode (omni-chat --talk, /talk): its flags, and the one place they become audio/listener.ListenOptions.
+TalkOpt = Annotated[bool, typer.Option("--talk", help="Start in talk mode: speak, and the reply is spoken back; "
+                                       "each turn ends when you stop speaking, speech interrupts a reply (barge-in); "
+                                       "Enter leaves talk mode (/talk enters it again).")]
+HeadphonesOpt = Annotated[bool, typer.Option("--headphones", help="Talk mode without echo cancelling (the "
+                                             "speaker cannot reach the microphone): less work, no reference needed.")]
+VadModelOpt = Annotated[str, typer.Option("--vad-model", metavar="webrtc|silero", help="Talk mode's voice-activity "
+                                          "detection: webrtc (light, no torch) or silero (a small neural model from "
+                                          "the silero-vad package, steadier in noise; needs torch).")]
+BargeInOpt = Annotated[int, typer.Option("--barge-in-ms", min=0, max=5000, metavar="MS", help="Talk mode: how much "
+                                         "speech (ms) interrupts a reply; a cough or a click is shorter.")]
+EndSilenceOpt = Annotated[int, typer.Option("--end-silence-ms", min=100, max=10000, metavar="MS", help="Talk mode: "
+                                            "the silence (ms) after speech that ends your turn.")]
+
+
+def listen_options(input_device: str | None, headphones: bool, vad_model: str, barge_in_ms: int,
+                   end_silence_ms: int):
+    """Talk mode's flags as one audio/listener.ListenOptions (a UsageError, exit 2, for a bad value)."""
+    from ..audio.listener import ListenOptions
+
+    return ListenOptions(device=input_device, echo="off" if headphones else "webrtc", vad=vad_model.strip().lower(),
+                         barge_in_ms=barge_in_ms, end_silence_ms=end_silence_ms)

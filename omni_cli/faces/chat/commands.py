@@ -35,6 +35,8 @@ HELP = [
     ("/image [PATH]", "show the model this image with your next message (no PATH: what is attached)"),
     ("/listen", "speak: record from the microphone until you stop talking (or Enter), then send it;"
                 " Ctrl-T on an empty line does the same"),
+    ("/talk", "talk hands-free: each turn ends when you stop speaking, speech interrupts a reply;"
+              " Enter leaves"),
     ('"""', 'begin and end a multi-line message'),
 ]
 
@@ -108,6 +110,16 @@ class Commands(SessionState):
         self.say(f"heard {clip.seconds:.1f} s")
         self.attached.append(clip)  # the microphone's clip, source "microphone"
         self.turn("")
+
+    def cmd_talk(self, arg: str) -> None:
+        """Talk mode (talk.py) with the session's listening options, until Enter."""
+        from ...audio.listener import ListenOptions
+        from .talk import TalkMode
+
+        if arg:
+            raise UsageError("/talk takes no argument (the flags --headphones, --vad-model, --barge-in-ms set it up)")
+        self.talk = TalkMode(self, self.listen_options or ListenOptions())
+        self.talk.run()
 
     def _keep(self, clip) -> Path:
         """Save a recording that could not be sent (a file under the data folder) and return its path."""

@@ -78,6 +78,7 @@ class ChatRepl(Commands, Transcripts):
         piped: bool | None = None,
         wrap: int | bool | None = None,
         record: Any = None,
+        listen: Any = None,
     ) -> None:
         """
         out, err: rich consoles (the answer; everything else).
@@ -116,6 +117,10 @@ class ChatRepl(Commands, Transcripts):
         self.attachments: list[dict] = []
         # /listen's microphone settings (audio/microphone.RecordOptions; None: the defaults).
         self.record_options = record
+        # Talk mode's listening settings (audio/listener.ListenOptions; None: the defaults), and the last
+        # stretch of talk mode (faces/chat/talk.TalkMode: its figures), once there was one.
+        self.listen_options = listen
+        self.talk = None
         # (index in transcript of the reply, float32 audio) for each spoken reply.
         self.speech: list[tuple[int, Any]] = []
         self.last_stats: dict | None = None
@@ -318,6 +323,7 @@ class ChatRepl(Commands, Transcripts):
             "/stats": self.cmd_stats,
             "/audio": self.cmd_audio,
             "/listen": self.cmd_listen,
+            "/talk": self.cmd_talk,
             "/image": self.cmd_image,
         }
         if name not in handlers:

@@ -19,6 +19,7 @@ from .. import connect
 from ..console import consoles, isatty, print_audio_devices, print_text, safe_text_streams
 from ..options import (
     ApiKeyOpt, AttentionKernelOpt, AudioDeviceOpt, CompileOpt, DebugOpt, DeviceOpt, DtypeOpt, GraphsOpt, GreedyOpt, KeepAliveOpt, KernelsOpt, QuantizeOpt, GroupSizeOpt,
+    BargeInOpt, EndSilenceOpt, HeadphonesOpt, TalkOpt, VadModelOpt, listen_options,
     ListDevicesOpt, LocalOpt, MaxCodesOpt, MaxContextOpt, MaxTextOpt, ModelOpt, OneLineErrors, SeedOpt, ServerOpt,
     TemperatureOpt, TopKOpt, TopPOpt, VerboseOpt, VersionOpt, VoiceOpt, make_app, runtime_options, where_from_flags,
 )
@@ -60,6 +61,11 @@ def chat(
     input_device: Annotated[Optional[str], typer.Option("--input-device", metavar="NAME|INDEX", show_default=False, help="The microphone /listen records from (see --list-audio-devices). Default: the system's default input.")] = None,
     input_rate: Annotated[Optional[int], typer.Option("--input-rate", min=8000, max=384000, metavar="HZ", show_default=False, help="The rate /listen records at (default: the device's own).")] = None,
     vad: Annotated[bool, typer.Option("--vad/--no-vad", help="/listen ends the turn when you stop speaking (voice-activity detection); --no-vad: only Enter or the length limit end it.")] = True,
+    talk: TalkOpt = False,
+    headphones: HeadphonesOpt = False,
+    vad_model: VadModelOpt = "webrtc",
+    barge_in_ms: BargeInOpt = 300,
+    end_silence_ms: EndSilenceOpt = 800,
     history_file: Annotated[Optional[Path], typer.Option("--history-file", metavar="FILE", show_default=False, dir_okay=False, help="Where the input history is kept (default: ~/.local/share/omni-cli/chat_history).")] = None,
     no_history: Annotated[bool, typer.Option("--no-history", help="Keep no input history on disk (so does OMNI_NOHISTORY=1).")] = False,
     load: Annotated[Optional[Path], typer.Option(
@@ -84,6 +90,7 @@ def chat(
             print_audio_devices()
             return
         # One options object from the flags, checked before the model loads (a bad --top-p is exit 2 now).
+        listen = listen_options(input_device, headphones, vad_model, barge_in_ms, end_silence_ms)
         options = ReplyOptions(voice=voice, seed=seed, greedy=greedy, max_text_tokens=max_text_tokens,
                                max_codes=max_codes, temperature=temperature, top_p=top_p, top_k=top_k).check()
         where = where_from_flags(model, runtime_options(device, dtype, graphs, compile, max_context, kernels, attention_kernel, quantize=quantize, group_size=group_size), server,
@@ -122,9 +129,11 @@ def chat(
 
         repl = ChatRepl(assistant, out, err, options=options, muted=mute, system=system,
                         speaker=speaker, verbose=verbose, debug=debug,
-                        record=RecordOptions(device=input_device, sample_rate=input_rate, vad=vad))
+                        record=RecordOptions(device=input_device, sample_rate=input_rate, vad=vad), listen=listen)
         if load is not None:
             repl.load_transcript(load)  # an OmniError (one line, exit 2) for a file that is not a transcript
+        if talk:
+            repl.command("/talk")  # an error is one line; the session goes on at the prompt
         if isatty(sys.stdin) and isatty(sys.stdout):
             code = _chat_in_terminal(repl, err, assistant, history_file, no_history)
         else:

@@ -31,6 +31,8 @@ class SessionState:
     shown: list[tuple[str, Any]]
     attachments: list[dict]
     record_options: Any
+    listen_options: Any
+    talk: Any
     speech: list[tuple[int, Any]]
     last_stats: dict | None
     last_playback: dict | None

@@ -1,0 +1,363 @@
+"""The always-open microphone of talk mode: turns found by voice activity, and barge-in while the assistant speaks.
+
+`Listener(options)` opens one PortAudio input stream (16 kHz mono float32 by default) and keeps it open
+for the whole of talk mode, so the microphone hears the user while the speaker plays (full duplex: the
+speaker's output stream is another stream, opened per reply). The stream's callback only copies each
+block onto a list; the listener's own thread takes them in order and, for each:
+
+1. cancels the echo (audio/echo.py) with what the speaker played as the reference: `reference(block,
+   rate)` is the speaker's tap (`SpeakerSink.tap`), called on the audio thread; it only queues the copy,
+   and this thread resamples it to the microphone's rate and takes as many reference samples as the
+   microphone block has (silence when none is queued: nothing is playing);
+2. measures the level (`on_level(dbfs)`, once per block, for the live meter);
+3. runs the VAD (WebRTC's or Silero's, audio/vad.py) and the turn `Endpoint`.
+
+A turn (speech of at least `min_speech_ms`, then `end_silence_ms` of silence) becomes an AudioClip on
+`turns`, from a short pre-roll before its first voiced frame to a short tail after its last one. While
+`speaking` is set (the talk loop sets it for a whole reply: thinking and speaking), a stretch of speech
+must reach `barge_in_ms` of voiced frames (pauses of up to BARGE_GAP_MS between words bridged; only
+frames that pass `_near_end`: loud enough, and not what the canceller took for echo): then
+`on_barge_in()` is called on this thread, once, and the turn that follows is kept; a shorter stretch
+heard then (a cough, a click, residual echo) is dropped, so it neither interrupts nor becomes a turn.
+
+It knows no model, no terminal and no reply: what a barge-in does (silence the speaker, stop the
+generation) is the talk loop's business. An error on this thread is kept and raised by `next_turn`.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import math
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
+
+from ..errors import AudioDeviceError, UsageError
+from ..media import AudioClip
+from .echo import ECHO_KINDS, make_echo_canceller
+from .microphone import (
+    RECORD_HINT,
+    close_input,
+    dbfs,
+    find_input_device,
+    sounddevice_for_recording,
+)
+from .reference import ReferenceLine
+from .sinks import failure_reason
+from .vad import VAD_KINDS, Endpoint, make_vad
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    import numpy as np
+
+log = logging.getLogger(__name__)
+
+# The worker waits at most this long for a block before it looks at `closing` again (seconds).
+POLL_SECONDS = 0.02
+# While a reply plays, a microphone block waits at most this long for the speaker's reference for it
+# (the devices hand their blocks over in bursts of up to ~60 ms; a wait adds that to the VAD's delay).
+REFERENCE_WAIT_SECONDS = 0.1
+REFERENCE_POLL_SECONDS = 0.005
+# Barge-in counts the voiced frames of one stretch of speech, across the short pauses between words
+# (up to this long): a word of one syllable is shorter than --barge-in-ms, a sentence is not.
+BARGE_GAP_MS = 150
+# It counts only voiced frames of blocks louder than this after cancelling (a voice near the
+# microphone is -40 to -15 dBFS; what the canceller leaves of the echo, when it keeps up, -70 or less)...
+BARGE_FLOOR_DBFS = -50.0
+# ...and, with a canceller, of blocks where it kept at least this share of the microphone's power
+# (measured on speech-like signals: blocks of the user over the echo keep -8 dB median, down to -20 dB
+# where AEC3 damps the user while it also hears echo; echo alone -35 to -70 dB).
+ECHO_KEPT_DB = -25.0
+
+
+@dataclass(frozen=True)
+class ListenOptions:
+    """How talk mode listens."""
+
+    # The input device: None = the default; an index; or (part of) its name.
+    device: str | int | None = None
+    # The rate the microphone is opened at: WebRTC's VAD and echo canceller and the audio encoders all
+    # take 16 kHz, so nothing is resampled on the way (a sound server resamples for the device).
+    sample_rate: int = 16000
+    # Which VAD ends turns: "webrtc" (light, no torch) or "silero" (a small neural model; needs torch).
+    vad: str = "webrtc"
+    # WebRTC VAD aggressiveness, 0-3 (3: the least noise taken for speech).
+    vad_mode: int = 3
+    # Silero: a frame is speech from this probability on.
+    silero_threshold: float = 0.5
+    # Silence after speech that ends the turn (ms): longer than the pauses between a speaker's words.
+    end_silence_ms: int = 800
+    # Voiced time that counts as speech when the assistant is quiet (ms).
+    min_speech_ms: int = 200
+    # Voiced time that interrupts the assistant while it speaks (ms): a cough or a click is shorter.
+    barge_in_ms: int = 300
+    # The echo canceller: "webrtc" (WebRTC's AEC3) or "off" (headphones: no echo to cancel).
+    echo: str = "webrtc"
+    # Kept before the first voiced frame and after the last one (ms): the VAD hears a word late.
+    pre_roll_ms: int = 300
+    tail_ms: int = 300
+    # The longest turn (seconds): it ends there, whatever is heard.
+    max_seconds: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.vad not in VAD_KINDS:
+            raise UsageError(f"unknown VAD '{self.vad}': choose {' or '.join(VAD_KINDS)}")
+        if self.echo not in ECHO_KINDS:
+            raise UsageError(f"unknown echo canceller '{self.echo}': choose {' or '.join(ECHO_KINDS)}")
+        if self.vad_mode not in (0, 1, 2, 3):
+            raise UsageError(f"the VAD mode must be 0, 1, 2 or 3, not {self.vad_mode}")
+        for name in ("end_silence_ms", "min_speech_ms", "barge_in_ms", "pre_roll_ms", "tail_ms"):
+            if getattr(self, name) < 0:
+                raise UsageError(f"{name} must not be negative (got {getattr(self, name)})")
+        if not self.max_seconds > 0:
+            raise UsageError(f"the longest turn must be more than 0 s (got {self.max_seconds})")
+        if self.sample_rate not in (8000, 16000, 32000, 48000):
+            raise UsageError(f"talk mode listens at 8, 16, 32 or 48 kHz, not {self.sample_rate} Hz")
+
+
+class Listener:
+    """See the module docstring. `start()`, then `next_turn()` as often as wanted, then `close()`."""
+
+    def __init__(self, options: ListenOptions | None = None, *, on_level: Callable[[float], None] | None = None,
+                 backend: Any = None, hint: str = RECORD_HINT) -> None:
+        self.options = options if options is not None else ListenOptions()
+        self.rate = self.options.sample_rate
+        self.on_level = on_level
+        self.hint = hint
+        self._sd = backend
+        # Set by the talk loop for the whole of a reply: speech then must reach barge_in_ms.
+        self.speaking = threading.Event()
+        # Called on this listener's thread when speech interrupts a reply (at most once per reply).
+        self.on_barge_in: Callable[[], None] | None = None
+        # Finished turns, oldest first.
+        self.turns: "queue.Queue[AudioClip]" = queue.Queue()
+        # perf_counter() of each barge-in, and stretches dropped as too short while speaking.
+        self.barge_ins: list[float] = []
+        self.dropped = 0
+        # For each barge-in: seconds of microphone audio from the first counted frame of its speech to it.
+        self.barge_in_after: list[float] = []
+        self._barge_from = 0
+        self.overflows = 0
+        self._vad = make_vad(self.options.vad, self.rate, mode=self.options.vad_mode,
+                             threshold=self.options.silero_threshold)
+        self._echo = make_echo_canceller(self.options.echo, self.rate)
+        self._frame = round(self._vad.frame_ms * self.rate / 1000)  # samples a VAD flag stands for
+        # (block, perf_counter() at arrival) from the stream's callback; deque append/popleft are atomic.
+        self._arrived: collections.deque = collections.deque()
+        self._wake = threading.Event()
+        # (block, rate, microphone samples delivered then) from the speaker's tap; None: a new stream.
+        self._refs: collections.deque = collections.deque()
+        self._reference = ReferenceLine(self.rate)
+        self._delivered = 0  # microphone samples the stream's callback has handed over
+        self._closing = threading.Event()
+        self._error: BaseException | None = None
+        self._stream: Any = None
+        self._thread: threading.Thread | None = None
+        self._audio: list = []  # what was heard (echo cancelled) since self._audio_start
+        self._audio_start = 0  # stream sample of self._audio's first sample
+        self._samples = 0  # stream samples judged
+        self._barged = False  # this reply was interrupted (reset at each turn and reply)
+        self._stretch_while_speaking = False  # the current stretch of speech began during a reply
+        self._barge_voiced = 0  # voiced frames of the current stretch that passed `_near_end`
+        self._barge_quiet = 0  # unvoiced frames in a row since (a longer run than BARGE_GAP_MS ends it)
+        # `_near_end` of the last blocks (a VAD frame spans up to three 10 ms blocks).
+        self._loud: collections.deque = collections.deque(maxlen=3)
+        self._new_turn(0)
+
+    # -- the stream and the thread -----------------------------------------------------------------
+    def start(self) -> None:
+        sd = self._sd if self._sd is not None else sounddevice_for_recording(self.hint)
+        device = find_input_device(self.options.device, sd, self.hint)
+        try:
+            self._stream = sd.InputStream(samplerate=self.rate, channels=1, dtype="float32", device=device["index"],
+                                          blocksize=self.rate // 100, callback=self._callback)
+            self._stream.start()
+        except Exception as exc:
+            close_input(self._stream)
+            raise AudioDeviceError(f"cannot record from audio device '{device['name']}': {failure_reason(exc)}; "
+                                   f"{self.hint}") from exc
+        self._thread = threading.Thread(target=self._run, name="omni-listener", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._closing.set()
+        close_input(self._stream)  # first: then nothing more arrives
+        if self._thread is not None:
+            self._thread.join(timeout=2.0)
+
+    def _callback(self, indata, frames, time_info, status) -> None:
+        # PortAudio's thread: copy and hand over, nothing else.
+        self._arrived.append((indata[:, 0].copy(), time.perf_counter()))
+        self._delivered += frames
+        self._wake.set()
+        if status and status.input_overflow:
+            self.overflows += 1
+
+    def reference(self, block: "np.ndarray", rate: int) -> None:
+        """What the speaker played (its tap, on the audio thread): queued for the echo canceller."""
+        self._refs.append((block, rate, self._delivered))
+        self._wake.set()  # a microphone block may be waiting for it
+
+    def next_turn(self, stop: threading.Event | None = None) -> AudioClip | None:
+        """The next finished turn; None once `stop` is set. Raises what failed on the listener's thread."""
+        while True:
+            if self._error is not None:
+                raise self._error
+            if stop is not None and stop.is_set():
+                return None
+            try:
+                return self.turns.get(timeout=POLL_SECONDS)
+            except queue.Empty:
+                if self._thread is not None and not self._thread.is_alive() and self._error is None:
+                    raise AudioDeviceError(f"the microphone stopped listening; {self.hint}")
+
+    def _run(self) -> None:
+        try:
+            while not self._closing.is_set():
+                if self._arrived and self._ready(*self._arrived[0]):
+                    self.feed(self._arrived.popleft()[0])
+                    continue
+                self._wake.wait(POLL_SECONDS if not self._arrived else REFERENCE_POLL_SECONDS)
+                self._wake.clear()
+                if not self._arrived and self._stream is not None and not self._stream.active:
+                    raise AudioDeviceError(f"the microphone stopped recording (was it unplugged?); {self.hint}")
+        except BaseException as exc:  # noqa: BLE001 - carried to the talk loop's thread
+            self._error = exc
+
+    def _ready(self, block: "np.ndarray", arrived: float) -> bool:
+        """Whether a block may be judged now: while a reply plays, once the speaker's reference for it has
+        come (the two devices' blocks come in uneven bursts), or it has waited REFERENCE_WAIT_SECONDS
+        (then the missing part is taken as silence; nothing after it shifts: reference.py)."""
+        if not self.speaking.is_set():
+            return True
+        self._drain_references()
+        end = self._reference.placed_end()
+        if end is None or end >= self._samples + block.shape[0]:
+            return True
+        return time.perf_counter() - arrived >= REFERENCE_WAIT_SECONDS
+
+    # -- one block ----------------------------------------------------------------------------------
+    def feed(self, block: "np.ndarray") -> None:
+        """Judge one microphone block (the worker's step; tests call it directly)."""
+        import numpy as np
+
+        clean = self._echo.process(block, self._take_reference(block.shape[0]))
+        level = dbfs(float(np.mean(np.square(clean, dtype=np.float64)))) if clean.shape[0] else -120.0
+        if self.on_level is not None and clean.shape[0]:
+            self.on_level(level)
+        self._loud.append(self._near_end(block, level))
+        self._audio.append(clean)
+        self._samples += clean.shape[0]
+        for speech in self._vad.feed(clean):
+            self._frame_flag(speech)
+
+    def _near_end(self, block: "np.ndarray", level: float) -> bool:
+        """Whether this block may hold the user rather than the assistant's echo, for barge-in: its cleaned
+        level is above BARGE_FLOOR_DBFS and, with a canceller, the canceller kept at least ECHO_KEPT_DB of
+        the microphone's power (it takes most of a block of echo away, little of the user's voice). The
+        VAD alone will not do: WebRTC's calls a faint harmonic residue of echo, 60 dB down, speech."""
+        import numpy as np
+
+        if level < BARGE_FLOOR_DBFS:
+            return False
+        if self.options.echo == "off" or not block.shape[0]:
+            return True
+        return level - dbfs(float(np.mean(np.square(block, dtype=np.float64)))) >= ECHO_KEPT_DB
+
+    def _drain_references(self) -> None:
+        while self._refs:
+            item = self._refs.popleft()
+            if item is None:
+                self._reference.new_stream()
+            else:
+                self._reference.add(*item)
+
+    def _take_reference(self, n: int) -> "np.ndarray":
+        """The reference for the next `n` microphone samples (reference.py says why by position)."""
+        self._drain_references()
+        return self._reference.take(self._samples, n)
+
+    def _frame_flag(self, speech: bool) -> None:
+        endpoint = self._endpoint
+        ended = endpoint.push(speech)
+        if speech and endpoint.voiced == 1:
+            self._stretch_while_speaking = self.speaking.is_set()
+        # Voiced frames of this stretch that may be the user's (any of the blocks the frame ended in).
+        if not speech:
+            self._barge_quiet += 1
+            if self._barge_quiet * self._vad.frame_ms > BARGE_GAP_MS:
+                self._barge_voiced = 0
+        else:
+            self._barge_quiet = 0
+            if any(self._loud):
+                if self._barge_voiced == 0:
+                    self._barge_from = self._samples
+                self._barge_voiced += 1
+        if self.speaking.is_set() and not self._barged and self._barge_voiced * self._vad.frame_ms >= self.options.barge_in_ms:
+            self._barged = True
+            self.barge_ins.append(time.perf_counter())
+            self.barge_in_after.append((self._samples - self._barge_from) / self.rate)
+            if self.on_barge_in is not None:
+                self.on_barge_in()
+        limit = endpoint.frames * self._frame >= self.options.max_seconds * self.rate
+        if ended or (limit and endpoint.heard):
+            self._finish("silence" if ended else "limit")
+        elif not endpoint.heard and endpoint.voiced == 0:
+            self._forget()
+
+    def _finish(self, ended_by: str) -> None:
+        """The turn ended: queued as a clip, unless it was a short stretch heard while the assistant spoke."""
+        import numpy as np
+
+        endpoint = self._endpoint
+        frames_end = endpoint.frames
+        if self._stretch_while_speaking and not self._barged:
+            self.dropped += 1
+        else:
+            pcm = np.concatenate(self._audio) if self._audio else np.zeros(0, np.float32)
+            start = self._base + endpoint.speech_start * self._frame - round(self.options.pre_roll_ms * self.rate / 1000)
+            end = self._base + endpoint.speech_end * self._frame + round(self.options.tail_ms * self.rate / 1000)
+            lo = max(0, start - self._audio_start)
+            hi = min(pcm.shape[0], end - self._audio_start)
+            speech_end = (endpoint.speech_end * self._frame + self._base - self._audio_start - lo) / self.rate
+            clip = AudioClip(pcm=pcm[lo:hi].copy(), sample_rate=self.rate, source="microphone", ended_by=ended_by,
+                             recorded_seconds=(hi - lo) / self.rate, speech_end=speech_end)
+            self.turns.put(clip)
+        self._new_turn(self._base + frames_end * self._frame)
+
+    def _new_turn(self, base: int) -> None:
+        """A fresh endpoint whose frame 0 is sample `base` of the stream."""
+        o = self.options
+        frame_ms = self._vad.frame_ms
+        self._endpoint = Endpoint(math.ceil(o.min_speech_ms / frame_ms), math.ceil(o.end_silence_ms / frame_ms))
+        self._base = base
+        self._barged = False
+        self._stretch_while_speaking = False
+        self._forget()
+
+    def _forget(self) -> None:
+        """Nothing is being said: keep only the pre-roll of what was heard (memory stays bounded)."""
+        import numpy as np
+
+        keep = round(self.options.pre_roll_ms * self.rate / 1000) + self._frame
+        held = self._samples - self._audio_start
+        if held > 4 * keep and self._audio:
+            pcm = np.concatenate(self._audio)[-keep:]
+            self._audio = [pcm]
+            self._audio_start = self._samples - pcm.shape[0]
+
+    def barged(self) -> bool:
+        """Whether speech has interrupted the reply running now (reset by `reply_started`)."""
+        return self._barged
+
+    def reply_started(self) -> None:
+        """The talk loop starts a reply: speech from now on must reach barge_in_ms, and may interrupt it."""
+        self._barged = False
+        self._barge_voiced = self._barge_quiet = 0
+        self._refs.append(None)  # the reply's speaker stream is placed afresh on the microphone's clock
+        self.speaking.set()
+
+    def reply_ended(self) -> None:
+        self.speaking.clear()
