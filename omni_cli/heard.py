@@ -8,7 +8,12 @@ It knows: the reply's text pieces in order (one per text token, as a stream give
 its audio made and played, and optionally the talker's steps per second. It assumes an even speaking
 rate over the audio made — no engine gives per-token audio positions — and that a talker step carries
 at most one text token (Qwen2.5-Omni feeds text token i at talker step i), so s steps of audio were
-made from at most s tokens. It does not know tokenizers, models, sinks or devices; no torch.
+made from at most s tokens. The text runs ahead of the audio (the thinker is faster than speech): of a
+cut reply whose text was all written while a third of its speech was made, the played share of the
+audio made is not the played share of the text. So the pieces kept are also held to a speaking rate,
+SPOKEN_PIECES_PER_SECOND of audio played (speech carries ~3-4 English tokens, ~4-5 Chinese characters,
+a second; the cap is set above both, so that it cuts only text that cannot have been spoken yet).
+It does not know tokenizers, models, sinks or devices; no torch.
 """
 
 from __future__ import annotations
@@ -17,7 +22,11 @@ import math
 from collections.abc import Sequence
 
 
-def heard_text(pieces: Sequence[str], played: float, made: float, steps_per_second: float | None = None) -> str:
+SPOKEN_PIECES_PER_SECOND = 6.0
+
+
+def heard_text(pieces: Sequence[str], played: float, made: float, steps_per_second: float | None = None,
+               pieces_per_second: float | None = SPOKEN_PIECES_PER_SECOND) -> str:
     """The text that `played` seconds of a reply's `made` seconds of audio carried.
 
     The pieces kept are the played share of the audio made (`played / made`), never more than the
@@ -26,6 +35,8 @@ def heard_text(pieces: Sequence[str], played: float, made: float, steps_per_seco
     if not pieces or made <= 0 or played <= 0:
         return ""
     keep = _pieces_played(len(pieces), played, made, steps_per_second)
+    if pieces_per_second:
+        keep = min(keep, math.floor(played * pieces_per_second))
     if keep >= len(pieces):
         return "".join(pieces)
     text = "".join(pieces[:keep])

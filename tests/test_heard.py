@@ -32,8 +32,17 @@ def test_the_played_share_of_pieces_is_kept_up_to_a_whole_word():
 
 def test_never_more_pieces_than_talker_steps_played():
     # All the audio made was played, but only 0.07 s of it at 50 steps/s: 3 steps carry at most 3 tokens.
-    assert heard_text(PIECES, played=0.07, made=0.07, steps_per_second=50) == "Hello there,"
-    assert heard_text(PIECES, played=0.07, made=0.07) == "".join(PIECES)  # without the cap: all
+    assert heard_text(PIECES, played=0.07, made=0.07, steps_per_second=50, pieces_per_second=None) == "Hello there,"
+    assert heard_text(PIECES, played=0.07, made=0.07, pieces_per_second=None) == "".join(PIECES)  # no cap: all
+
+
+def test_text_written_ahead_of_the_speech_is_held_to_a_speaking_rate():
+    """A reply whose 60 text pieces were all written while 2 s of its speech were made, cut after 1 s
+    played: half the audio made, but not half the text (30 pieces in a second): at most 6 a second."""
+    pieces = [f" w{i}" for i in range(60)]
+    kept = heard_text(pieces, played=1.0, made=2.0)
+    assert kept == "".join(pieces[:6])
+    assert heard_text(pieces, played=1.0, made=2.0, pieces_per_second=None) == "".join(pieces[:30])
 
 
 def test_one_long_word_half_played_is_nothing():
