@@ -182,18 +182,21 @@ def picked_gemv(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, *, weights:
 # --- one-token attention ----------------------------------------------------------------------------
 
 # Rows one program reads in turn. A longer span is split over programs (flash-decoding): its rows in
-# parts of ATTEND_SPLIT_ROWS, one program per query head and part, each with its own softmax statistics,
-# then one program per head joins the parts. H200, bfloat16, µs a call (scripts/attend_bench.py --spans,
-# benchmarks/results/2026-12-03-h200-attend-spans.jsonl), Qwen3-Omni's thinker (32 heads / 4): one program
-# a head 6.4 / 21.6 / 41 / 81 at spans 256 / 1,024 / 2,048 / 4,096; split in parts of 128 rows 5.4 / 7.2
-# / 11.5 / 18; the library's attention alone 10.4 / 11.3 / 11.6 / 12.6, beside the four kernels around
-# it that this launch also does. Past ~4,096 rows the library reads each key/value head once for its
-# group where these programs read it once per query head (8,192: 33.6 against 15.7 alone); a grouped
-# program would close that.
+# parts, each with its own softmax statistics, then one program per head joins the parts: up to
+# ATTEND_GROUP_FROM rows a program per query head and part of ATTEND_SPLIT_ROWS rows; past it, a program
+# per key/value head and part of ATTEND_GROUP_ROWS rows for the whole group of query heads, which reads
+# the rows once for the group (`_attend_group_kernel`: half-precision caches, head size >= 32; else the
+# per-head parts). H200, bfloat16, µs a call (scripts/attend_bench.py --spans,
+# benchmarks/results/2026-12-03-h200-attend-spans{,-grouped}.jsonl), Qwen3-Omni's thinker (32 heads / 4),
+# spans 256 / 1,024 / 2,048 / 4,096 / 8,192: one program a head 6.4 / 21.5 / 41 / 81 / 160; parts of 128
+# rows a head 5.7 / 7.2 / 11.5 / 18 / 33; groups in parts of 64 rows 6.7 / 7.3 / 7.7 / 9.9 / 15.8; the
+# library's attention alone 10.4 / 11.2 / 11.6 / 12.5 / 15.7, beside the four kernels around it that
+# this launch also does.
 ATTEND_MAX_SPAN = 256
 ATTEND_SPLIT_ROWS = 128
-# A long span's parts read once per key/value head for its group of query heads (`_attend_group_kernel`).
-ATTEND_GROUPED = True
+ATTEND_GROUP_FROM = 1024
+ATTEND_GROUP_ROWS = 64
+ATTEND_GROUPED = True  # a developer's switch (the benchmark's), the groups' kernel where it applies
 
 
 @triton.jit
@@ -358,7 +361,8 @@ def _attend_group_kernel(qkv_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr
         K2 = tl.load(k_base + rows[:, None] * k_row + hi[None, :], mask=old[:, None], other=0.0)
         K1 = tl.where(new, k1.to(dt)[None, :], K1)
         K2 = tl.where(new, k2.to(dt)[None, :], K2)
-        s = (tl.dot(q1, tl.trans(K1)) + tl.dot(q2, tl.trans(K2))) * scale  # [GP, BLOCK_L], float32
+        # float32 (compiled, inductor passes `scale` as a double)
+        s = ((tl.dot(q1, tl.trans(K1)) + tl.dot(q2, tl.trans(K2))) * scale).to(tl.float32)  # [GP, BLOCK_L]
         s = tl.where((rows < last)[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         p = tl.exp(s - m_new[:, None])
@@ -409,8 +413,8 @@ def attend(qkv: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.Tensor 
     per-head norms (when given), RoPE, the new key and value written to the cache at `pos`, and softmax
     attention over the cache's rows 0..pos. qkv [.., (heads + 2 kv) * D] (one row), cos/sin [D] (the row
     of `pos`), keys and values [1, kv, L, D] with rows of D contiguous; returns [heads * D]. A program per
-    query head reads its key/value head's rows in turn; over ATTEND_MAX_SPAN rows, a program per head
-    and part of ATTEND_SPLIT_ROWS rows, then a program per head joins them. A `torch.library` op, so
+    query head reads its key/value head's rows in turn; over ATTEND_MAX_SPAN rows, a program per head (or,
+    past ATTEND_GROUP_FROM, per key/value head) and part, then a program per head joins them. A `torch.library` op, so
     that a compiled step launches it as it is (inductor sees the cache writes)."""
     kv, D = keys.shape[1], keys.shape[-1]
     qkv, cos, sin = qkv.contiguous(), cos.contiguous(), sin.contiguous()
@@ -424,11 +428,13 @@ def attend(qkv: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.Tensor 
             qkv, *norms, cos, sin, keys, values, pos, out, span, eps, scale, *strides, **shape, BLOCK_L=block,
             num_warps=warps)
         return out
-    rows = ATTEND_SPLIT_ROWS
+    grouped = (ATTEND_GROUPED and span > ATTEND_GROUP_FROM and heads > kv and D >= 32
+               and keys.dtype in (torch.bfloat16, torch.float16))
+    rows = ATTEND_GROUP_ROWS if grouped else ATTEND_SPLIT_ROWS
     parts = triton.cdiv(span, rows)
     block, warps = _attend_blocks(rows)
     stats = torch.empty(heads, parts, D + 2, device=qkv.device, dtype=torch.float32)
-    if ATTEND_GROUPED and heads > kv:
+    if grouped:  # tl.dot's operands need 16 rows and columns: the group padded, half a head >= 16
         torch.library.wrap_triton(_attend_group_kernel)[(kv, parts)](
             qkv, *norms, cos, sin, keys, values, pos, stats, span, eps, scale, *strides, parts, **shape, BLOCK_L=block,
             ROWS=rows, GP=max(16, triton.next_power_of_2(heads // kv)), num_warps=warps)
