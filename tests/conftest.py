@@ -179,6 +179,7 @@ TIERS: dict[str, str | tuple[str, dict[str, str]]] = {
                               "test_an_oserror_naming_a_file_is_one_line": "unit"}),
     "test_terminal_text.py": "cli",
     "test_graph_policy.py": "model",
+    "test_heard.py": "unit",
     "test_ownership.py": "cli",
     "test_paths.py": "unit",
     "test_pcm16.py": "unit",
