@@ -46,7 +46,7 @@ from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.routing import Route
+from starlette.routing import Route, WebSocketRoute
 
 from ..config import ReplyOptions
 from ..errors import OmniError, UsageError
@@ -96,15 +96,19 @@ class Job:
     def put(self, item) -> None:
         self.loop.call_soon_threadsafe(self.items.put_nowait, item)
 
-    def run(self, assistant) -> None:
-        """Worker thread: the reply's events (TextDelta, AudioBlock, Done) or the exception, then _END."""
+    def events(self, assistant):
+        """Worker thread: the reply's event stream (a realtime session's job makes its own)."""
         req = self.req
         conv = Conversation(system=assistant.default_system if req.system is None else req.system,
                             turns=[dict(t) for t in req.turns])
+        media = {**({"audio": self.clips} if self.clips else {}),
+                 **({"images": self.pictures} if self.pictures else {})}
+        return assistant.stream(req.prompt, req.options, conversation=conv, **media)
+
+    def run(self, assistant) -> None:
+        """Worker thread: the reply's events (TextDelta, AudioBlock, Done) or the exception, then _END."""
         try:
-            media = {**({"audio": self.clips} if self.clips else {}),
-                     **({"images": self.pictures} if self.pictures else {})}
-            events = assistant.stream(req.prompt, req.options, conversation=conv, **media)
+            events = self.events(assistant)
             try:
                 for event in events:
                     if self.cancelled.is_set():  # stopped before its turn began (`interrupt` had no turn)
@@ -214,11 +218,7 @@ def create_app(assistant, name: str, api_key: str | None = None, key: str | None
             "startup": dict(getattr(assistant, "startup", None) or {})}
 
     def refused(request: Request) -> Response | None:
-        if api_key is None:
-            return None
-        given = request.headers.get("authorization", "")
-        scheme, _, token = given.partition(" ")
-        if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), api_key.encode()):
+        if bearer_ok(request.headers, api_key):
             return None
         return error(p.RequestError("a valid API key is needed: Authorization: Bearer <key>", 401,
                                     code="invalid_api_key"))
@@ -400,10 +400,13 @@ def create_app(assistant, name: str, api_key: str | None = None, key: str | None
         await anyio.to_thread.run_sync(worker.thread.join, JOIN_SECONDS)  # the stopped reply's threads end first
         log.info("omni-serve stopped")
 
+    from .realtime import realtime_endpoint
+
     app = Starlette(routes=[
         Route("/health", health, methods=["GET"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/chat/completions", completions, methods=["POST"]),
+        WebSocketRoute("/v1/realtime", realtime_endpoint(worker, name, api_key, defaults, limits)),
     ], lifespan=lifespan, middleware=[Middleware(Guard, keyless=api_key is None)],
         exception_handlers={HTTPException: _http_error, Exception: _failed})
     app.state.worker = worker
@@ -428,6 +431,14 @@ async def _next_item(job: Job, request: Request):
             if await request.is_disconnected():
                 job.cancel()
                 return None
+
+
+def bearer_ok(headers: Headers, api_key: str | None) -> bool:
+    """Whether a request's `Authorization: Bearer` token is `api_key` (any request, when there is none)."""
+    if api_key is None:
+        return True
+    scheme, _, token = headers.get("authorization", "").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), api_key.encode())
 
 
 def _bound_port(request: Request) -> int | None:
@@ -562,7 +573,10 @@ class Guard:
         self.keyless = keyless
 
     async def __call__(self, scope, receive, send) -> None:
-        why = self.refusal(scope) if scope["type"] == "http" else None
+        # A WebSocket's handshake too: a web page may open one to localhost (browsers apply no CORS to them),
+        # so a keyless server checks its Host and Origin the same way; the refusal is an HTTP answer to the
+        # handshake (ASGI's websocket.http.response), as uvicorn sends it.
+        why = self.refusal(scope) if scope["type"] in ("http", "websocket") else None
         if why is not None:
             await error(why)(scope, receive, send)
             return
@@ -581,7 +595,7 @@ class Guard:
                 return p.RequestError(f"Origin {origin[:100]!r} is another site: a server without an API key "
                                       "answers no web page but its own machine's", 403, param="Origin",
                                       code="forbidden_origin")
-        if scope["method"] == "POST":
+        if scope.get("method") == "POST":
             kind = headers.get("content-type", "").partition(";")[0].strip().lower()
             if kind != "application/json":
                 return p.RequestError(f"the body must be application/json (got {kind or 'no Content-Type'!r})",
