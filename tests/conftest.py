@@ -226,6 +226,7 @@ TIERS: dict[str, str | tuple[str, dict[str, str]]] = {
     "test_qwen3_parity.py": "model",
     "test_qwen3_steps.py": "model",
     "test_random_checkpoint.py": "model",
+    "test_realtime.py": "e2e",
     "test_structure.py": "unit",
     "test_sampling.py": "unit",
     "test_serve.py": "e2e",
