@@ -91,7 +91,7 @@ class RealtimeSession:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         # websockets 15+ warns about a connection held outside a `with` unless it is asked for by name
         # (`legacy=True`); the session is held across calls, so it is asked for where the flag exists.
-        legacy = {"legacy": True} if "legacy" in inspect.signature(connect).parameters else {}
+        legacy: dict[str, Any] = {"legacy": True} if "legacy" in inspect.signature(connect).parameters else {}
         try:
             ws = connect(realtime_url(url, model), additional_headers=headers, open_timeout=timeout,
                          max_size=MAX_MESSAGE, compression=None, **legacy)
