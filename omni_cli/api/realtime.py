@@ -51,7 +51,7 @@ from ..runtime.events import AudioBlock, Done, TextDelta
 from . import protocol as p
 from . import realtime_protocol as rt
 from .realtime_protocol import RATE, RealtimeError
-from .server import _END, Job, _as_request_error, bearer_ok, error, with_defaults
+from .server import END, Job, as_request_error, bearer_ok, error, with_defaults
 
 log = logging.getLogger(__name__)
 
@@ -534,14 +534,14 @@ class Session:
             item = await response.job.items.get()
             if isinstance(item, Done):
                 return item.reply, None
-            if item is _END or response.cancelled:
+            if item is END or response.cancelled:
                 return None, None
             if isinstance(item, TextDelta):
                 await self.text_delta(response, item.text)
             elif isinstance(item, AudioBlock):
                 await self.audio_delta(response, item)
             elif isinstance(item, BaseException):
-                return None, _as_request_error(item)
+                return None, as_request_error(item)
 
     async def stopped(self, response: Response, reply) -> None:
         """A cancelled reply: wait (CANCEL_GRACE at most) for the engine to stop, then keep what was heard of
@@ -551,7 +551,7 @@ class Session:
         try:
             while reply is None or response.job.items.qsize():
                 item = await asyncio.wait_for(response.job.items.get(), max(0.0, deadline - time.monotonic()))
-                if item is _END:
+                if item is END:
                     break
                 reply = item.reply if isinstance(item, Done) else reply
             response.stopped_in = time.monotonic() - (response.cancelled_at or time.monotonic())

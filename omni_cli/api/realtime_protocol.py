@@ -53,14 +53,16 @@ def new_id(prefix: str) -> str:
 class ServerVad:
     """`turn_detection: {"type": "server_vad", ...}`, OpenAI's defaults; `min_speech_ms` is ours (not in
     OpenAI's API): voiced time a stretch needs before it counts as speech, so a click or a cough does not
-    start a turn nor interrupt a reply."""
+    start a turn nor interrupt a reply. WebRTC's VAD keeps saying "speech" ~3 frames (90 ms) after a
+    sound ends, so a 60 ms burst reads as ~150 ms voiced: 200 ms (the microphone's default too) rejects it,
+    and costs real speech 200 ms before `speech_started`."""
 
     threshold: float = 0.5  # 0..1: mapped onto WebRTC's aggressiveness modes 0-3 (higher: stricter)
     prefix_padding_ms: int = 300  # audio kept before the speech's start in the user's item
     silence_duration_ms: int = 500  # quiet that ends the user's turn
     create_response: bool = True  # a reply starts when the turn ends
     interrupt_response: bool = True  # speech while a reply runs cancels it (barge-in)
-    min_speech_ms: int = 150
+    min_speech_ms: int = 200
 
     def to_json(self) -> dict:
         return {"type": "server_vad", "threshold": self.threshold, "prefix_padding_ms": self.prefix_padding_ms,

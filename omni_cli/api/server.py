@@ -59,7 +59,7 @@ from . import protocol as p
 
 log = logging.getLogger(__name__)
 
-_END = object()  # the last item a job puts on its queue
+END = object()  # the last item a job puts on its queue
 POLL = 0.05  # seconds between disconnect checks of a whole-reply request
 PREPARERS = 2  # requests read and decoded at once on threads (the engine works on one; the next is made ready)
 JOIN_SECONDS = 10.0  # how long a shutdown waits for the engine's worker to end the stopped reply
@@ -106,7 +106,7 @@ class Job:
         return assistant.stream(req.prompt, req.options, conversation=conv, **media)
 
     def run(self, assistant) -> None:
-        """Worker thread: the reply's events (TextDelta, AudioBlock, Done) or the exception, then _END."""
+        """Worker thread: the reply's events (TextDelta, AudioBlock, Done) or the exception, then END."""
         try:
             events = self.events(assistant)
             try:
@@ -120,7 +120,7 @@ class Job:
             pass  # cancelled: nobody is listening
         except BaseException as exc:  # noqa: BLE001 - travels to the request as a value
             self.put(exc)
-        self.put(_END)
+        self.put(END)
 
 
 class EngineWorker:
@@ -178,7 +178,7 @@ class EngineWorker:
                 self.running = job
             try:
                 if job.cancelled.is_set():  # its client left while it waited
-                    job.put(_END)
+                    job.put(END)
                 else:
                     job.run(self.assistant)
             finally:
@@ -266,17 +266,17 @@ def create_app(assistant, name: str, api_key: str | None = None, key: str | None
         except ClientDisconnect:
             return Response(status_code=499)
         except (p.RequestError, UsageError) as exc:
-            return error(_as_request_error(exc))
+            return error(as_request_error(exc))
         job = Job(req, asyncio.get_running_loop(), clips, pictures)
         ahead = worker.submit(job)
         headers = {p.QUEUE_HEADER: str(ahead)}
         first = await _first_item(job, request)
         if first is None:  # the client left while the request waited
             return Response(status_code=499)
-        if first is _END and job.why is not None:  # stopped (a shutdown) while it waited
+        if first is END and job.why is not None:  # stopped (a shutdown) while it waited
             return error(p.RequestError(job.why, 503, code="server_shutting_down"), headers)
         if isinstance(first, BaseException):
-            return error(_as_request_error(first), headers)
+            return error(as_request_error(first), headers)
         ids = p.new_ids()
         if req.stream:
             return StreamingResponse(_stream(job, first, req, ids), media_type="text/event-stream",
@@ -331,7 +331,7 @@ def create_app(assistant, name: str, api_key: str | None = None, key: str | None
         try:
             yield p.sse(p.chunk(ids, name, {"role": "assistant", "content": None if req.spoken else ""}))
             item = first
-            while item is not _END:
+            while item is not END:
                 if isinstance(item, TextDelta):
                     delta = {"audio": {"id": audio_id, "transcript": item.text}} if req.spoken else {"content": item.text}
                     yield p.sse(p.chunk(ids, name, delta))
@@ -347,7 +347,7 @@ def create_app(assistant, name: str, api_key: str | None = None, key: str | None
                         yield p.sse(p.chunk(ids, name, None, usage=p.reply_usage(reply)))
                 elif isinstance(item, BaseException):  # failed mid-reply: the stream says so and ends
                     ended = True
-                    yield p.sse(_as_request_error(item).body())
+                    yield p.sse(as_request_error(item).body())
                 item = await job.items.get()
             if not ended and job.why is not None:  # stopped by the server (a shutdown): a last chunk says so
                 yield p.sse(p.chunk(ids, name, {}, "stop", omni={
@@ -359,9 +359,9 @@ def create_app(assistant, name: str, api_key: str | None = None, key: str | None
     async def _whole(job: Job, first, req: p.ChatRequest, ids, request: Request, headers: dict) -> Response:
         text, pcm, reply, item = [], [], None, first
         try:
-            while item is not _END:
+            while item is not END:
                 if isinstance(item, BaseException):
-                    return error(_as_request_error(item), headers)
+                    return error(as_request_error(item), headers)
                 if isinstance(item, TextDelta):
                     text.append(item.text)
                 elif isinstance(item, AudioBlock):
@@ -373,7 +373,7 @@ def create_app(assistant, name: str, api_key: str | None = None, key: str | None
                     return Response(status_code=499)
         finally:
             job.cancel()
-        if reply is None:  # the events ended (_END) without Done nor an error: stopped (a shutdown)
+        if reply is None:  # the events ended (END) without Done nor an error: stopped (a shutdown)
             return error(p.RequestError(job.why or "the reply ended without its last event", 503 if job.why else 500,
                                         code="server_shutting_down" if job.why else "server_error"), headers)
 
@@ -466,7 +466,7 @@ def with_defaults(options: ReplyOptions, defaults: ReplyOptions) -> ReplyOptions
     return replace(defaults, **given)
 
 
-def _as_request_error(exc: BaseException) -> p.RequestError:
+def as_request_error(exc: BaseException) -> p.RequestError:
     if isinstance(exc, p.RequestError):
         return exc
     if isinstance(exc, UsageError):  # a LimitError keeps its status and names the API's field
