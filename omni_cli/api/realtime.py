@@ -113,7 +113,9 @@ class _Stretch(Endpoint):
     start = 0
 
     def push(self, speech: bool) -> bool:
-        if speech and not self.heard and self._voiced == 0:  # a stretch begins (the Endpoint's own count)
+        # A stretch begins where Endpoint's own count of its voiced frames is still 0 (its attribute, read
+        # here rather than the stretch logic copied: one rule for where speech starts and ends).
+        if speech and not self.heard and self._voiced == 0:
             self.start = self.frames
         return super().push(speech)
 

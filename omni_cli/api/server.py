@@ -21,7 +21,9 @@ fetch). Every refusal and every failure is an OpenAI-shaped JSON error; nothing 
 `stop_replies` (omni-serve calls it when a shutdown begins) stops the running reply and the queued ones:
 a stream then ends with a last chunk and `[DONE]`, a waiting request gets a 503.
 
-Connections (head deadlines, the cap) are api/connections.py's. It knows no terminal (serve.py is the
+`/v1/realtime` (OpenAI's Realtime API over a WebSocket: a spoken conversation with server VAD and
+barge-in) is api/realtime.py's; its replies are jobs on the same worker, its handshake passes the same
+key check and `Guard`. Connections (head deadlines, the cap) are api/connections.py's. It knows no terminal (serve.py is the
 face) and no model family; it imports torch only through the assistant it is given.
 """
 
