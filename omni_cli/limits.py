@@ -73,6 +73,16 @@ class Limits:
     # Connections open at once; a new one beyond it closes the oldest idle one (no request under way), so
     # that idle sockets can never lock out the user's own commands nor use up the process's open files.
     connections: int = 64
+    # /v1/realtime (api/realtime.py): one client event's bytes, checked before it is parsed (4 MiB of base64
+    # is ~87 s of 24 kHz PCM16; OpenAI's own cap is 15 MiB, clients append 20-100 ms at a time). An event
+    # over it is an `error` event and the session goes on; a WebSocket message over `body_bytes` is more
+    # than the socket reads (it closes the connection, code 1009) and never reaches the session.
+    realtime_event_bytes: int = 4 * MiB
+    # Seconds of audio the input buffer holds before a commit (or the end of a turn with server VAD): an
+    # append past it is refused. 2 minutes at 24 kHz float32 is 11.5 MB a session.
+    realtime_buffer_seconds: float = 120.0
+    # Realtime sessions open at once (each holds a buffer, a VAD and a conversation); one more is a 503.
+    realtime_sessions: int = 8
 
     def prompt_chars(self, context_tokens: int) -> int:
         """The most characters a prompt may have when `context_tokens` tokens are left for it."""

@@ -239,5 +239,9 @@ def quiet_accept_errors(loop: asyncio.AbstractEventLoop) -> None:
 
 def config(app, limits: Limits = DEFAULT, **options: Any) -> uvicorn.Config:
     """uvicorn's settings for omni-serve: h11 with our protocol, the head size, a short keep-alive."""
+    # ws "auto": uvicorn's sans-I/O protocol over the websockets library (wsproto where only that is
+    # installed; `ws="websockets"` is uvicorn's deprecated legacy one). A WebSocket message is bounded as a
+    # request's body is; a realtime event's own cap is smaller, so that an oversized event is an `error`
+    # event, not a closed socket.
     return uvicorn.Config(app, http=protocol(limits), h11_max_incomplete_event_size=HEAD_BYTES, backlog=BACKLOG,
-                          timeout_keep_alive=5, **options)
+                          timeout_keep_alive=5, ws="auto", ws_max_size=limits.body_bytes, **options)

@@ -21,7 +21,9 @@ fetch). Every refusal and every failure is an OpenAI-shaped JSON error; nothing 
 `stop_replies` (omni-serve calls it when a shutdown begins) stops the running reply and the queued ones:
 a stream then ends with a last chunk and `[DONE]`, a waiting request gets a 503.
 
-Connections (head deadlines, the cap) are api/connections.py's. It knows no terminal (serve.py is the
+`/v1/realtime` (OpenAI's Realtime API over a WebSocket: a spoken conversation with server VAD and
+barge-in) is api/realtime.py's; its replies are jobs on the same worker, its handshake passes the same
+key check and `Guard`. Connections (head deadlines, the cap) are api/connections.py's. It knows no terminal (serve.py is the
 face) and no model family; it imports torch only through the assistant it is given.
 """
 
@@ -46,7 +48,7 @@ from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.routing import Route
+from starlette.routing import Route, WebSocketRoute
 
 from ..config import ReplyOptions
 from ..errors import OmniError, UsageError
@@ -59,7 +61,7 @@ from . import protocol as p
 
 log = logging.getLogger(__name__)
 
-_END = object()  # the last item a job puts on its queue
+END = object()  # the last item a job puts on its queue
 POLL = 0.05  # seconds between disconnect checks of a whole-reply request
 PREPARERS = 2  # requests read and decoded at once on threads (the engine works on one; the next is made ready)
 JOIN_SECONDS = 10.0  # how long a shutdown waits for the engine's worker to end the stopped reply
@@ -96,15 +98,19 @@ class Job:
     def put(self, item) -> None:
         self.loop.call_soon_threadsafe(self.items.put_nowait, item)
 
-    def run(self, assistant) -> None:
-        """Worker thread: the reply's events (TextDelta, AudioBlock, Done) or the exception, then _END."""
+    def events(self, assistant):
+        """Worker thread: the reply's event stream (a realtime session's job makes its own)."""
         req = self.req
         conv = Conversation(system=assistant.default_system if req.system is None else req.system,
                             turns=[dict(t) for t in req.turns])
+        media = {**({"audio": self.clips} if self.clips else {}),
+                 **({"images": self.pictures} if self.pictures else {})}
+        return assistant.stream(req.prompt, req.options, conversation=conv, **media)
+
+    def run(self, assistant) -> None:
+        """Worker thread: the reply's events (TextDelta, AudioBlock, Done) or the exception, then END."""
         try:
-            media = {**({"audio": self.clips} if self.clips else {}),
-                     **({"images": self.pictures} if self.pictures else {})}
-            events = assistant.stream(req.prompt, req.options, conversation=conv, **media)
+            events = self.events(assistant)
             try:
                 for event in events:
                     if self.cancelled.is_set():  # stopped before its turn began (`interrupt` had no turn)
@@ -116,7 +122,7 @@ class Job:
             pass  # cancelled: nobody is listening
         except BaseException as exc:  # noqa: BLE001 - travels to the request as a value
             self.put(exc)
-        self.put(_END)
+        self.put(END)
 
 
 class EngineWorker:
@@ -174,7 +180,7 @@ class EngineWorker:
                 self.running = job
             try:
                 if job.cancelled.is_set():  # its client left while it waited
-                    job.put(_END)
+                    job.put(END)
                 else:
                     job.run(self.assistant)
             finally:
@@ -214,11 +220,7 @@ def create_app(assistant, name: str, api_key: str | None = None, key: str | None
             "startup": dict(getattr(assistant, "startup", None) or {})}
 
     def refused(request: Request) -> Response | None:
-        if api_key is None:
-            return None
-        given = request.headers.get("authorization", "")
-        scheme, _, token = given.partition(" ")
-        if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), api_key.encode()):
+        if bearer_ok(request.headers, api_key):
             return None
         return error(p.RequestError("a valid API key is needed: Authorization: Bearer <key>", 401,
                                     code="invalid_api_key"))
@@ -266,17 +268,17 @@ def create_app(assistant, name: str, api_key: str | None = None, key: str | None
         except ClientDisconnect:
             return Response(status_code=499)
         except (p.RequestError, UsageError) as exc:
-            return error(_as_request_error(exc))
+            return error(as_request_error(exc))
         job = Job(req, asyncio.get_running_loop(), clips, pictures)
         ahead = worker.submit(job)
         headers = {p.QUEUE_HEADER: str(ahead)}
         first = await _first_item(job, request)
         if first is None:  # the client left while the request waited
             return Response(status_code=499)
-        if first is _END and job.why is not None:  # stopped (a shutdown) while it waited
+        if first is END and job.why is not None:  # stopped (a shutdown) while it waited
             return error(p.RequestError(job.why, 503, code="server_shutting_down"), headers)
         if isinstance(first, BaseException):
-            return error(_as_request_error(first), headers)
+            return error(as_request_error(first), headers)
         ids = p.new_ids()
         if req.stream:
             return StreamingResponse(_stream(job, first, req, ids), media_type="text/event-stream",
@@ -331,7 +333,7 @@ def create_app(assistant, name: str, api_key: str | None = None, key: str | None
         try:
             yield p.sse(p.chunk(ids, name, {"role": "assistant", "content": None if req.spoken else ""}))
             item = first
-            while item is not _END:
+            while item is not END:
                 if isinstance(item, TextDelta):
                     delta = {"audio": {"id": audio_id, "transcript": item.text}} if req.spoken else {"content": item.text}
                     yield p.sse(p.chunk(ids, name, delta))
@@ -347,7 +349,7 @@ def create_app(assistant, name: str, api_key: str | None = None, key: str | None
                         yield p.sse(p.chunk(ids, name, None, usage=p.reply_usage(reply)))
                 elif isinstance(item, BaseException):  # failed mid-reply: the stream says so and ends
                     ended = True
-                    yield p.sse(_as_request_error(item).body())
+                    yield p.sse(as_request_error(item).body())
                 item = await job.items.get()
             if not ended and job.why is not None:  # stopped by the server (a shutdown): a last chunk says so
                 yield p.sse(p.chunk(ids, name, {}, "stop", omni={
@@ -359,9 +361,9 @@ def create_app(assistant, name: str, api_key: str | None = None, key: str | None
     async def _whole(job: Job, first, req: p.ChatRequest, ids, request: Request, headers: dict) -> Response:
         text, pcm, reply, item = [], [], None, first
         try:
-            while item is not _END:
+            while item is not END:
                 if isinstance(item, BaseException):
-                    return error(_as_request_error(item), headers)
+                    return error(as_request_error(item), headers)
                 if isinstance(item, TextDelta):
                     text.append(item.text)
                 elif isinstance(item, AudioBlock):
@@ -373,7 +375,7 @@ def create_app(assistant, name: str, api_key: str | None = None, key: str | None
                     return Response(status_code=499)
         finally:
             job.cancel()
-        if reply is None:  # the events ended (_END) without Done nor an error: stopped (a shutdown)
+        if reply is None:  # the events ended (END) without Done nor an error: stopped (a shutdown)
             return error(p.RequestError(job.why or "the reply ended without its last event", 503 if job.why else 500,
                                         code="server_shutting_down" if job.why else "server_error"), headers)
 
@@ -400,10 +402,13 @@ def create_app(assistant, name: str, api_key: str | None = None, key: str | None
         await anyio.to_thread.run_sync(worker.thread.join, JOIN_SECONDS)  # the stopped reply's threads end first
         log.info("omni-serve stopped")
 
+    from .realtime import realtime_endpoint
+
     app = Starlette(routes=[
         Route("/health", health, methods=["GET"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/chat/completions", completions, methods=["POST"]),
+        WebSocketRoute("/v1/realtime", realtime_endpoint(worker, name, api_key, defaults, limits)),
     ], lifespan=lifespan, middleware=[Middleware(Guard, keyless=api_key is None)],
         exception_handlers={HTTPException: _http_error, Exception: _failed})
     app.state.worker = worker
@@ -428,6 +433,14 @@ async def _next_item(job: Job, request: Request):
             if await request.is_disconnected():
                 job.cancel()
                 return None
+
+
+def bearer_ok(headers: Headers, api_key: str | None) -> bool:
+    """Whether a request's `Authorization: Bearer` token is `api_key` (any request, when there is none)."""
+    if api_key is None:
+        return True
+    scheme, _, token = headers.get("authorization", "").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), api_key.encode())
 
 
 def _bound_port(request: Request) -> int | None:
@@ -455,7 +468,7 @@ def with_defaults(options: ReplyOptions, defaults: ReplyOptions) -> ReplyOptions
     return replace(defaults, **given)
 
 
-def _as_request_error(exc: BaseException) -> p.RequestError:
+def as_request_error(exc: BaseException) -> p.RequestError:
     if isinstance(exc, p.RequestError):
         return exc
     if isinstance(exc, UsageError):  # a LimitError keeps its status and names the API's field
@@ -562,7 +575,10 @@ class Guard:
         self.keyless = keyless
 
     async def __call__(self, scope, receive, send) -> None:
-        why = self.refusal(scope) if scope["type"] == "http" else None
+        # A WebSocket's handshake too: a web page may open one to localhost (browsers apply no CORS to them),
+        # so a keyless server checks its Host and Origin the same way; the refusal is an HTTP answer to the
+        # handshake (ASGI's websocket.http.response), as uvicorn sends it.
+        why = self.refusal(scope) if scope["type"] in ("http", "websocket") else None
         if why is not None:
             await error(why)(scope, receive, send)
             return
@@ -581,7 +597,7 @@ class Guard:
                 return p.RequestError(f"Origin {origin[:100]!r} is another site: a server without an API key "
                                       "answers no web page but its own machine's", 403, param="Origin",
                                       code="forbidden_origin")
-        if scope["method"] == "POST":
+        if scope.get("method") == "POST":
             kind = headers.get("content-type", "").partition(";")[0].strip().lower()
             if kind != "application/json":
                 return p.RequestError(f"the body must be application/json (got {kind or 'no Content-Type'!r})",
