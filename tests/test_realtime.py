@@ -193,13 +193,11 @@ async def a_spoken_conversation(server: Server, kept: bool) -> dict:
     return {"reaction": reaction, "cut": cut, "made": text_of(second)}
 
 
-# Qwen3-Omni's kept context is not asserted: its feature extractor pads a prompt's clips to the longest one,
-# and a clip's features then differ (found here: one 1 s clip alone vs beside a 1.5 s one), so the kept
-# context stops at the first clip whenever the new turn's clip is the longest so far (runtime/context.py's
-# `_same_clip` sees other frames). Qwen2.5-Omni pads every clip to 30 s: its clips compare equal.
+# Both families keep the context: each clip's features are made alone (models/audio_features.py), so a
+# later, longer clip leaves an earlier clip's features as they were (runtime/context.py's `_same_clip`).
 @pytest.mark.parametrize("family", ["server", "qwen3_server"])
 def test_a_spoken_conversation_with_a_barge_in(family, request):
-    result = asyncio.run(a_spoken_conversation(request.getfixturevalue(family), kept=family == "server"))
+    result = asyncio.run(a_spoken_conversation(request.getfixturevalue(family), kept=True))
     print(f"{family}: speech_started -> response.done cancelled {result['reaction'] * 1000:.0f} ms; "
           f"kept {len(result['cut'])} of {len(result['made'])} characters")
 
