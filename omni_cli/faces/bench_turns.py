@@ -54,12 +54,12 @@ def conversation(engine, subject, turns: int, audio_seconds: float, reply) -> di
             rows = []
             for i in range(turns):
                 clips.append(clip(audio_seconds, i))
+                engine.settle()  # the pause a person leaves between turns (the capture ahead), untimed
                 t = time.perf_counter()
                 media, counts = family.spoken_inputs(clips, features)  # every clip of the conversation, as a face
                 features_ms = 1000 * (time.perf_counter() - t)
                 prompt = prompt + family.spoken_turn(model, counts[-1], i)
                 text_ids: list[int] = []
-                engine.settle()  # the pause a person leaves between turns (the capture ahead), untimed
                 row = reply(prompt, media, i + 1, f"{mode}, turn {i + 1}, ", text_ids)
                 rows.append(dict(row, features_ms=features_ms))
                 prompt = prompt + text_ids + family.reply_end(model)
