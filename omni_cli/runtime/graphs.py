@@ -13,8 +13,9 @@ host knows it without reading the device, so choosing a graph costs no sync). Gr
 pool. They are captured by `capture_all()` at warm-up, or, `lazy`, the first bucket there and each
 later one when a step first reaches it (`capture_anywhere`: a plain step's capture takes tens of ms, so
 a reply never waits for buckets it does not reach; compiled steps are never captured lazily, as a
-bucket's first run may compile), or between turns, ahead of a growing conversation (`capture_upto`). On CPU, with graphs switched off, or for a bucket without a graph,
-calling it runs `fn` eagerly with the same bucketed span, so both paths do identical math.
+bucket's first run may compile), or between turns, ahead of a growing conversation (`capture_upto`). On
+CPU, with graphs switched off, or for a bucket without a graph, calling it runs `fn` eagerly with the
+same bucketed span, so both paths do identical math.
 
 Compiled code is kept in a persistent cache (`persistent_cache`). It knows nothing about models.
 """
