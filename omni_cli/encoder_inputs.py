@@ -35,9 +35,9 @@ class _Kept:
         self.made = 0  # items made, not found, so far (what the tests count)
 
     def each(self, items, make: Callable[[Any], Any]) -> list:
+        keys = [self.key(item) for item in items]  # each item hashed once
         kept: dict[tuple, Any] = {}
-        for item in items:
-            k = self.key(item)
+        for k, item in zip(keys, items):
             if k not in kept:
                 found = self.items.get(k)
                 if found is None:
@@ -45,7 +45,7 @@ class _Kept:
                     self.made += 1
                 kept[k] = found
         self.items = kept
-        return [kept[self.key(item)] for item in items]
+        return [kept[k] for k in keys]
 
 
 class EncoderInputs:

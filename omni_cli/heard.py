@@ -34,9 +34,7 @@ def heard_text(pieces: Sequence[str], played: float, made: float, steps_per_seco
     word half spoken is not kept. The result has no trailing whitespace; "" when nothing was played."""
     if not pieces or made <= 0 or played <= 0:
         return ""
-    keep = _pieces_played(len(pieces), played, made, steps_per_second)
-    if pieces_per_second:
-        keep = min(keep, math.floor(played * pieces_per_second))
+    keep = _pieces_played(len(pieces), played, made, steps_per_second, pieces_per_second)
     if keep >= len(pieces):
         return "".join(pieces)
     text = "".join(pieces[:keep])
@@ -46,8 +44,10 @@ def heard_text(pieces: Sequence[str], played: float, made: float, steps_per_seco
     return text[:cut].rstrip() if cut >= 0 else ""
 
 
-def _pieces_played(count: int, played: float, made: float, steps_per_second: float | None) -> int:
+def _pieces_played(count: int, played: float, made: float, steps_per_second: float | None,
+                   pieces_per_second: float | None) -> int:
     keep = math.floor(count * min(1.0, played / made))
-    if steps_per_second:
-        keep = min(keep, math.floor(played * steps_per_second))
+    for rate in (steps_per_second, pieces_per_second):  # what `played` seconds can have carried at most
+        if rate:
+            keep = min(keep, math.floor(played * rate))
     return keep

@@ -14,11 +14,15 @@ longest clip of a batch (Qwen3-Omni: equal to its processor's for a clip said al
 the processor's last frame of the shorter one sees padding, which this leaves out, so that a clip's
 inputs do not depend on the clips said with it).
 
+`spoken_inputs(family, folder, clips, kept)` is the benchmark presets' way to the same inputs, with the
+extractor of a checkpoint folder (loaded once).
+
 It knows Whisper's extractor settings (`n_fft`, `hop_length`, `n_samples`), no model and no prompt.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # pragma: no cover - typing only (the family packages import this with no numpy or torch)
@@ -51,3 +55,17 @@ def join(rows: list):
     for i, row in enumerate(rows):
         mask[i, :row.shape[-1]] = 1
     return features, mask
+
+
+def spoken_inputs(family, folder, clips, kept=None) -> tuple[dict, list[int]]:
+    """`family.audio_inputs` for `clips` with the feature extractor of the checkpoint in `folder`; `kept`: an
+    encoder_inputs.EncoderInputs, which makes each clip's features once, as an assistant's conversation does."""
+    extractor = _extractor(str(folder))
+    return family.audio_inputs(extractor, clips) if kept is None else kept.audio_inputs(family, extractor, clips)
+
+
+@functools.cache
+def _extractor(folder: str):
+    from transformers import AutoFeatureExtractor
+
+    return AutoFeatureExtractor.from_pretrained(folder, local_files_only=True)

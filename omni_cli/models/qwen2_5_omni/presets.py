@@ -10,7 +10,6 @@ every family through the same names here). Torch and transformers are imported w
 
 from __future__ import annotations
 
-import functools
 
 import time
 from typing import Any
@@ -171,20 +170,11 @@ def reply_end(model) -> list[int]:
 
 def spoken_inputs(clips, kept=None) -> tuple[dict, list[int]]:
     """The clips' encoder inputs as the processor makes them (the built-in checkpoint's feature extractor:
-    the real one's settings), and each clip's placeholder count. `kept`: an encoder_inputs.EncoderInputs,
-    which makes each clip's features once, as an assistant's conversation does."""
+    the real one's settings), and each clip's placeholder count; `kept` as models/audio_features.py says."""
     from .. import qwen2_5_omni as family
+    from ..audio_features import spoken_inputs as inputs
 
-    if kept is None:
-        return family.audio_inputs(_extractor(), clips)
-    return kept.audio_inputs(family, _extractor(), clips)
-
-
-@functools.cache
-def _extractor():
-    from transformers import AutoFeatureExtractor
-
-    return AutoFeatureExtractor.from_pretrained(str(_asset_folder("tiny")), local_files_only=True)
+    return inputs(family, _asset_folder("tiny"), clips, kept)
 
 
 def steps(model, voices: dict, *, max_context: int, max_codes: int, graphs: bool = True, variant: str | None = None,

@@ -11,7 +11,6 @@ variant (eager) and no vocoder schedule to choose. Torch and transformers are im
 
 from __future__ import annotations
 
-import functools
 
 import time
 from typing import Any
@@ -221,20 +220,11 @@ def _newline(model) -> int:
 
 def spoken_inputs(clips, kept=None) -> tuple[dict, list[int]]:
     """The clips' encoder inputs as the processor makes them (the built-in checkpoint's feature extractor:
-    the real one's settings), and each clip's placeholder count. `kept`: an encoder_inputs.EncoderInputs,
-    which makes each clip's features once, as an assistant's conversation does."""
+    the real one's settings), and each clip's placeholder count; `kept` as models/audio_features.py says."""
     from .. import qwen3_omni as family
+    from ..audio_features import spoken_inputs as inputs
 
-    if kept is None:
-        return family.audio_inputs(_extractor(), clips)
-    return kept.audio_inputs(family, _extractor(), clips)
-
-
-@functools.cache
-def _extractor():
-    from transformers import AutoFeatureExtractor
-
-    return AutoFeatureExtractor.from_pretrained(str(_asset_folder("tiny-qwen3")), local_files_only=True)
+    return inputs(family, _asset_folder("tiny-qwen3"), clips, kept)
 
 
 def steps(model, voices: dict, *, max_context: int, max_codes: int, graphs: bool = True, variant: str | None = None,
