@@ -1,7 +1,7 @@
 """Talk mode's figures, measured on this machine (CPU, no sound card): `python scripts/measure_talk.py [PART ...]`.
 
 Parts (all by default):
-  room     omni-chat --talk with the built-in tiny model in tests/room.py's room (the real PortAudio path,
+  room     omni-chat --talk with the built-in tiny model ($TALK_FLAGS: more flags) in tests/room.py's room (the real PortAudio path,
            ALSA FIFO devices; echo at 60 ms, half level): three spoken turns, the third over the second
            reply. Speech start -> sound stopped (the room's last sound), barge-in -> sound off and ->
            reply stopped (the app's --verbose figures), end of speech -> first sound.
@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import ctypes
 import json
+import os
 import re
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -73,7 +75,9 @@ def room_run(lines: list[tuple[str, int, int]], flags: list[str], limit: float) 
 
 
 def part_room() -> None:
-    run = room_run([("start", 0, 5), ("after_reply", 1, 5), ("during_reply", 2, 6)], [], 120)
+    # $TALK_FLAGS: more omni-chat flags, e.g. "--server http://127.0.0.1:8484" for a model served elsewhere.
+    run = room_run([("start", 0, 5), ("after_reply", 1, 5), ("during_reply", 2, 6)],
+                   shlex.split(os.environ.get("TALK_FLAGS", "")), 240)
     ev = run["log"]
     starts = [e for e in ev if e["event"] == "sound_start"]
     ends = [e for e in ev if e["event"] == "sound_end"]

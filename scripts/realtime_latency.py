@@ -166,12 +166,13 @@ def main() -> None:
     parser.add_argument("--silence-ms", type=int, default=500, help="server VAD's silence_duration_ms")
     parser.add_argument("--voice", default=None)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--max-tokens", type=int, default=None, help="a reply's text tokens at most (max_output_tokens)")
     args = parser.parse_args()
     clip = read_wav(args.wav) if args.wav else speech_like(args.seconds)
     vad = {"type": "server_vad", "silence_duration_ms": args.silence_ms, "create_response": True,
            "interrupt_response": True}
     with RealtimeSession.connect(args.url, api_key=args.api_key) as session:
-        session.update(voice=args.voice, turn_detection=vad)
+        session.update(voice=args.voice, turn_detection=vad, max_output_tokens=args.max_tokens)
         mic = Microphone(session, np.concatenate([clip, quiet(0.1, 3)]))
         mic.start()
         rounds = [one_round(session, mic) for _ in range(args.rounds)]
@@ -181,6 +182,7 @@ def main() -> None:
         for key, values in figures.items():
             merged.setdefault(key, []).extend(values)
     out = {"url": args.url, "model": session.session.get("model"), "silence_duration_ms": args.silence_ms,
+           "max_output_tokens": args.max_tokens,
            "clip_seconds": round(len(clip) / RATE, 3), "rounds": args.rounds,
            "figures": {key: summary(values) for key, values in merged.items()}}
     json.dump(out, sys.stdout, indent=2)

@@ -119,10 +119,13 @@ class RealtimeSession:
 
     def update(self, *, voice: str | None = None, instructions: str | None = None,
                turn_detection: dict | None | bool = True, text_only: bool | None = None,
-               timeout: float = 10.0) -> dict:
+               max_output_tokens: int | None = None, timeout: float = 10.0) -> dict:
         """Change the session (what is given), wait for `session.updated`; `turn_detection`: a server_vad
-        object, None (the client commits and asks), True (unchanged). A `ServerError` for a refused change."""
+        object, None (the client commits and asks), True (unchanged); `max_output_tokens`: a reply's text
+        tokens at most. A `ServerError` for a refused change."""
         session: dict[str, Any] = {"type": "realtime"}
+        if max_output_tokens is not None:
+            session["max_output_tokens"] = max_output_tokens
         if instructions is not None:
             session["instructions"] = instructions
         if text_only is not None:

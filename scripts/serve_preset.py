@@ -1,0 +1,60 @@
+"""omni-serve on a benchmark preset: random weights at a preset's true size, built on the device, served as
+omni-serve serves a folder (chat completions and /v1/realtime), for timing on a GPU box without a checkpoint.
+
+    python scripts/serve_preset.py qwen2.5-omni-7b [--port 8484] [--max-codes 250] [--compile] [--device cuda]
+
+The tokenizer, voices' names and generation defaults are the preset's tiny asset's (as omni-bench and
+scripts/make_random_checkpoint.py do: no real vocabulary can be downloaded here), so text is gibberish and
+speech is noise; the weights, shapes, caches and steps are the true size's. Prints `ready` on stderr once it
+listens. Not imported by the package; not a product command (a real checkpoint goes through omni-serve -m).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def assistant_for(preset: str, max_codes: int, compile: bool, where: str = "cuda"):
+    """An Assistant over the preset's model, built on `where` (CUDA: bfloat16; the CPU, for the tiny presets:
+    float32), warmed up as omni-serve's is."""
+    import torch
+    from transformers import AutoTokenizer, GenerationConfig
+
+    from omni_cli.assistant import Assistant
+    from omni_cli.config import RuntimeOptions
+    from omni_cli.faces.bench import PRESETS, family_of
+    from omni_cli.loader import BUILTIN_TINY_DIRS, LoadedModel, read_family
+
+    device = torch.device(where)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model, voices = family_of(preset).build_model(preset, device, dtype, lambda m: print(m, file=sys.stderr))
+    asset = next(d for d in BUILTIN_TINY_DIRS if d.name == PRESETS[preset]["asset"])
+    loaded = LoadedModel(model=model, tokenizer=AutoTokenizer.from_pretrained(str(asset)), speakers=voices,
+                         generation_config=GenerationConfig.from_pretrained(str(asset)), path=asset, device=device,
+                         dtype=dtype, is_demo=False, name=preset, family=read_family(asset))
+    runtime = RuntimeOptions.from_env(device=where, dtype=str(dtype).removeprefix("torch."), max_codes=max_codes,
+                                      compile=True if compile else None)
+    return Assistant(loaded, runtime)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("preset")
+    ap.add_argument("--port", type=int, default=8484)
+    ap.add_argument("--max-codes", type=int, default=250)
+    ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--device", default="cuda")
+    args = ap.parse_args()
+    import socket
+
+    from omni_cli.config import ReplyOptions
+    from omni_cli.faces.serve import _listen, _serve
+
+    assistant = assistant_for(args.preset, args.max_codes, args.compile, args.device)
+    print("ready", file=sys.stderr, flush=True)
+    _serve(assistant, None, _listen("127.0.0.1", args.port, socket), None, ReplyOptions(max_codes=args.max_codes))
+
+
+if __name__ == "__main__":
+    main()
