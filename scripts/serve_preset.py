@@ -23,13 +23,15 @@ def assistant_for(preset: str, max_codes: int, compile: bool, where: str = "cuda
 
     from omni_cli.assistant import Assistant
     from omni_cli.config import RuntimeOptions
-    from omni_cli.faces.bench import PRESETS, family_of
+    from omni_cli.faces.bench import family_of
     from omni_cli.loader import BUILTIN_TINY_DIRS, LoadedModel, read_family
 
     device = torch.device(where)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model, voices = family_of(preset).build_model(preset, device, dtype, lambda m: print(m, file=sys.stderr))
-    asset = next(d for d in BUILTIN_TINY_DIRS if d.name == PRESETS[preset]["asset"])
+    # The family's tiny asset (a full-size preset names none): its tokenizer and generation defaults.
+    tiny = [p["asset"] for p in family_of(preset).PRESETS.values() if "asset" in p]
+    asset = next(d for d in BUILTIN_TINY_DIRS if d.name == tiny[0])
     loaded = LoadedModel(model=model, tokenizer=AutoTokenizer.from_pretrained(str(asset)), speakers=voices,
                          generation_config=GenerationConfig.from_pretrained(str(asset)), path=asset, device=device,
                          dtype=dtype, is_demo=False, name=preset, family=read_family(asset))
