@@ -271,7 +271,6 @@ def test_the_second_reply_stops_soon_after_the_speech_starts(conversation):
     # scripts/measure_talk.py; 1.10 s once in CI beside the other worker). The bound is what tells a cut
     # reply from one played whole (it had ~2.2 s left); how fast the app reacts is its own figures' test below.
     assert burst2["at"] - heard_from < 0.3 + 1.2, burst2["at"] - heard_from
-    assert ends[1]["at"] - starts[1]["t"] < 2.5
     # The app's own figures: the sound off within 150 ms of the barge-in, the reply within 200 ms.
     sound_ms, stop_ms = map(int, re.search(r"barge-in: sound off (\d+) ms, reply stopped (\d+) ms", run["err"]).groups())
     assert sound_ms <= 150 and stop_ms <= 200, (sound_ms, stop_ms)
