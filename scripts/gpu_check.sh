@@ -30,7 +30,7 @@ served() {  # served PRESET MAX_CODES TAG [DEVICE]: serve it, time /v1/realtime 
   for _ in $(seq 400); do grep -q "omni-serve:" "$out/serve-$3.err" && break; kill -0 $pid 2>/dev/null || break; sleep 1; done
   timeout 150 python3 scripts/realtime_latency.py --url http://127.0.0.1:8484 --rounds 3 --silence-ms 500 \
     --max-tokens 64 > "$out/realtime-$3.json" 2> "$out/realtime-$3.err"
-  PYTHONPATH=$PWD/.gpu_libs:$PWD LD_LIBRARY_PATH=$PWD/.gpu_libs TALK_FLAGS="--server http://127.0.0.1:8484" \
+  PYTHONPATH=$PWD/.gpu_libs:$PWD LD_LIBRARY_PATH=$PWD/.gpu_libs TALK_FLAGS="--server http://127.0.0.1:8484" TALK_LOG="$out/talk-$3.log" \
     timeout 240 python3 scripts/measure_talk.py room > "$out/talk-$3.txt" 2>&1
   kill $pid; wait $pid 2>/dev/null
 }

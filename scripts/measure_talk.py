@@ -78,6 +78,8 @@ def part_room() -> None:
     # $TALK_FLAGS: more omni-chat flags, e.g. "--server http://127.0.0.1:8484" for a model served elsewhere.
     run = room_run([("start", 0, 5), ("after_reply", 1, 5), ("during_reply", 2, 6)],
                    shlex.split(os.environ.get("TALK_FLAGS", "")), 240)
+    if os.environ.get("TALK_LOG"):  # the app's stderr and the room's log, to read what happened
+        Path(os.environ["TALK_LOG"]).write_text(run["err"] + "\n" + "\n".join(map(json.dumps, run["log"])))
     ev = run["log"]
     starts = [e for e in ev if e["event"] == "sound_start"]
     ends = [e for e in ev if e["event"] == "sound_end"]

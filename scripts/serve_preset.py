@@ -14,6 +14,32 @@ from __future__ import annotations
 import argparse
 import sys
 
+# The special ids a prompt made by the tokenizer holds (the turn markers, the audio/image placeholders): the
+# preset's config takes the tiny tokenizer's, or the Qwen3 talker finds no assistant opener and the encoders'
+# features find no placeholders. Model-internal ids (tts_*, codec_*) stay the true size's.
+_PROMPT_IDS = ("im_start_token_id", "im_end_token_id", "system_token_id", "user_token_id", "assistant_token_id",
+               "audio_token_id", "audio_start_token_id", "audio_end_token_id", "image_token_id", "video_token_id",
+               "vision_start_token_id", "vision_end_token_id", "audio_token_index", "image_token_index",
+               "video_token_index")
+
+
+def _with_ids_of(build_config, asset):
+    """`build_config` whose configs (top level, thinker, talker) carry `asset`'s prompt ids."""
+    import json
+
+    tiny = json.loads((asset / "config.json").read_text())
+
+    def build(name: str):
+        config = build_config(name)
+        parts = [(config, tiny)] + [(getattr(config, k, None), tiny.get(k) or {}) for k in ("thinker_config", "talker_config")]
+        for part, ids in parts:
+            for key in _PROMPT_IDS:
+                if part is not None and key in ids and hasattr(part, key):
+                    setattr(part, key, ids[key])
+        return config
+
+    return build
+
 
 def assistant_for(preset: str, max_codes: int, compile: bool, where: str = "cuda"):
     """An Assistant over the preset's model, built on `where` (CUDA: bfloat16; the CPU, for the tiny presets:
@@ -28,10 +54,12 @@ def assistant_for(preset: str, max_codes: int, compile: bool, where: str = "cuda
 
     device = torch.device(where)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model, voices = family_of(preset).build_model(preset, device, dtype, lambda m: print(m, file=sys.stderr))
+    family = family_of(preset)
     # The family's tiny asset (a full-size preset names none): its tokenizer and generation defaults.
-    tiny = [p["asset"] for p in family_of(preset).PRESETS.values() if "asset" in p]
+    tiny = [p["asset"] for p in family.PRESETS.values() if "asset" in p]
     asset = next(d for d in BUILTIN_TINY_DIRS if d.name == tiny[0])
+    family.build_config = _with_ids_of(family.build_config, asset)
+    model, voices = family.build_model(preset, device, dtype, lambda m: print(m, file=sys.stderr))
     loaded = LoadedModel(model=model, tokenizer=AutoTokenizer.from_pretrained(str(asset)), speakers=voices,
                          generation_config=GenerationConfig.from_pretrained(str(asset)), path=asset, device=device,
                          dtype=dtype, is_demo=False, name=preset, family=read_family(asset))
