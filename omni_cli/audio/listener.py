@@ -20,6 +20,10 @@ frames that pass `_near_end`: loud enough, and not what the canceller took for e
 `on_barge_in()` is called on this thread, once, and the turn that follows is kept; a shorter stretch
 heard then (a cough, a click, residual echo) is dropped, so it neither interrupts nor becomes a turn.
 
+`find_turns=False` (talk mode over a server's `/v1/realtime`, where the server's VAD ends the turns):
+no VAD is made and no turns are found; each block, echo cancelled, goes to `on_audio(block)` on this
+thread instead (the level is still measured).
+
 It knows no model, no terminal and no reply: what a barge-in does (silence the speaker, stop the
 generation) is the talk loop's business. An error on this thread is kept and raised by `next_turn`.
 """
@@ -121,8 +125,12 @@ class Listener:
     """See the module docstring. `start()`, then `next_turn()` as often as wanted, then `close()`."""
 
     def __init__(self, options: ListenOptions | None = None, *, on_level: Callable[[float], None] | None = None,
-                 backend: Any = None, hint: str = RECORD_HINT) -> None:
+                 backend: Any = None, hint: str = RECORD_HINT, find_turns: bool = True,
+                 on_audio: Callable[[np.ndarray], None] | None = None) -> None:
         self.options = options if options is not None else ListenOptions()
+        # False: no VAD, no turns; every cleaned block goes to `on_audio` (this listener's thread).
+        self.find_turns = find_turns
+        self.on_audio = on_audio
         self.rate = self.options.sample_rate
         self.on_level = on_level
         self.hint = hint
@@ -140,10 +148,12 @@ class Listener:
         self.barge_in_after: list[float] = []
         self._barge_from = 0
         self.overflows = 0
-        self._vad = make_vad(self.options.vad, self.rate, mode=self.options.vad_mode,
-                             threshold=self.options.silero_threshold)
+        # No VAD without turns to find (Silero's would load torch for nothing).
+        self._vad: Any = make_vad(self.options.vad, self.rate, mode=self.options.vad_mode,
+                                  threshold=self.options.silero_threshold) if find_turns else None
         self._echo = make_echo_canceller(self.options.echo, self.rate)
-        self._frame = round(self._vad.frame_ms * self.rate / 1000)  # samples a VAD flag stands for
+        self._frame_ms = self._vad.frame_ms if self._vad is not None else 10
+        self._frame = round(self._frame_ms * self.rate / 1000)  # samples a VAD flag stands for
         # (block, perf_counter() at arrival) from the stream's callback; deque append/popleft are atomic.
         self._arrived: collections.deque = collections.deque()
         self._wake = threading.Event()
@@ -213,6 +223,13 @@ class Listener:
                 if self._thread is not None and not self._thread.is_alive() and self._error is None:
                     raise AudioDeviceError(f"the microphone stopped listening; {self.hint}")
 
+    def check(self) -> None:
+        """Raise what failed on the listener's thread (`find_turns=False`: no `next_turn` to raise it)."""
+        if self._error is not None:
+            raise self._error
+        if self._thread is not None and not self._thread.is_alive() and not self._closing.is_set():
+            raise AudioDeviceError(f"the microphone stopped listening; {self.hint}")
+
     def _run(self) -> None:
         try:
             while not self._closing.is_set():
@@ -247,6 +264,11 @@ class Listener:
         level = dbfs(float(np.mean(np.square(clean, dtype=np.float64)))) if clean.shape[0] else -120.0
         if self.on_level is not None and clean.shape[0]:
             self.on_level(level)
+        if not self.find_turns:
+            self._samples += clean.shape[0]
+            if self.on_audio is not None and clean.shape[0]:
+                self.on_audio(clean)
+            return
         self._loud.append(self._near_end(block, level))
         self._audio.append(clean)
         self._samples += clean.shape[0]
@@ -287,7 +309,7 @@ class Listener:
         # Voiced frames of this stretch that may be the user's (any of the blocks the frame ended in).
         if not speech:
             self._barge_quiet += 1
-            if self._barge_quiet * self._vad.frame_ms > BARGE_GAP_MS:
+            if self._barge_quiet * self._frame_ms > BARGE_GAP_MS:
                 self._barge_voiced = 0
         else:
             self._barge_quiet = 0
@@ -295,7 +317,7 @@ class Listener:
                 if self._barge_voiced == 0:
                     self._barge_from = self._samples
                 self._barge_voiced += 1
-        if self.speaking.is_set() and not self._barged and self._barge_voiced * self._vad.frame_ms >= self.options.barge_in_ms:
+        if self.speaking.is_set() and not self._barged and self._barge_voiced * self._frame_ms >= self.options.barge_in_ms:
             self._barged = True
             self.barge_ins.append(time.perf_counter())
             self.barge_in_after.append((self._samples - self._barge_from) / self.rate)
@@ -330,7 +352,7 @@ class Listener:
     def _new_turn(self, base: int) -> None:
         """A fresh endpoint whose frame 0 is sample `base` of the stream."""
         o = self.options
-        frame_ms = self._vad.frame_ms
+        frame_ms = self._frame_ms
         self._endpoint = Endpoint(math.ceil(o.min_speech_ms / frame_ms), math.ceil(o.end_silence_ms / frame_ms))
         self._base = base
         self._barged = False

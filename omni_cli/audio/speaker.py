@@ -393,8 +393,11 @@ class SpeakerSink(SinkBase):
         self.start_needed = needed
         self.start_buffered = self._queued / self.sample_rate
 
-    def close(self) -> None:
-        """Play out what is queued and wait (on the finished event) until the device has played it."""
+    def close(self, wait: bool = True) -> None:
+        """Play out what is queued and wait (on the finished event) until the device has played it.
+
+        `wait=False`: mark the end of input and return at once; the sound plays out (`finished` is set
+        then) and may still be stopped by `abort()`; a later `close()` waits for the end and closes."""
         if self.closed or self.aborted:
             return
         if not self.started:
@@ -402,12 +405,15 @@ class SpeakerSink(SinkBase):
             return
         # No lock here: a Ctrl-C handler may call abort() on this thread at any moment, and abort()
         # takes the lock. Unprimed, the callback only reads `_primed`, so the fields are set first.
-        self._eof = True
-        if not self._primed:
-            self.play_time = time.perf_counter()
-            self.start_reason = "reply ended"
-            self.start_buffered = self._queued / self.sample_rate
-            self._primed = True
+        if not self._eof:
+            self._eof = True
+            if not self._primed:
+                self.play_time = time.perf_counter()
+                self.start_reason = "reply ended"
+                self.start_buffered = self._queued / self.sample_rate
+                self._primed = True
+        if not wait:
+            return
         latency = getattr(self._stream, "latency", 0.0) or 0.0
         timeout = self._queued / self.sample_rate + float(latency) + 5.0
         try:
