@@ -112,14 +112,38 @@ class Commands(SessionState):
         self.turn("")
 
     def cmd_talk(self, arg: str) -> None:
-        """Talk mode (talk.py) with the session's listening options, until Enter."""
+        """Talk mode with the session's listening options, until Enter: over a server's `/v1/realtime`
+        session where there is one (talk_remote.py), else turn by turn (talk.py: a local model, or a
+        server without it, over HTTP)."""
         from ...audio.listener import ListenOptions
         from .talk import TalkMode
 
         if arg:
             raise UsageError("/talk takes no argument (the flags --headphones, --vad-model, --barge-in-ms set it up)")
-        self.talk = TalkMode(self, self.listen_options or ListenOptions())
+        options = self.listen_options or ListenOptions()
+        session = self._realtime_session()
+        if session is not None:
+            from .talk_remote import RemoteTalk
+
+            self.talk = RemoteTalk(self, options, session)
+        else:
+            self.talk = TalkMode(self, options)
         self.talk.run()
+
+    def _realtime_session(self):
+        """A realtime session with the chat's server, or None: no server, or one without `/v1/realtime`
+        (an older omni-serve, vLLM-Omni), said in one line."""
+        url = getattr(self.assistant, "url", None)
+        if url is None:
+            return None
+        from ...api.client import ServerError
+        from ...api.realtime_client import RealtimeSession
+
+        try:
+            return RealtimeSession.connect(url, api_key=getattr(self.assistant, "api_key", None))
+        except ServerError as exc:
+            self.say(f"no realtime session ({exc}): talking turn by turn over HTTP")
+            return None
 
     def _keep(self, clip) -> Path:
         """Save a recording that could not be sent (a file under the data folder) and return its path."""
