@@ -241,6 +241,7 @@ TIERS: dict[str, str | tuple[str, dict[str, str]]] = {
     "test_tiers.py": "unit",
     "test_tiny_assets.py": "model",
     "test_tiny_qwen3_assets.py": "model",
+    "test_talk_remote.py": "unit",
     "test_talk.py": ("unit", {"test_three_spoken_turns_the_second_reply_cut_by_speech": "e2e",
                               "test_the_second_reply_stops_soon_after_the_speech_starts": "e2e"}),
     "test_tmux.py": "e2e",

@@ -86,8 +86,9 @@ class RemoteTalk:
     """One stretch of talk mode over a realtime session (see the module docstring)."""
 
     def __init__(self, repl: Any, options: Any, session: Any, *, listener: Callable[..., Any] | None = None,
-                 stop: threading.Event | None = None) -> None:
+                 stop: threading.Event | None = None, stdin: bool = True) -> None:
         self.repl = repl
+        self.watch_stdin = stdin  # Enter on fd 0 leaves talk mode (False: only `stop` does; tests)
         self.options = options  # audio/listener.ListenOptions
         self.session = session  # api/realtime_client.RealtimeSession, connected
         if listener is None:
@@ -122,7 +123,7 @@ class RemoteTalk:
             self.listener = self._make_listener(self.options, on_level=self.meter.level, find_turns=False,
                                                 on_audio=self._send_audio)
             self.listener.start()
-            watcher = stdin_stop(self.stop, done) if not _stdin_closed() else None
+            watcher = stdin_stop(self.stop, done) if self.watch_stdin and not _stdin_closed() else None
             repl.say("talk mode (the server's realtime session): speak; Enter leaves it"
                      + (" (headphones: no echo cancelling)" if self.options.echo == "off" else ""))
             self.meter.set(LISTENING)
