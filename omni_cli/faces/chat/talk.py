@@ -139,7 +139,7 @@ class TalkMode:
         self.listener = self._make_listener(self.options, on_level=self.meter.level)
         done = threading.Event()
         self.listener.start()
-        watcher = stdin_stop(self.stop, done) if not _stdin_closed() else None
+        watcher = stdin_stop(self.stop, done) if not stdin_closed() else None
         repl.say("talk mode: speak; Enter leaves it" + (" (headphones: no echo cancelling)"
                                                          if self.options.echo == "off" else ""))
         try:
@@ -221,7 +221,7 @@ class TalkMode:
             return None
         figures.kept = reply.text
         if repl.verbose and figures.first_sound is not None and figures.turn_ended is not None:
-            repl.say(f"first sound {_ms(figures.first_sound, figures.turn_ended)} ms after the turn ended")
+            repl.say(f"first sound {ms_after(figures.first_sound, figures.turn_ended)} ms after the turn ended")
         repl.attached.append(clip)
         repl._record("", reply, sink, dict(reply.stats))
         return None
@@ -274,16 +274,18 @@ class TalkMode:
                  f"({figures.played:.1f} of {figures.made:.1f} s heard)")
         if repl.verbose and figures.barge_in is not None:
             heard = self.listener.barge_in_after[-1:] if self.listener is not None else []
-            repl.say(f"barge-in: sound off {_ms(figures.silenced, figures.barge_in)} ms, reply stopped "
-                     f"{_ms(figures.stopped, figures.barge_in)} ms after the speech was long enough"
+            repl.say(f"barge-in: sound off {ms_after(figures.silenced, figures.barge_in)} ms, reply stopped "
+                     f"{ms_after(figures.stopped, figures.barge_in)} ms after the speech was long enough"
                      + (f" ({heard[0] * 1000:.0f} ms of the microphone's audio from its start)" if heard else ""))
 
 
-def _ms(later: float | None, earlier: float) -> str:
+def ms_after(later: float | None, earlier: float) -> str:
+    """Milliseconds from `earlier` to `later` (perf_counter seconds), as shown; "?" when it did not happen."""
     return "?" if later is None else f"{(later - earlier) * 1000:.0f}"
 
 
-def _stdin_closed() -> bool:
+def stdin_closed() -> bool:
+    """Whether fd 0 is closed (then there is no Enter to watch for)."""
     try:
         os.fstat(0)
     except OSError:

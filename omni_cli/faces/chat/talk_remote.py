@@ -51,8 +51,8 @@ from .talk import (
     THINKING,
     ReplyFigures,
     TalkMeter,
-    _ms,
-    _stdin_closed,
+    ms_after,
+    stdin_closed,
     stdin_stop,
 )
 
@@ -123,7 +123,7 @@ class RemoteTalk:
             self.listener = self._make_listener(self.options, on_level=self.meter.level, find_turns=False,
                                                 on_audio=self._send_audio)
             self.listener.start()
-            watcher = stdin_stop(self.stop, done) if self.watch_stdin and not _stdin_closed() else None
+            watcher = stdin_stop(self.stop, done) if self.watch_stdin and not stdin_closed() else None
             repl.say("talk mode (the server's realtime session): speak; Enter leaves it"
                      + (" (headphones: no echo cancelling)" if self.options.echo == "off" else ""))
             self.meter.set(LISTENING)
@@ -272,7 +272,7 @@ class RemoteTalk:
         reply.figures.stopped = time.perf_counter()
         if reply.cut:  # speech stopped it: it was kept as heard already
             if self.repl.verbose and reply.cut_at is not None and reply.status == "cancelled":
-                self.repl.say(f"barge-in: the server stopped the reply {_ms(reply.figures.stopped, reply.cut_at)} ms "
+                self.repl.say(f"barge-in: the server stopped the reply {ms_after(reply.figures.stopped, reply.cut_at)} ms "
                               "after it heard the speech")
             self._reply = None
             return
@@ -304,7 +304,7 @@ class RemoteTalk:
         if reply.status in ("completed", "incomplete"):
             self._keep(reply, figures.kept)
             if self.repl.verbose and figures.first_sound is not None and figures.turn_ended is not None:
-                self.repl.say(f"first sound {_ms(figures.first_sound, figures.turn_ended)} ms after the turn ended")
+                self.repl.say(f"first sound {ms_after(figures.first_sound, figures.turn_ended)} ms after the turn ended")
         self.meter.set(LISTENING)
 
     # -- barge-in ----------------------------------------------------------------------------------
@@ -340,7 +340,7 @@ class RemoteTalk:
         repl.say(f"interrupted: kept {len(figures.kept.split())} of {len(figures.text.split())} words "
                  f"({figures.played:.1f} of {figures.made:.1f} s heard)")
         if repl.verbose and not leaving:
-            repl.say(f"barge-in: sound off {_ms(figures.silenced, figures.barge_in)} ms after the server heard "
+            repl.say(f"barge-in: sound off {ms_after(figures.silenced, figures.barge_in)} ms after the server heard "
                      "the speech")
 
     # -- the chat's conversation and the screen ----------------------------------------------------
