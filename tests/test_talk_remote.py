@@ -31,10 +31,11 @@ RATE = 24_000
 class FakeRealtime:
     """A /v1/realtime that answers session.update and then runs `script(self)` on its own thread."""
 
-    def __init__(self, script=None, realtime: bool = True) -> None:
+    def __init__(self, script=None, realtime: bool = True, refuse: bool = False) -> None:
         from websockets.sync.server import serve
 
         self.script = script
+        self.refuse = refuse
         self.received: list[dict] = []
         self.ws = None
         self.ended: BaseException | None = None
@@ -59,7 +60,9 @@ class FakeRealtime:
                 with self.got:
                     self.received.append(event)
                     self.got.notify_all()
-                if event["type"] == "session.update":
+                if event["type"] == "session.update" and self.refuse:  # a /v1/realtime of another shape
+                    self.send("error", error={"type": "invalid_request_error", "message": "unknown field audio"})
+                elif event["type"] == "session.update":
                     self.send("session.updated", session=event["session"])
                     if self.script is not None:
                         threading.Thread(target=self.script, args=(self,), daemon=True).start()
@@ -80,6 +83,14 @@ class FakeRealtime:
                 left = deadline - time.monotonic()
                 assert left > 0, f"not received; got {[e['type'] for e in self.received]}"
                 self.got.wait(left)
+
+    def wait_for_all(self, kind: str, n: int, timeout: float = 5.0) -> list[dict]:
+        """The first `n` received events of `kind` (waiting for them)."""
+        deadline = time.monotonic() + timeout
+        while len(self.of(kind)) < n:
+            assert time.monotonic() < deadline, f"not received; got {[e['type'] for e in self.received]}"
+            time.sleep(0.01)
+        return self.of(kind)[:n]
 
     def of(self, kind: str) -> list[dict]:
         with self.got:
@@ -292,33 +303,45 @@ def test_speech_over_a_playing_reply_stops_the_speaker_and_truncates_to_what_was
         server.close()
 
 
-@pytest.mark.parametrize("realtime", [True, False])
-def test_talk_with_a_server_uses_its_realtime_session_or_falls_back_to_http(monkeypatch, realtime):
+@pytest.mark.parametrize("server_has", ["realtime", "no realtime", "another realtime"])
+def test_talk_with_a_server_uses_its_realtime_session_or_falls_back_to_http(monkeypatch, server_has):
     from omni_cli.faces.chat import talk as talk_module
     from omni_cli.faces.chat import talk_remote
 
     ran = []
 
-    class Stub:
-        def __init__(self, repl, options, session=None, **kwargs):
-            self.kind = "realtime" if session is not None else "http"
-            if session is not None:
-                session.close()
+    class Turns:
+        def __init__(self, repl, options):
+            pass
 
         def run(self):
-            ran.append(self.kind)
+            ran.append("http")
 
-    monkeypatch.setattr(talk_module, "TalkMode", Stub)
-    monkeypatch.setattr(talk_remote, "RemoteTalk", Stub)
-    server = FakeRealtime(realtime=realtime)
+    class Realtime(talk_remote.RemoteTalk):
+        def run(self):
+            ran.append("realtime")
+            self.session.close()
+
+    monkeypatch.setattr(talk_module, "TalkMode", Turns)
+    monkeypatch.setattr(talk_remote, "RemoteTalk", Realtime)
+    server = FakeRealtime(realtime=server_has != "no realtime", refuse=server_has == "another realtime")
     try:
         repl, _out, err, _sinks, _sd = make_repl(url=server.url)
+        repl.chat.history.add("What is two and two?", "Four.")
         repl.command("/talk")
-        assert ran == (["realtime"] if realtime else ["http"])
+        assert ran == (["realtime"] if server_has == "realtime" else ["http"])
         note = "talking turn by turn over HTTP" in err.getvalue()
-        assert note is (not realtime), err.getvalue()
-        if not realtime:
+        assert note is (server_has != "realtime"), err.getvalue()
+        if server_has == "no realtime":
             assert "404" in err.getvalue()
+        if server_has == "another realtime":
+            assert "unknown field" in err.getvalue()
+        if server_has == "realtime":  # the chat's earlier turns went with the session
+            items = [e["item"] for e in server.wait_for_all("conversation.item.create", 2)]
+            assert items[0]["role"] == "user" and items[0]["content"] == [
+                {"type": "input_text", "text": "What is two and two?"}]
+            assert items[1]["role"] == "assistant" and items[1]["content"][0]["text"] == "Four."
+            assert server.of("session.update")[0]["session"]["instructions"] == repl.chat.history.system
         ran.clear()
         local, _o, err2, _s, _d = make_repl(url=None)  # a model loaded here: turn by turn, no note
         local.command("/talk")

@@ -121,27 +121,29 @@ class Commands(SessionState):
         if arg:
             raise UsageError("/talk takes no argument (the flags --headphones, --vad-model, --barge-in-ms set it up)")
         options = self.listen_options or ListenOptions()
-        session = self._realtime_session()
-        if session is not None:
-            from .talk_remote import RemoteTalk
-
-            self.talk = RemoteTalk(self, options, session)
-        else:
-            self.talk = TalkMode(self, options)
+        self.talk = self._realtime_talk(options) or TalkMode(self, options)
         self.talk.run()
 
-    def _realtime_session(self):
-        """A realtime session with the chat's server, or None: no server, or one without `/v1/realtime`
-        (an older omni-serve, vLLM-Omni), said in one line."""
+    def _realtime_talk(self, options):
+        """Talk mode over the chat's server's realtime session, set up; None: no server, or one without
+        `/v1/realtime` (an older omni-serve, vLLM-Omni) or that refuses the session's settings, said in
+        one line."""
         url = getattr(self.assistant, "url", None)
         if url is None:
             return None
         from ...api.client import ServerError
         from ...api.realtime_client import RealtimeSession
+        from .talk_remote import RemoteTalk
 
+        session = None
         try:
-            return RealtimeSession.connect(url, api_key=getattr(self.assistant, "api_key", None))
+            session = RealtimeSession.connect(url, api_key=getattr(self.assistant, "api_key", None))
+            talk = RemoteTalk(self, options, session)
+            talk.configure()
+            return talk
         except ServerError as exc:
+            if session is not None:
+                session.close()
             self.say(f"no realtime session ({exc}): talking turn by turn over HTTP")
             return None
 

@@ -107,6 +107,7 @@ class RemoteTalk:
         self._resampler: Any = None
         self._kept: collections.deque = collections.deque()  # (first sample, block) of the audio sent
         self._kept_lock = threading.Lock()
+        self.configured = False  # configure() was done (run() does it otherwise)
         self._reply: RemoteReply | None = None
         self._speech_from: float | None = None  # the server's audio_start_ms of the speech now heard
         self._clip: AudioClip | None = None  # the last turn, for the reply that answers it
@@ -119,7 +120,8 @@ class RemoteTalk:
         done = threading.Event()
         watcher = None
         try:
-            self._configure()
+            if not self.configured:
+                self.configure()
             self.listener = self._make_listener(self.options, on_level=self.meter.level, find_turns=False,
                                                 on_audio=self._send_audio)
             self.listener.start()
@@ -147,8 +149,9 @@ class RemoteTalk:
                 watcher.join(timeout=1.0)
         repl.say("talk mode ended")
 
-    def _configure(self) -> None:
-        """The session's turn detection, voice and instructions; the chat's earlier turns as its items."""
+    def configure(self) -> None:
+        """The session's turn detection, voice and instructions; the chat's earlier turns as its items.
+        A `ServerError` if the server refuses them (a /v1/realtime of another shape)."""
         repl = self.repl
         detection = {"type": "server_vad", "silence_duration_ms": int(self.options.end_silence_ms),
                      "interrupt_response": True, "create_response": True}
@@ -169,6 +172,7 @@ class RemoteTalk:
             if parts:
                 self.session.send({"type": "conversation.item.create",
                                    "item": {"type": "message", "role": "user", "content": parts}})
+        self.configured = True
 
     # -- the microphone's thread -------------------------------------------------------------------
     def _send_audio(self, block: np.ndarray) -> None:
