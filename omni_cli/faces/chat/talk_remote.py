@@ -139,14 +139,17 @@ class RemoteTalk:
             done.set()
             if self.listener is not None:
                 self.listener.close()
-            reply = self._reply
-            if reply is not None and not reply.cut:
-                self._cut(reply, leaving=True)  # Enter during a reply: it stops as for speech
-            self._reply = None
-            self.session.close()
-            self.meter.clear()
-            if watcher is not None:
-                watcher.join(timeout=1.0)
+            try:
+                self._played_out()  # a reply that had just played out is whole, not cut
+                reply = self._reply
+                if reply is not None and not reply.cut:
+                    self._cut(reply, leaving=True)  # Enter during a reply: it stops as for speech
+            finally:
+                self._reply = None
+                self.session.close()
+                self.meter.clear()
+                if watcher is not None:
+                    watcher.join(timeout=1.0)
         repl.say("talk mode ended")
 
     def configure(self) -> None:
