@@ -73,7 +73,7 @@ class RemoteReply:
     figures: ReplyFigures
     clip: AudioClip | None = None  # the user's turn it answers
     item_id: str | None = None  # the assistant item (what a truncate names)
-    sink: Any = None  # its speaker, from its first audio on
+    sink: Any = None  # its speaker, started at response.created (None: muted)
     pieces: list[str] = field(default_factory=list)
     made: int = 0  # samples of audio received
     done: bool = False  # response.done came
@@ -239,6 +239,7 @@ class RemoteTalk:
             self._clip = None
             self.figures.append(figures)
             self.replies.append(self._reply)
+            self._open_speaker(self._reply)
             self.meter.set(THINKING)
         elif reply is None or _response_of(data) not in (None, reply.response_id):
             if kind == "error":
@@ -257,21 +258,26 @@ class RemoteTalk:
         elif kind == "error":
             self.repl.error(ServerError((data.get("error") or {}).get("message") or "the server refused it"))
 
+    def _open_speaker(self, reply: RemoteReply) -> None:
+        """The reply's speaker, started as the reply begins (as a local reply's is): its adaptive start
+        judges the rate the audio comes at from here, the server's thinking included, so a reply made
+        slower than real time is buffered enough to play through."""
+        repl = self.repl
+        if repl.muted or repl.speaker is None:
+            return
+        sink = repl.speaker()
+        sink.tap = lambda block: self.listener.reference(block, RATE)
+        self.listener.reply_started()  # the reply's speaker stream is placed afresh on the microphone's clock
+        sink.start(RATE)
+        reply.sink = sink
+
     def _play(self, reply: RemoteReply, pcm: np.ndarray | None) -> None:
         if pcm is None or not pcm.shape[0]:
             return
         reply.made += pcm.shape[0]
-        repl = self.repl
-        if repl.muted or repl.speaker is None:
-            return
-        if reply.sink is None:
-            sink = repl.speaker()
-            sink.tap = lambda block: self.listener.reference(block, RATE)
-            self.listener.reply_started()  # the reply's speaker stream is placed afresh on the microphone's clock
-            sink.start(RATE)
-            reply.sink = sink
-        self.meter.set(SPEAKING)
-        reply.sink.write(pcm)
+        if reply.sink is not None:
+            self.meter.set(SPEAKING)
+            reply.sink.write(pcm)
 
     def _done(self, reply: RemoteReply, data: dict) -> None:
         body = data.get("response") or {}
@@ -311,7 +317,9 @@ class RemoteTalk:
         if reply.status in ("completed", "incomplete"):
             self._keep(reply, figures.kept)
             if self.repl.verbose and figures.first_sound is not None and figures.turn_ended is not None:
-                self.repl.say(f"first sound {ms_after(figures.first_sound, figures.turn_ended)} ms after the turn ended")
+                gaps = f"; {sink.underruns} gaps in its sound" if sink is not None and sink.underruns else ""
+                self.repl.say(f"first sound {ms_after(figures.first_sound, figures.turn_ended)} ms after the turn "
+                              f"ended{gaps}")
         self.meter.set(LISTENING)
 
     # -- barge-in ----------------------------------------------------------------------------------
