@@ -92,6 +92,19 @@ class TalkMeter:
         self._drawn = False
         self._last = 0.0
 
+    def begin_text(self) -> None:
+        """A piece of a reply's text is about to be written: the live line cleared once and held."""
+        if not self.hold:
+            self.clear()
+            self.hold = True
+        self.set(SPEAKING)
+
+    def end_text(self, out: Any, printed: bool) -> None:
+        """The reply's text has ended: its line closed on `out` (once, if any was written), redrawing on."""
+        if printed and self.hold:
+            out.print()
+        self.hold = False
+
     def set(self, state: str) -> None:
         if state == self.state:
             return
@@ -200,7 +213,7 @@ class TalkMode:
             listener.reply_ended()
             if sink is not None:
                 sink.abort()  # a no-op after a normal close
-            self._end_text(bool(pieces))
+            self.meter.end_text(self.repl.out, bool(pieces))
         if barged.is_set():
             handled.wait(timeout=2.0)  # the speaker's abort may still be under way on the listener's thread
         if sink is not None:
@@ -250,16 +263,8 @@ class TalkMode:
         return None if barged.is_set() else reply
 
     def _on_text(self, piece: str) -> None:
-        if not self.meter.hold:
-            self.meter.clear()
-            self.meter.hold = True
-        self.meter.set(SPEAKING)
+        self.meter.begin_text()
         self.repl._show(shown(piece, self.repl.out.file))
-
-    def _end_text(self, printed: bool) -> None:
-        if printed:
-            self.repl.out.print()
-        self.meter.hold = False
 
     def _keep_cut(self, clip: Any, figures: ReplyFigures, pieces: list[str]) -> None:
         """A reply cut short: what was heard of it goes into the conversation and the transcript."""

@@ -289,7 +289,7 @@ class RemoteTalk:
                               "after it heard the speech")
             self._reply = None
             return
-        self._end_text(bool(reply.pieces))
+        self.meter.end_text(self.repl.out, bool(reply.pieces))
         if reply.status == "failed":
             message = ((body.get("status_details") or {}).get("error") or {}).get("message")
             self.repl.error(ServerError(message or "the server's reply failed"))
@@ -347,7 +347,7 @@ class RemoteTalk:
                     raise
         if reply.done:
             self._reply = None  # the server had finished it: only the playing is stopped
-        self._end_text(bool(reply.pieces) and not reply.done)
+        self.meter.end_text(self.repl.out, bool(reply.pieces) and not reply.done)
         figures.kept = figures.text if self.repl.muted else heard_text(
             reply.pieces, figures.played, figures.made, self.repl._steps[1])
         self._keep(reply, figures.kept)
@@ -371,16 +371,8 @@ class RemoteTalk:
         repl.replies += 1
 
     def _on_text(self, piece: str) -> None:
-        if not self.meter.hold:
-            self.meter.clear()
-            self.meter.hold = True
-        self.meter.set(SPEAKING)
+        self.meter.begin_text()
         self.repl._show(shown(piece, self.repl.out.file))
-
-    def _end_text(self, printed: bool) -> None:
-        if printed and self.meter.hold:
-            self.repl.out.print()
-        self.meter.hold = False
 
 
 def _response_of(data: dict) -> str | None:
