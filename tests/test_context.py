@@ -193,6 +193,34 @@ def kept_against_fresh(model) -> dict:
     return worst
 
 
+def test_the_suffix_graphs_forward_equals_the_eager_suffix_prefill(qwen3):
+    """What the suffix graphs replay (`decoder.forward_suffix`: the kept length a device value, the rest
+    padded to its bucket, the keys read over a fixed span behind a mask) gives the eager suffix prefill's
+    rows and cache (float32, CPU: the same function the GPU captures)."""
+    from omni_cli.runtime.decoder import forward_layers_keeping, forward_suffix
+    from omni_cli.runtime.graphs import suffix_span
+
+    thinker = qwen3.engine.steps.thinker
+    model, cache, keep = thinker.model, thinker.cache, thinker.accept_layer
+    torch.manual_seed(0)
+    width = thinker.embed_tokens.weight.shape[1]
+    prompt, rest = torch.randn(1, 40, width), torch.randn(1, 23, width)
+    with torch.inference_mode():
+        cache.reset()
+        forward_layers_keeping(model, prompt, cache, keep)
+        eager = forward_layers_keeping(model, rest, cache, keep)
+        rows = [t[:, :, :63].clone() for t in cache.keys + cache.values]
+        for t in cache.keys + cache.values:
+            t[:, :, 40:].normal_()  # stale rows past the kept ones: what the mask must hide
+        cache.keep_first(40)
+        padded = torch.cat([rest, torch.zeros(1, 64 - 23, width)], dim=1)
+        graphed = forward_suffix(model, padded, cache, keep, torch.tensor(40), suffix_span(40 + 64, cache.max_len))
+    assert cache.length == 40  # the caller advances it
+    worst = max((a - b[:, :23]).abs().max().item() for a, b in zip(eager, graphed))
+    worst_cache = max((a - b[:, :, :63]).abs().max().item() for a, b in zip(rows, cache.keys + cache.values))
+    assert worst <= CACHE_BOUND and worst_cache <= CACHE_BOUND, (worst, worst_cache)
+
+
 def test_verbose_and_show_tell_the_kept_context(qwen25):
     from omni_cli.faces.timing import memory_rows
 

@@ -44,13 +44,55 @@ def forward_layers_keeping(model, embeds: torch.Tensor, cache: StaticKVCache, ke
     if positions is None:
         positions = torch.arange(start + shift, start + shift + n, device=embeds.device).view(1, 1, n)
         positions = positions.expand(3, 1, n) if mrope else positions[0]
+    mask = suffix_mask(start, n, embeds.dtype, embeds.device)
+    out = _run_layers(model, embeds, cache, mask, positions, keep, after_layer)
+    cache.advance(n)
+    return out
+
+
+def forward_suffix(model, embeds: torch.Tensor, cache: StaticKVCache, keep: int | None, start: torch.Tensor,
+                   span: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`forward_layers_keeping` of n positions after `start` cached ones where `start` is a device value (a
+    0-d long tensor), so that one CUDA graph serves every kept context that fits `span` keys: the rows are
+    written at slots start.. through `SlotWriter`, each query reads the cache's first `span` rows through a
+    mask that hides the keys after its own. The hidden rows past the cache's valid part hold stale but
+    finite values (masked to exactly zero weight). 1-D positions (M-RoPE rows equal: text and audio).
+    The caller advances the cache (its length is the host's to know)."""
+    n = embeds.shape[1]
+    slots = start + torch.arange(n, device=embeds.device)
+    keys = torch.arange(span, device=embeds.device)
+    mask = torch.zeros(n, span, dtype=embeds.dtype, device=embeds.device)
+    mask.masked_fill_(keys[None, :] > slots[:, None], torch.finfo(embeds.dtype).min)
+    positions = slots.view(1, 1, n).expand(3, 1, n)
+    return _run_layers(model, embeds, SlotWriter(cache, slots, span), mask.view(1, 1, n, span), positions, keep)
+
+
+class SlotWriter:
+    """A `StaticKVCache` as the layers of `forward_suffix` see it: the new keys and values go to the slots
+    a device tensor names (index_copy_, no host offset in the captured kernels), and attention reads the
+    first `span` rows whatever the cache's length."""
+
+    def __init__(self, cache: StaticKVCache, slots: torch.Tensor, span: int) -> None:
+        self.cache, self.slots, self.span = cache, slots, span
+
+    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
+        keys, values = self.cache.keys[layer_idx], self.cache.values[layer_idx]
+        keys.index_copy_(2, self.slots, key)
+        values.index_copy_(2, self.slots, value)
+        return keys[:, :, :self.span], values[:, :, :self.span]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.span
+
+
+def _run_layers(model, embeds, cache, mask, positions, keep, after_layer=None):
+    """The stack's layers and final norm over `embeds` (see `forward_layers_keeping` for `keep`)."""
     position_embeddings = model.rotary_emb(embeds, positions)
     layers = model.layers
     cache_kw = compat.layer_cache_kwargs(cache, layers[0])  # the same keyword for every layer of a stack
-    mask = suffix_mask(start, n, embeds.dtype, embeds.device)
     hidden = embeds
     kept = embeds if keep == 0 else None
-    with no_cudnn_attention(n > 1 and embeds.device.type == "cuda"):
+    with no_cudnn_attention(embeds.shape[1] > 1 and embeds.device.type == "cuda"):
         for i, layer in enumerate(layers):
             hidden = layer(hidden, attention_mask=mask, position_embeddings=position_embeddings, use_cache=True,
                            **cache_kw)
@@ -58,7 +100,6 @@ def forward_layers_keeping(model, embeds: torch.Tensor, cache: StaticKVCache, ke
                 kept = hidden
             if after_layer is not None:
                 hidden = after_layer(i, hidden)
-    cache.advance(n)
     normed = model.norm(hidden)
     return normed, (normed if keep is not None and keep >= len(layers) else kept)
 

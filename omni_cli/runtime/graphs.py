@@ -290,7 +290,23 @@ def capture_stream(device: torch.device) -> torch.cuda.Stream:
 CAPTURE_PRIORITY = -2  # the pool of `capture_stream` (the engine's own streams are -1, a turn's 0)
 
 
-PREFILL_BUCKETS = (32, 64, 128, 256, 512)  # prompt lengths with a graph (longer prompts run eagerly)
+PREFILL_BUCKETS = (32, 64, 128, 256, 512)  # prompt lengths with a graph from the warm-up on
+# Longer prompts, and rests over a kept context, have graphs in these lengths too, captured between turns
+# once wanted (`PrefillGraphs.capture_rests`): every 512 rows up to LONG_MAX (the context, if smaller).
+LONG_STEP, LONG_MAX = 512, 8192
+# The rests over a kept context wanted before any has run: a typed turn after a reply's tail, and a
+# spoken one (a 5 s clip is 150 audio positions).
+SUFFIX_FIRST = (64, 256)
+SUFFIX_SPAN_MIN = 512  # the smallest key span of a rest's graph; then powers of two up to the context
+
+
+def suffix_span(end: int, limit: int) -> int:
+    """The key span of the graph for a rest that ends at `end`: the next power of two from SUFFIX_SPAN_MIN
+    (a few graphs cover any context: 512, 1,024, 2,048, 4,096), at most `limit`."""
+    span = SUFFIX_SPAN_MIN
+    while span < end:
+        span *= 2
+    return min(span, limit)
 
 
 class PrefillGraphs:
@@ -302,7 +318,19 @@ class PrefillGraphs:
     end: attention is causal, routing and every other op work row by row, and the cache rows the padding
     writes lie past the prompt, where the next step writes and masks anyway. Results can differ from the
     unpadded forward in the last bits (a matmul's kernel depends on its row count). Eager where graphs
-    are off (CPU, switched off) or the prompt is longer than the largest bucket.
+    are off (CPU, switched off) or no graph of the length is captured yet.
+
+    Prompts up to 512 rows from an empty cache have their graphs from the warm-up (`capture_all`).
+    Longer ones, in buckets of 512 rows, and a prompt's rest over a kept context (runtime/context.py:
+    `decoder.forward_suffix`, one graph per length bucket and key span, the rows before it a device
+    value, so that one graph serves every conversation whose context fits the span) have many lengths,
+    and the rests' spans grow with a conversation: they are captured between turns (`capture_rests`, the
+    engine's capture ahead) for the lengths wanted: `SUFFIX_FIRST` from the start, any other once a
+    prompt of its length has run (eagerly, that once), and the length a growing prompt reaches next. A
+    long prompt's graph writes the cache from its first row, so it is captured only where nothing is
+    kept (the talker's cache; the thinker's before a new conversation). The rests read their keys
+    through a mask (memory-efficient attention), which costs more than the causal kernel of a prompt
+    from an empty cache: a long prompt is not run as a rest after nothing.
     """
 
     def __init__(self, model, cache, width: int, dtype, device: torch.device, enabled: bool, keep: int | None = None,
@@ -313,10 +341,17 @@ class PrefillGraphs:
         self.forward = forward_layers_keeping
         self.enabled = enabled  # the policy's say (`Policy.prefill_graphs`)
         self.buckets = [b for b in buckets if b <= cache.max_len] if self.enabled else []
+        top = min(LONG_MAX, cache.max_len)
+        self.sizes = self.buckets + list(range(2 * LONG_STEP, top + 1, LONG_STEP)) if self.buckets else []
         self.device = device
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple]] = {}
+        self.rest_graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, tuple]] = {}  # (size, span) ->
+        self.wanted_rests = {b for b in SUFFIX_FIRST if b in self.buckets}  # rests over a kept context
+        self.wanted_long: set[int] = set()  # prompts over 512 rows from an empty cache (in `graphs`)
+        self.last_long = 0  # the last such prompt's length (a growing one wants the next bucket)
         if self.buckets:
-            self.inputs = torch.zeros(1, self.buckets[-1], width, device=device, dtype=dtype)
+            self.inputs = torch.zeros(1, self.sizes[-1], width, device=device, dtype=dtype)
+            self.start = torch.zeros((), dtype=torch.long, device=device)  # the rows before a rest
             self.pool = torch.cuda.graph_pool_handle()
             self.capture_stream = capture_stream(device)
 
@@ -324,7 +359,10 @@ class PrefillGraphs:
         """(hidden [1, n, W], the kept layer's output or None) for `embeds` [1, n, W], from an empty cache."""
         n = embeds.shape[1]
         self.cache.reset()
-        size = next((b for b in self.buckets if b >= n), None)
+        size = next((b for b in self.sizes if b >= n), None)
+        if size is not None and size > self.buckets[-1]:
+            self.last_long = n
+            self.wanted_long.add(size)
         if size is None or size not in self.graphs:
             return self.forward(self.model, embeds, self.cache, self.keep)
         self.inputs[:, :n].copy_(embeds)
@@ -334,6 +372,51 @@ class PrefillGraphs:
         self.cache.advance(n)
         return hidden[:, :n], (None if kept is None else kept[:, :n])
 
+    def over_kept(self, embeds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """`embeds` [1, n, W] after the cache's kept positions, replayed as a graph: (hidden, kept layer's
+        output), or None where no graph fits (the caller runs it eagerly; its length is wanted from now)."""
+        n, start = embeds.shape[1], self.cache.length
+        size = next((b for b in self.sizes if b >= n), None)
+        if size is None:
+            return None
+        self.wanted_rests.add(size)
+        entry = self.rest_graphs.get((size, suffix_span(start + size, self.cache.max_len)))
+        if entry is None or start + size > self.cache.max_len:
+            return None
+        self.inputs[:, :n].copy_(embeds)
+        self.inputs[:, n:size].zero_()
+        self.start.fill_(start)
+        graph, (hidden, kept) = entry
+        graph.replay()
+        self.cache.advance(n)
+        return hidden[:, :n], (None if kept is None else kept[:, :n])
+
+    def capture_rests(self, kept: bool) -> int:
+        """Between turns: the graphs the next turn wants. `kept`: the cache holds a context to keep (the
+        thinker's, its length now being what the next turn keeps at most): the wanted rests over it, for
+        the span the next turn needs, each capture writing only past that length (rows the next prefill
+        writes anyway). Else (the talker's cache, never kept; a thinker keeping nothing) the wanted long
+        prompts from an empty cache, whose captures write from the first row, and the length a growing
+        one (a conversation's talker prompt) reaches next. Returns the graphs made."""
+        length, made = self.cache.length, 0
+        if kept:
+            for size in sorted(self.wanted_rests):
+                key = (size, suffix_span(length + size, self.cache.max_len))
+                if key not in self.rest_graphs and length + size <= key[1]:
+                    self.start.fill_(length)
+                    self.rest_graphs[key] = self._capture(size, span=key[1])
+                    made += 1
+            self.cache.length = length
+            return made
+        long = set(self.wanted_long)
+        if self.last_long:
+            long.add(next((b for b in self.sizes if b >= self.last_long + LONG_STEP // 2), self.sizes[-1]))
+        for size in sorted(long - set(self.graphs)):
+            self.graphs[size] = self._capture(size)
+            made += 1
+        self.cache.reset()
+        return made
+
     def capture_all(self) -> None:
         """Capture every bucket (the engine's warm-up, nothing else on the GPU; the cache is left empty)."""
         for size in self.buckets:
@@ -341,19 +424,30 @@ class PrefillGraphs:
                 self.graphs[size] = self._capture(size)
         self.cache.reset()
 
-    def _capture(self, size: int):
+    def _capture(self, size: int, span: int | None = None):
+        """A graph of the prefill of `size` rows: from an empty cache, or (`span`) after `self.start` kept
+        rows, which it leaves as they are."""
+        from .decoder import forward_suffix
+
         x = self.inputs[:, :size]
+        length = self.cache.length
+
+        def forward():
+            if span is not None:
+                return forward_suffix(self.model, x, self.cache, self.keep, self.start, span)
+            self.cache.reset()
+            return self.forward(self.model, x, self.cache, self.keep)
+
         side = self.capture_stream
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side), torch.inference_mode():
             for _ in range(2):
-                self.cache.reset()
-                self.forward(self.model, x, self.cache, self.keep)
+                forward()
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        self.cache.reset()
         # Not `torch.cuda.graph`: it synchronises the whole device and empties the allocator's caches, which
         # must not happen under the replies of steps that serve while these are made (runtime/beside.py).
         with torch.inference_mode(), capture_anywhere(graph, self.pool, side):
-            outputs = self.forward(self.model, x, self.cache, self.keep)
+            outputs = forward()
+        self.cache.length = length if span is not None else 0
         return graph, outputs

@@ -110,12 +110,21 @@ class Qwen3Steps:
 
     def capture_ahead(self) -> int:
         """Between turns (the engine's capture ahead, CUDA): the thinker's and the talker's lazy span
-        buckets a growing conversation reaches next (runtime/graphs.py `capture_ahead`)."""
+        buckets a growing conversation reaches next (runtime/graphs.py `capture_ahead`), and the prompts'
+        graphs the next turn wants (`PrefillGraphs.capture_rests`: its rest over the thinker's kept context,
+        the talker's growing prompt)."""
         from ...runtime.graphs import capture_ahead
 
         thinker = self.thinker.fused.graphs if self.thinker.fused is not None else None
         talker = (self.talker.step_graphs if self.has_talker and self.talker.fused is not None else None)
-        return capture_ahead((thinker, self.thinker.cache), (talker, self.talker.cache if talker else None))
+        made = capture_ahead((thinker, self.thinker.cache), (talker, self.talker.cache if talker else None))
+        context = self.thinker.context
+        with torch.inference_mode():
+            if self.thinker.prefill_graphs is not None:
+                made += self.thinker.prefill_graphs.capture_rests(kept=context is not None and bool(context.ids))
+            if self.has_talker and self.talker.prefill_graphs is not None:  # its cache is never kept
+                made += self.talker.prefill_graphs.capture_rests(kept=False)
+        return made
 
     def warmup(self) -> dict | None:
         """Capture the CUDA graphs (thinker and talker steps for every span bucket, the frame) and, with

@@ -95,10 +95,15 @@ class Thinker:
         return self.embed_tokens(ids)
 
     def _forward(self, embeds: torch.Tensor, prefill: bool = False, positions=None, after_layer=None) -> ThinkerOut:
-        # A prefill from an empty cache replays a graph per length bucket; one over a kept context (the
-        # cache not empty) and one with 3-D positions run eagerly.
-        if prefill and self.prefill_graphs is not None and positions is None and self.cache.length == 0:
-            hidden, accepted = self.prefill_graphs(embeds)
+        # A prefill replays a graph per length bucket: from an empty cache, or over a kept context (a graph
+        # per key span too, captured between turns). One with 3-D positions (an image in the conversation),
+        # and one no graph fits, run eagerly.
+        graphed = None
+        if prefill and self.prefill_graphs is not None and positions is None:
+            graphed = (self.prefill_graphs(embeds) if self.cache.length == 0
+                       else self.prefill_graphs.over_kept(embeds))
+        if graphed is not None:
+            hidden, accepted = graphed
         else:
             hidden, accepted = forward_layers_keeping(self.model, embeds, self.cache, self.accept_layer,
                                                       positions=positions, shift=0 if prefill else self.rope_delta,
