@@ -163,10 +163,19 @@ def _summary(results: list[dict]) -> dict:
 
 
 def _reply(engine, subject: _Subject, prompt_ids, text_tokens, codes, device, i: int, label: str = "",
-           media: dict | None = None, text_ids: list | None = None) -> dict:
+           media: dict | None = None, text_ids: list | None = None, fresh: bool = True) -> dict:
     """Run `i` (0: the warm-up) of a benchmark: one timed reply at forced lengths, seeded with `i`; `media`:
-    the prompt's encoder inputs; the reply's text ids are appended to `text_ids` where given."""
+    the prompt's encoder inputs; the reply's text ids are appended to `text_ids` where given. `fresh`: the
+    prompt is prefilled whole, as a new conversation's (each run repeats the last run's prompt, which the
+    thinker's kept context would otherwise find all but one position of); False for a conversation's turns.
+    What the last turn left for the idle time (the capture ahead) is done first, untimed."""
     import torch
+
+    engine.settle()
+    context = getattr(engine.steps.thinker, "context", None)
+    if fresh and context is not None and context.ids:
+        context.clear()
+        engine.capture_ahead()  # the pause before a new conversation, with nothing kept (a long prompt's graph)
 
     from ..config import SamplingOptions
     from ..runtime.events import TurnRequest
@@ -499,7 +508,7 @@ def _conversation(subject: _Subject, turns: int, audio_seconds: float, text_toke
     engine, _ = _engine(subject, [], text_tokens, codes, context=context, graphs=graphs, compile=compile)
 
     def reply(prompt, media, i, label, text_ids):
-        return _reply(engine, subject, prompt, text_tokens, codes, device, i, label, media, text_ids)
+        return _reply(engine, subject, prompt, text_tokens, codes, device, i, label, media, text_ids, fresh=False)
 
     result = bench_turns.conversation(engine, subject, turns, audio_seconds, reply)
     if as_json:

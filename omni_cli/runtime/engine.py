@@ -11,10 +11,12 @@ It knows no model family (the steps come from `omni_cli/models/<family>/`), no p
 
 from __future__ import annotations
 
+import atexit
 import gc
 import logging
 import os
 import threading
+import weakref
 from typing import TYPE_CHECKING, Generator, Protocol
 
 import torch
@@ -24,6 +26,19 @@ from .graphs import Policy
 from .turn import Turn
 
 log = logging.getLogger(__name__)
+
+# The engines whose capture ahead may be running. A CUDA graph capture cut short by the interpreter's exit
+# (the thread is a daemon: it must not hold a closing face open) aborted the process ("terminate called
+# without an active exception", omni-bench --turns on an H200, the capture of a prompt's graph after the
+# last turn): at exit no new capture starts, and the one under way is waited for (under a second).
+_CAPTURING: weakref.WeakSet = weakref.WeakSet()
+
+
+@atexit.register
+def _settle_at_exit() -> None:
+    for engine in list(_CAPTURING):
+        engine._closing = True
+        engine.settle()
 
 if TYPE_CHECKING:  # the interface the family's steps meet (models/base.py: Protocols, no family)
     from ..models.base import ModelSteps
@@ -51,6 +66,7 @@ class Engine:
         self._next_steps: ModelSteps | None = None  # steps to take over at the next turn (`adopt`)
         self._adopting = threading.Lock()  # held by `adopt` while it holds the turns' lock
         self._ahead: threading.Thread | None = None  # the last capture ahead (`settle`)
+        self._closing = False  # the process is exiting: no capture ahead starts
 
     @property
     def has_talker(self) -> bool:
@@ -89,6 +105,7 @@ class Engine:
             self._lock.release()
             if finished and self.device.type == "cuda":
                 self._ahead = threading.Thread(target=self._capture_ahead, name="capture-ahead", daemon=True)
+                _CAPTURING.add(self)
                 self._ahead.start()
 
     def settle(self) -> None:
@@ -98,6 +115,13 @@ class Engine:
         if ahead is not None:
             ahead.join()
 
+    def capture_ahead(self) -> None:
+        """What a finished turn leaves for the pause before the next, done now on this thread (CUDA; a
+        no-op elsewhere): omni-bench's runs, each a new conversation, after dropping the kept context."""
+        self.settle()
+        if self.device.type == "cuda":
+            self._capture_ahead()
+
     def _capture_ahead(self) -> None:
         """After a finished turn, while the user reads, listens or speaks: the lazy step graphs' buckets
         the next turn of a growing conversation reaches (steps.capture_ahead), so that it replays them
@@ -105,7 +129,7 @@ class Engine:
         holds it: a turn asked for meanwhile waits for it (tens of ms a bucket); one already running
         makes it give up."""
         with self._adopting:
-            if not self._lock.acquire(blocking=False):
+            if self._closing or not self._lock.acquire(blocking=False):
                 return
             try:
                 made = self.steps.capture_ahead()
