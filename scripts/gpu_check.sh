@@ -10,6 +10,9 @@
 #   turns25    a 10-turn spoken conversation, 7B, plain graphs, kept vs whole ($OUT/turns-qwen25.json)
 #   turns3     the same, Qwen3-Omni-30B-A3B ($OUT/turns-qwen3.json)
 #   kept       tests/test_gpu.py's kept-context and lazy-graph tests only
+#   rests      tests/test_gpu.py's prompt graphs captured between turns (rests over a kept context, long prompts)
+#   encoders   one audio-encoder call on a 5 s clip at true size, both families, timed and profiled
+#              (scripts/encoder_profile.py; $OUT/encoder-*.jsonl)
 #   attend     the attention kernel over spans 256..8192 beside the library's ($OUT/attend-spans.jsonl)
 #   long3      Qwen3-Omni, a 2,500-token prompt, plain graphs ($OUT/qwen3-2500.json)
 #   long25     Qwen2.5-Omni-7B, a 2,500-token prompt, plain graphs ($OUT/qwen25-2500.json)
@@ -55,6 +58,12 @@ for step in "${@:-bench tests}"; do
              echo "turns3 rc=$?"; grep 'turn' "$out/turns-qwen3.err" | tail -22 ;;
       kept) timeout 420 python3 -m pytest tests/test_gpu.py -q -s -p no:cacheprovider -o addopts="" -k "kept or lazy or true_size" \
                2>&1 | grep -v DEBUG > "$out/test_gpu_kept.log"; tail -3 "$out/test_gpu_kept.log"; grep -E "kept vs|^E " "$out/test_gpu_kept.log" | head ;;
+      rests) timeout 300 python3 -m pytest tests/test_gpu.py -q -s -p no:cacheprovider -o addopts="" \
+               -k "suffix_graph or long_prompt or replays_its_rests or kept_cache or without_cudnn" 2>&1 | grep -v DEBUG > "$out/test_gpu_rests.log"
+             tail -3 "$out/test_gpu_rests.log"; grep -E "vs eager|kept vs|^E " "$out/test_gpu_rests.log" | head ;;
+      encoders) for p in qwen3-omni-30b-a3b qwen2.5-omni-7b; do
+               timeout 150 python3 scripts/encoder_profile.py $p > "$out/encoder-$p.jsonl" 2> "$out/encoder-$p.err"
+               echo "encoder $p rc=$?"; cut -c1-900 "$out/encoder-$p.jsonl"; done ;;
       attend) timeout 200 python3 scripts/attend_bench.py --spans > "$out/attend-spans.jsonl" 2> "$out/attend.err"
              echo "attend rc=$?"; cat "$out/attend-spans.jsonl"; tail -3 "$out/attend.err" ;;
       long3) timeout 420 python3 -m omni_cli.faces.bench --preset qwen3-omni-30b-a3b --runs 3 --prompt-tokens 2500 \

@@ -634,3 +634,116 @@ def test_the_kept_cache_equals_a_fresh_prefill_on_cuda(asset):
     worst = kept_against_fresh(model)
     print(f"kept vs fresh on cuda, {asset}: {worst}")
     assert max(worst.values()) <= GPU_CACHE_BOUND, worst
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+
+
+# bfloat16 (the prefill graphs' dtype): the graphed rest over padded rows and a masked span against the
+# eager rest, the same math over other shapes. A wrong mask or slot gives errors of order 1.
+SUFFIX_BOUND = 3e-2
+
+
+def test_qwen3_suffix_graph_replays_the_eager_rest_over_a_kept_context():
+    """A prompt's rest over the kept context, replayed from a graph captured between turns (padded to its
+    bucket, the kept length a device value), equals the eager rest: rows, kept layer and cache."""
+    import omni_cli
+    from omni_cli.runtime.decoder import forward_layers_keeping
+
+    model = omni_cli.load("assets/tiny-qwen3-omni", device="cuda", dtype="bfloat16")
+    thinker = model.engine.steps.thinker
+    graphs, cache, keep = thinker.prefill_graphs, thinker.cache, thinker.accept_layer
+    assert graphs is not None and graphs.buckets
+    torch.manual_seed(0)
+    width = thinker.embed_tokens.weight.shape[1]
+    prompt, rest = (torch.randn(1, n, width, device="cuda", dtype=torch.bfloat16) for n in (40, 23))
+    with torch.inference_mode():
+        cache.reset()
+        forward_layers_keeping(thinker.model, prompt, cache, keep)
+        eager = forward_layers_keeping(thinker.model, rest, cache, keep)
+        rows = [t[:, :, :63].clone() for t in cache.keys + cache.values]
+        cache.keep_first(40)
+        graphs.wanted_rests = {32}
+        assert graphs.capture_rests(kept=True) == 1 and cache.length == 40
+        graphed = graphs.over_kept(rest)
+    assert graphed is not None and cache.length == 63
+    worst = max(_relative(b, a) for a, b in zip(eager, graphed))
+    worst_cache = max(_relative(b[:, :, :63], a) for a, b in zip(rows, cache.keys + cache.values))
+    print(f"suffix graph vs eager: rows {worst:.2e}, cache {worst_cache:.2e}")
+    assert worst <= SUFFIX_BOUND and worst_cache <= SUFFIX_BOUND, (worst, worst_cache)
+
+
+def test_qwen3_conversation_replays_its_rests_from_graphs_captured_between_turns(monkeypatch):
+    """Through the API (bfloat16, graphs): the second turn's rest runs eagerly and makes its bucket wanted,
+    the engine's capture ahead captures it, and the third turn's rest replays a graph."""
+    import omni_cli
+
+    model = omni_cli.load("assets/tiny-qwen3-omni", device="cuda", dtype="bfloat16")
+    graphs = model.engine.steps.thinker.prefill_graphs
+    replays = []
+    over_kept = graphs.over_kept
+    monkeypatch.setattr(graphs, "over_kept", lambda embeds: _noted(replays, over_kept(embeds)))
+    chat = model.conversation()
+    for text in ("Hello there.", "Tell me more.", "And then?"):
+        chat.say(text, greedy=True, seed=0, max_text_tokens=6, max_codes=8)
+        model.engine.settle()
+    # The second turn's rest (the reply's tail and a typed turn: under 32 rows) found no graph yet.
+    assert replays == [False, True] and (32, 512) in graphs.rest_graphs, (replays, list(graphs.rest_graphs))
+
+
+def _noted(replays: list, out):
+    replays.append(out is not None)
+    return out
+
+
+def test_qwen3_long_prompt_replays_a_graph_captured_between_turns():
+    """A prompt over the warm-up's buckets (512 rows) runs eagerly once and makes its length wanted; the
+    capture between turns (with nothing kept) makes its graph, which the next such prompt replays: the
+    same rows and cache as the eager prefill, within bfloat16's rounding of other row counts."""
+    import omni_cli
+
+    model = omni_cli.load("assets/tiny-qwen3-omni", device="cuda", dtype="bfloat16")
+    thinker = model.engine.steps.thinker
+    graphs, cache = thinker.prefill_graphs, thinker.cache
+    assert cache.max_len >= 2048, cache.max_len
+    torch.manual_seed(0)
+    prompt = torch.randn(1, 700, thinker.embed_tokens.weight.shape[1], device="cuda", dtype=torch.bfloat16)
+    with torch.inference_mode():
+        eager = graphs(prompt)  # no graph of its length yet
+        rows = [t[:, :, :700].clone() for t in cache.keys + cache.values]
+        assert graphs.wanted_long == {1024} and 1024 not in graphs.graphs
+        graphs.wanted_rests = set()
+        graphs.capture_rests(kept=True)
+        assert 1024 not in graphs.graphs  # a kept context is never written over
+        assert graphs.capture_rests(kept=False) == 1 and 1024 in graphs.graphs
+        graphed = graphs(prompt)
+    assert cache.length == 700
+    worst = max(_relative(b, a) for a, b in zip(eager, graphed))
+    worst_cache = max(_relative(b[:, :, :700], a) for a, b in zip(rows, cache.keys + cache.values))
+    print(f"long prompt graph vs eager: rows {worst:.2e}, cache {worst_cache:.2e}")
+    assert worst <= SUFFIX_BOUND and worst_cache <= SUFFIX_BOUND, (worst, worst_cache)
+
+
+@pytest.mark.parametrize("asset", ["assets/tiny-qwen2.5-omni", "assets/tiny-qwen3-omni"])
+def test_the_audio_encoder_runs_without_cudnn_attention(asset, monkeypatch):
+    """cuDNN keeps its attention plans per host thread and each turn's engine thread is new: a turn's
+    encoder call under cuDNN built them all again (60-180 ms a 5 s clip at true size, against 18-20)."""
+    import omni_cli
+    from omni_cli.media import AudioClip
+    from test_media_input import tone
+
+    model = omni_cli.load(asset, device="cuda", dtype="bfloat16")
+    thinker = model.loaded.model.thinker
+    heard, seen = thinker.get_audio_features, []
+
+    def spied(*args, **kwargs):
+        seen.append(torch.backends.cuda.cudnn_sdp_enabled())
+        return heard(*args, **kwargs)
+
+    monkeypatch.setattr(thinker, "get_audio_features", spied)
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    model.say("Listen.", audio=[AudioClip(tone(0.9, 16_000, 500.0, 7), 16_000)], greedy=True, max_text_tokens=2,
+              max_codes=4)
+    assert seen == [False]
+    assert torch.backends.cuda.cudnn_sdp_enabled() == before  # only for the call: the process's setting is back

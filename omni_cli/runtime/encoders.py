@@ -3,6 +3,11 @@ reference forwards fill them: the library's `get_audio_features` / `get_image_fe
 processor's inputs, timed without a host sync (`stats.encoder_timer`), scattered in order over the
 placeholder positions.
 
+The encoders run without cuDNN's attention (`decoder.no_cudnn_attention`): cuDNN keeps its plans per host
+thread, and each turn's engine thread is a new one, so every turn built them again for every window of
+every layer. Measured on an H200, one 5 s clip at true size: the call itself takes 18-20 ms on a thread
+that has run it before (either family, with or without cuDNN), where a turn's encoder time was 60-180 ms.
+
 It knows neither the family (the caller passes its thinker module and placeholder id) nor the prompt's
 positions (decoder.mrope_positions) nor what the talker reads of them.
 """
@@ -11,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from .decoder import no_cudnn_attention
 from .stats import encoder_timer
 
 
@@ -18,7 +24,7 @@ def with_audio(module, input_ids: torch.Tensor, embeds: torch.Tensor, media: dic
     """(embeds with the audio encoder's outputs at the `token` positions, those positions [1, L, W])."""
     dev = embeds.device
     features = media["input_features"].to(dev, embeds.dtype)  # the processor's float32, in the model's dtype
-    with encoder_timer(media, dev):
+    with encoder_timer(media, dev), no_cudnn_attention(dev.type == "cuda"):
         audio = module.get_audio_features(features, media["feature_attention_mask"].to(dev),
                                           return_dict=True).last_hidden_state
     return place(embeds, input_ids, token, audio)
@@ -28,7 +34,7 @@ def with_images(module, input_ids: torch.Tensor, embeds: torch.Tensor, media: di
     """(embeds with the vision encoder's outputs at the `token` positions, those positions, the encoder's
     whole output: Qwen3-Omni's deepstack features are in it)."""
     dev = embeds.device
-    with encoder_timer(media, dev, "image"):
+    with encoder_timer(media, dev, "image"), no_cudnn_attention(dev.type == "cuda"):
         out = module.get_image_features(media["pixel_values"].to(dev), media["image_grid_thw"].to(dev),
                                         return_dict=True)
     embeds, positions = place(embeds, input_ids, token, torch.cat(list(out.pooler_output), dim=0))
