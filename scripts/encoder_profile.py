@@ -3,7 +3,8 @@ weights, bfloat16, the library's own encoder and SDPA) on a clip of S seconds, t
 
 Issue 31 measured 60-180 ms of encoder time a turn for one 5 s clip on an H200 (Qwen3-Omni and
 Qwen2.5-Omni-7B alike) where the arithmetic is a few milliseconds. This prints, as JSON lines: the
-wall time of a call (median of 10, synchronised), the same with cuDNN off, and the profile's top host
+wall time of a call (median of 10, synchronised), the same with cuDNN off and with the window indices
+made on the host (`compat.audio_plan`, checked equal), and the profile of that last call: its top host
 and device ops and its synchronising calls. It builds the audio tower only, not the thinker.
 
     python scripts/encoder_profile.py qwen3-omni-30b-a3b [--seconds 5]
@@ -69,12 +70,17 @@ def main() -> None:
     mask = media["feature_attention_mask"].to(args.device)
     qwen25 = not args.preset.startswith("qwen3")
 
-    def call():  # what the thinkers' `get_audio_features` does (transformers 5.17)
+    from omni_cli.runtime import compat
+
+    host_mask = media["feature_attention_mask"]
+
+    def call(planned: bool = False):  # what the thinkers' `get_audio_features` does (transformers 5.17)
         with torch.inference_mode():
+            plan = compat.audio_plan(tower, host_mask.sum(-1), args.device) if planned else {}
             lens = mask.sum(1)
             x = features.permute(0, 2, 1)[mask.bool()].permute(1, 0)
             extra = {"aftercnn_lens": tower._get_feat_extract_output_lengths(lens)[0]} if qwen25 else {}
-            return tower(x, feature_lens=lens, **extra).last_hidden_state
+            return tower(x, feature_lens=lens, **extra, **plan).last_hidden_state
 
     for _ in range(3):
         call()
@@ -83,12 +89,14 @@ def main() -> None:
     torch.backends.cudnn.enabled = False
     out["call_ms_no_cudnn"] = _timed(call)
     torch.backends.cudnn.enabled = True
+    out["call_ms_planned"] = _timed(lambda: call(True))  # compat.audio_plan: the indices made on the host
+    out["planned_equal"] = bool(torch.equal(call(), call(True)))
     print(json.dumps(out), flush=True)
 
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        call()
+        call(True)
         _sync()
     rows = prof.key_averages()
     host = sorted(rows, key=lambda r: r.self_cpu_time_total, reverse=True)[:15]

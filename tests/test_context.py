@@ -231,3 +231,26 @@ def test_verbose_and_show_tell_the_kept_context(qwen25):
     per_position = sum(t[0, :, 0].numel() * t.element_size() for t in cache.keys + cache.values)
     assert context["bytes"] > context["held"] * per_position  # the cache's and the talker's rows beside it
     assert dict(memory_rows(qwen25.memory))["kept context"].startswith(f"{context['held']} tokens, ")
+
+
+@pytest.mark.parametrize("family", ["qwen25", "qwen3"])
+def test_the_audio_towers_indices_made_on_the_host_give_the_same_features(family, request):
+    """`compat.audio_plan` (the tower's window indices made on the host, so that its layers split their
+    windows without reading them back from the device) gives the features the tower makes alone: two
+    clips of other lengths, bit for bit."""
+    from omni_cli.faces.bench_turns import clip
+    from omni_cli.runtime import compat
+
+    import importlib
+
+    model = request.getfixturevalue(family)
+    thinker = model.loaded.model.thinker
+    presets = importlib.import_module(f"omni_cli.models.{dict(qwen25='qwen2_5_omni', qwen3='qwen3_omni')[family]}.presets")
+    media, _ = presets.spoken_inputs([clip(1.3, 1), clip(2.9, 2)])
+    mask = media["feature_attention_mask"]
+    plan = compat.audio_plan(compat.audio_tower(thinker), mask.sum(-1), "cpu")
+    assert {"valid_indices", "cu_seqlens"} <= set(plan) and plan["cu_seqlens"].device.type == "cpu"
+    with torch.inference_mode():
+        alone = thinker.get_audio_features(media["input_features"], mask, return_dict=True).last_hidden_state
+        planned = thinker.get_audio_features(media["input_features"], mask, return_dict=True, **plan).last_hidden_state
+    assert torch.equal(alone, planned)

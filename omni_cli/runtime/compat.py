@@ -187,3 +187,41 @@ def cache_capacity(cache) -> int:
     if isinstance(max_len, int):
         return max_len
     return cache.get_max_length()
+
+
+# -- the audio towers' precomputed index tensors (5.17 on) ----------------------------------------------
+
+
+def audio_plan(tower, lengths, device) -> dict:
+    """The index tensors an audio tower accepts precomputed (`valid_indices`, `cu_seqlens` and, for
+    Qwen2.5-Omni's, `pool_indices`: keywords its forward pops, 5.17 on), made on the host by its module's
+    own functions from the clips' frame counts (`lengths`, a host tensor): keywords for
+    `get_audio_features`, or {} where the module lacks those functions.
+
+    Without them the tower computes them on the device, and its SDPA path splits every layer's windows
+    by `cu_seqlens` read back to the host, three times a layer: about 100 synchronisations a call, each
+    waiting for the GPU (H200, a 5 s clip at true size, both families). With `cu_seqlens` on the host
+    those splits read host values. The index tensors go to `device` (from pinned memory on CUDA)."""
+    import sys
+
+    import torch
+
+    lib = sys.modules[type(tower).__module__]
+    if not all(hasattr(lib, name) for name in ("chunk_and_pad_features", "get_valid_indices", "get_audio_cu_seqlens")):
+        return {}
+    lengths = lengths.to("cpu", torch.long)
+    # chunk_and_pad_features splits the features by the chunk lengths it computes: one row of zeros will do
+    _, chunks = lib.chunk_and_pad_features(torch.zeros(1, int(lengths.sum())), lengths, tower.n_window)
+    if hasattr(tower, "n_window_infer"):  # Qwen3-Omni's windows of chunks
+        plan = {"valid_indices": lib.get_valid_indices(chunks, tower.n_window),
+                "cu_seqlens": lib.get_audio_cu_seqlens(chunks, lengths, tower.n_window_infer, tower.n_window)}
+    else:
+        plan = {"valid_indices": lib.get_valid_indices(chunks), "cu_seqlens": lib.get_audio_cu_seqlens(chunks)}
+        if hasattr(lib, "get_pool_indices"):
+            plan["pool_indices"] = lib.get_pool_indices(lengths)
+    device = torch.device(device)
+    for name in ("valid_indices", "pool_indices"):  # read on the device; cu_seqlens is read on the host
+        if name in plan:
+            index = plan[name].pin_memory() if device.type == "cuda" else plan[name]
+            plan[name] = index.to(device, non_blocking=True)
+    return plan
