@@ -97,7 +97,7 @@ class RemoteReply:
     done: bool = False  # response.done came
     status: str | None = None
     cut: bool = False  # speech interrupted it here
-    cut_at: float | None = None  # perf_counter() of the speech_started that cut it
+    cut_at: float | None = None  # perf_counter() of what cut it (for "here": when the judge heard the speech)
     cut_by: str = ""  # "here" (this side's judge), "server" (its speech_started), "next" (a new reply), "leaving"
 
 
@@ -227,8 +227,11 @@ class RemoteTalk:
         """The listener's judge heard the user over a reply (its thread; the block that decided it has gone
         through the gate): the held speech goes out from its start, so the server's VAD hears all of it
         and cuts the reply itself, and the main thread cuts it here at its next look (within POLL_SECONDS),
-        not waiting for the server's speech_started. A false judgement costs no more this way: the audio
-        let through is the same that would make the server's VAD, less strict, cut the reply anyway."""
+        not waiting for the server's speech_started. Stopping here risks little more than a false
+        judgement already costs: the audio let through (--barge-in-ms of voiced frames) is what the
+        server's VAD, less strict, cuts a reply for anyway. Should it not, the reply stays cut here all
+        the same (its later deltas are dropped, the truncate keeps the server's history to what was heard)
+        and the server finishes it unheard."""
         heard = self.listener.barge_in_after
         if self._gate is not None:
             self._gate.open(heard[-1] if heard else 0.0)
