@@ -7,6 +7,11 @@ check that the audio goes out as PCM16 at 24 kHz, that `session.update` asks for
 --end-silence-ms, that a reply's deltas are shown and played, that speech over a playing reply stops
 the speaker and truncates the reply to what was played, and that /talk falls back to per-turn HTTP
 with a server that has no /v1/realtime. Fast: the whole file takes a few seconds.
+
+The echo gate's tests run the real listener (its barge-in judge: VAD, level floor, the share of the
+microphone the canceller kept) on a scripted microphone, whose canceller is scripted too (it leaves what
+the test says: the reply's voice 30 dB down, and the user whole), against a fake server that runs
+omni-serve's own turn detector over what it receives and barges in as the real one does.
 """
 
 from __future__ import annotations
@@ -31,12 +36,23 @@ RATE = 24_000
 class FakeRealtime:
     """A /v1/realtime that answers session.update and then runs `script(self)` on its own thread."""
 
-    def __init__(self, script=None, realtime: bool = True, refuse: bool = False) -> None:
+    def __init__(self, script=None, realtime: bool = True, refuse: bool = False, vad: bool = False) -> None:
         from websockets.sync.server import serve
 
         self.script = script
         self.refuse = refuse
         self.received: list[dict] = []
+        # vad: omni-serve's server VAD over the appended audio (api/realtime.TurnDetector, its defaults):
+        # each speech start it finds is kept here (ms of the input) and sent as speech_started, and
+        # cancels the response named in `active` (response.done, cancelled), as interrupt_response does.
+        self.detector = None
+        if vad:
+            from omni_cli.api.realtime import TurnDetector
+            from omni_cli.api.realtime_protocol import ServerVad
+
+            self.detector = TurnDetector(ServerVad(), 0.0)
+        self.vad_heard: list[float] = []
+        self.active: str | None = None
         self.ws = None
         self.ended: BaseException | None = None
         self.got = threading.Condition()
@@ -60,6 +76,8 @@ class FakeRealtime:
                 with self.got:
                     self.received.append(event)
                     self.got.notify_all()
+                if event["type"] == "input_audio_buffer.append" and self.detector is not None:
+                    self._detect(event)
                 if event["type"] == "session.update" and self.refuse:  # a /v1/realtime of another shape
                     self.send("error", error={"type": "invalid_request_error", "message": "unknown field audio"})
                 elif event["type"] == "session.update":
@@ -68,6 +86,17 @@ class FakeRealtime:
                         threading.Thread(target=self.script, args=(self,), daemon=True).start()
         except Exception as exc:  # noqa: BLE001 - the client went away
             self.ended = exc
+
+    def _detect(self, event: dict) -> None:
+        pcm = np.frombuffer(base64.b64decode(event["audio"]), "<i2").astype(np.float32) / 32768
+        for kind, ms in self.detector.feed(pcm):
+            if kind != "started":
+                continue
+            self.vad_heard.append(ms)
+            self.send("input_audio_buffer.speech_started", audio_start_ms=int(ms), item_id="item_heard")
+            if self.active is not None:
+                self.send("response.done", response={"id": self.active, "status": "cancelled"})
+                self.active = None
 
     def send(self, kind: str, **fields) -> None:
         self.ws.send(json.dumps({"type": kind, **fields}))
@@ -114,6 +143,7 @@ def reply_events(server: FakeRealtime, seconds: float, done: bool = True, blocks
         time.sleep(0.01)
     server.send("input_audio_buffer.speech_started", audio_start_ms=0, item_id="item_u1")
     server.send("input_audio_buffer.speech_stopped", audio_end_ms=300, item_id="item_u1")
+    server.active = "resp_1"
     server.send("response.created", response={"id": "resp_1", "status": "in_progress"})
     server.send("response.output_item.added", response_id="resp_1", output_index=0,
                 item={"id": "item_a1", "type": "message", "role": "assistant"})
@@ -126,6 +156,7 @@ def reply_events(server: FakeRealtime, seconds: float, done: bool = True, blocks
         server.send("response.output_audio.delta", response_id="resp_1", item_id="item_a1", output_index=0,
                     content_index=0, delta=base64.b64encode(pcm).decode())
     if done:
+        server.active = None
         server.send("response.done", response={"id": "resp_1", "status": "completed"})
 
 
@@ -195,22 +226,88 @@ def make_repl(speed: float = 1.0, verbose: bool = False, url: str | None = None)
     return repl, out, err, sinks, sd
 
 
-def talk(repl, server: FakeRealtime, **listen):
+class ScriptedEcho:
+    """An echo canceller whose output the test writes: `left`, what it leaves of the next block."""
+
+    rate = 16000
+
+    def __init__(self) -> None:
+        self.left = None
+
+    def process(self, mic, reference):
+        return self.left
+
+
+def room_listener(raw: np.ndarray, left: np.ndarray):
+    """A maker of the real Listener (its barge-in judge) fed by a thread of its own, 10 ms blocks at real
+    time: silence until a reply starts, then the microphone `raw` with what the canceller leaves of it,
+    `left` (the speaker's tap still hands it references; the scripted canceller ignores them), then
+    silence. `track_from`: the listener's sample where the track began."""
+    from omni_cli.audio.listener import Listener
+
+    class RoomListener(Listener):
+        def __init__(self, options, **kw) -> None:
+            super().__init__(options, **kw)
+            self._echo = ScriptedEcho()
+            self.track_from: int | None = None
+            self.track_done = threading.Event()
+            self._feeder: threading.Thread | None = None
+
+        def start(self) -> None:
+            self._feeder = threading.Thread(target=self._feed, daemon=True)
+            self._feeder.start()
+
+        def _feed(self) -> None:
+            n, at = self.rate // 100, 0
+            try:
+                while not self._closing.is_set():
+                    if self.track_from is None and self.speaking.is_set():
+                        self.track_from = self._samples
+                    if self.track_from is not None and at < raw.shape[0]:
+                        mic, self._echo.left = raw[at:at + n], left[at:at + n]
+                        at += n
+                        if at >= raw.shape[0]:
+                            self.track_done.set()
+                    else:
+                        mic = self._echo.left = np.zeros(n, np.float32)
+                    self._delivered += n
+                    self.feed(mic)
+                    time.sleep(0.01)
+            except BaseException as exc:  # noqa: BLE001 - raised by check() on the talk loop's thread
+                self._error = exc
+
+        def close(self) -> None:
+            self._closing.set()
+            if self._feeder is not None:
+                self._feeder.join(timeout=2.0)
+
+    return RoomListener
+
+
+def talk(repl, server: FakeRealtime, listener=FakeListener, echo: str = "off", **listen):
     from omni_cli.api.realtime_client import RealtimeSession
     from omni_cli.audio.listener import ListenOptions
     from omni_cli.faces.chat.talk_remote import RemoteTalk
 
     session = RealtimeSession.connect(server.url, timeout=5.0)
-    return RemoteTalk(repl, ListenOptions(echo="off", **listen), session, listener=FakeListener, stdin=False)
+    return RemoteTalk(repl, ListenOptions(echo=echo, **listen), session, listener=listener, stdin=False)
 
 
 def run_until(mode, done, timeout: float = 8.0) -> None:
     """`mode.run()` here until `done()` holds (looked at on another thread), then Enter's stop."""
+    def holds() -> bool:
+        try:
+            return bool(done())
+        except (AttributeError, TypeError):  # what it looks at is not there yet (the listener, before run)
+            return False
+
     def watch():
         deadline = time.monotonic() + timeout
-        while not done() and time.monotonic() < deadline:
-            time.sleep(0.01)
-        mode.stop.set()
+        try:
+            while not holds() and time.monotonic() < deadline:
+                time.sleep(0.01)
+        finally:
+            mode.stop.set()
 
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
@@ -381,3 +478,144 @@ def test_a_speaker_closed_without_waiting_plays_out_and_can_still_be_stopped():
             assert sink.finished.wait(2.0)
             sink.close()
             assert sink.closed and sink.played == RATE // 2
+
+
+# -- the echo gate (speakers): echo residue never reaches the server's VAD; the user does -------------------
+
+
+MIC = 16000
+RESIDUE_DB = -28.0  # what the scripted canceller leaves of the reply's voice: less than the judge's -25 dB
+
+
+def reply_voice(seconds: float) -> np.ndarray:
+    """The reply's voice as the microphone hears it (speech-like, loud: a speaker near the microphone)."""
+    from speechlike import utterance
+
+    voice = utterance(12, rate=MIC, seed=101, f0=210.0, level=0.95)
+    return voice[: round(seconds * MIC)]
+
+
+def at_ms(samples: int) -> float:
+    """A listener sample (16 kHz) as ms of the session's input (what was sent: one sample each)."""
+    return samples * 1000 / MIC
+
+
+def sent_between(server: FakeRealtime, from_ms: float, to_ms: float) -> np.ndarray:
+    pcm = appended(server)
+    return pcm[round(max(0.0, from_ms) * RATE / 1000):round(to_ms * RATE / 1000)]
+
+
+def test_echo_residue_during_a_reply_reaches_the_server_as_silence_and_interrupts_nothing():
+    voice = reply_voice(1.5)
+    # ~-40 dBFS: above the judge's floor, and speech to its VAD (mode 3) as to the server's: only the
+    # share of the microphone the canceller kept tells it from the user
+    residue = (voice * 10 ** (RESIDUE_DB / 20)).astype(np.float32)
+    server = FakeRealtime(script=lambda s: reply_events(s, seconds=2.5), vad=True)
+    try:
+        repl, _out, err, sinks, _sd = make_repl(speed=1.0)
+        mode = talk(repl, server, listener=room_listener(voice, residue), echo="webrtc")
+        run_until(mode, lambda: repl.replies == 1 and mode.listener.track_done.is_set()
+                  and not mode._gate.shut_now)
+        assert mode.listener.track_from is not None and mode.listener.track_done.is_set()
+        assert sinks[0].played == round(2.5 * RATE) and not sinks[0].aborted  # played whole, over the residue
+        assert server.vad_heard == [] and mode.listener.barge_ins == []
+        assert "interrupted" not in err.getvalue() and server.of("conversation.item.truncate") == []
+        assert repl.transcript[-1]["content"] == "Hello there, how are you?"
+        pcm = appended(server)
+        assert np.count_nonzero(pcm) == 0  # the residue went out as digital silence...
+        end = at_ms(mode.listener.track_from + voice.shape[0])
+        assert pcm.shape[0] >= round(end * RATE / 1000)  # ...in its place: the timeline kept
+        assert not mode._gate.shut_now  # the reply played out: the gate is open, and holds nothing back
+        held_back = round(at_ms(mode.listener._samples) * RATE / 1000) - pcm.shape[0]
+        assert held_back < 0.1 * RATE  # (the resampler's delay and the last message; the hold is 0.9 s)
+        assert mode._gate.zeroed >= round(voice.shape[0] * RATE / MIC)
+    finally:
+        server.close()
+
+
+def test_speech_over_a_reply_is_let_through_from_its_start_and_cuts_the_reply_here_at_once():
+    from speechlike import utterance
+
+    from omni_cli.faces.chat.talk_remote import GATE_PRE_ROLL_MS
+
+    voice = reply_voice(2.0)
+    residue = (voice * 10 ** (RESIDUE_DB / 20)).astype(np.float32)
+    user = utterance(4, rate=MIC, seed=3, level=0.25)
+    start = round(0.8 * MIC)  # the user speaks 0.8 s into the reply, over its residue
+    raw, left = voice.copy(), residue.copy()
+    n = min(user.shape[0], raw.shape[0] - start)
+    raw[start:start + n] += user[:n]
+    left[start:start + n] += user[:n]  # the canceller keeps the user
+    server = FakeRealtime(script=lambda s: reply_events(s, seconds=3.0, done=False), vad=True)
+    try:
+        repl, _out, err, sinks, _sd = make_repl(speed=1.0, verbose=True)
+        mode = talk(repl, server, listener=room_listener(raw, left), echo="webrtc")
+        run_until(mode, lambda: bool(server.vad_heard) and mode._reply is None)
+        heard = mode.listener
+        assert len(heard.barge_ins) == 1  # this side's judge heard the user...
+        sink = sinks[0]
+        assert sink.aborted and sink.silent_time - heard.barge_ins[0] < 0.2  # ...and stopped the sound at once
+        assert mode.replies[0].cut_by == "here"
+        assert "sound off" in err.getvalue() and "after this side heard the speech" in err.getvalue()
+        truncate = server.of("conversation.item.truncate")
+        assert len(truncate) == 1 and truncate[0]["audio_end_ms"] == round(sink.played / RATE * 1000)
+        # The server's VAD heard the speech from its start (the pre-roll was let through): its start, less
+        # the server's 300 ms of prefix padding, is where the user began (or up to the gate's pre-roll and
+        # two VAD frames before: the residue let through with it), not 270 ms on, where the judge decided.
+        speech_ms = at_ms(heard.track_from + start)
+        assert len(server.vad_heard) == 1
+        early = speech_ms - (server.vad_heard[0] + 300)
+        assert -60 <= early <= GATE_PRE_ROLL_MS + 60, (server.vad_heard, speech_ms)
+        assert np.count_nonzero(sent_between(server, 0, speech_ms - 350)) == 0  # the residue before it: silence
+        onset = sent_between(server, speech_ms, speech_ms + 300).astype(np.float32) / 32768
+        assert np.sqrt(np.mean(onset ** 2)) > 0.02  # the speech's first 300 ms went as they were
+    finally:
+        server.close()
+
+
+@pytest.mark.parametrize("headphones", [True, False])
+def test_with_headphones_nothing_is_gated_and_the_servers_vad_barges_in(headphones):
+    """The same quiet voice heard during a reply: with --headphones it goes to the server as it is, whose VAD
+    cuts the reply; with speakers it is taken for the reply's echo (the canceller took 28 dB of it)."""
+    voice = reply_voice(1.5)
+    quiet = (voice * 10 ** (RESIDUE_DB / 20)).astype(np.float32)
+    server = FakeRealtime(script=lambda s: reply_events(s, seconds=2.5, done=False), vad=True)
+    try:
+        repl, _out, _err, sinks, _sd = make_repl(speed=1.0)
+        mode = talk(repl, server, listener=room_listener(voice, quiet), echo="off" if headphones else "webrtc")
+        run_until(mode, lambda: bool(server.vad_heard) or mode.listener.track_done.is_set() and len(
+            appended(server)) >= round(at_ms(mode.listener.track_from + voice.shape[0]) * RATE / 1000), timeout=6.0)
+        assert mode.listener.barge_ins == []  # no judge of this side's cut anything
+        track = sent_between(server, at_ms(mode.listener.track_from), at_ms(mode.listener.track_from + voice.shape[0]))
+        if headphones:
+            assert mode._gate is None and mode.listener._vad is None
+            assert np.count_nonzero(track) > 0.5 * track.shape[0]  # the microphone went out as it was
+            assert len(server.vad_heard) == 1 and mode.replies[0].cut_by == "server" and sinks[0].aborted
+        else:
+            assert np.count_nonzero(track) == 0 and server.vad_heard == []
+            assert mode.replies[0].cut_by == "leaving"  # it played on until the test left talk mode
+    finally:
+        server.close()
+
+
+def test_the_gate_sends_every_sample_once_in_order_as_itself_or_as_zeros():
+    from omni_cli.audio.gate import EchoGate
+
+    gate = EchoGate(1000, hold_seconds=0.05, pre_roll_seconds=0.01)  # 50 samples held, 10 of pre-roll
+    blocks = [np.full(10, i + 1, np.float32) for i in range(12)]
+    sent = gate.push(blocks[0])  # open: at once
+    gate.shut()
+    for block in blocks[1:9]:
+        sent += gate.push(block)  # held: what leaves the hold goes as zeros
+    assert sum(b.shape[0] for b in sent) == 10 + 30 and gate.zeroed == 30
+    gate.open(0.02)  # the judge: speech began 20 ms back; 10 ms of pre-roll before it goes too
+    sent += gate.flush() + gate.push(blocks[9])
+    gate.shut()
+    sent += gate.push(blocks[10])
+    gate.open()  # the reply ended, nobody spoke: the hold goes as silence
+    sent += gate.push(blocks[11])
+    pcm = np.concatenate(sent)
+    want = np.concatenate(blocks)
+    want[10:60] = 0  # blocks 1-5: zeros; 6-8 (the speech and its pre-roll) and 9: as they were
+    want[100:110] = 0  # block 10: held, then dropped as echo
+    assert np.array_equal(pcm, want)

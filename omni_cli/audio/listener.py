@@ -21,8 +21,11 @@ frames that pass `_near_end`: loud enough, and not what the canceller took for e
 heard then (a cough, a click, residual echo) is dropped, so it neither interrupts nor becomes a turn.
 
 `find_turns=False` (talk mode over a server's `/v1/realtime`, where the server's VAD ends the turns):
-no VAD is made and no turns are found; each block, echo cancelled, goes to `on_audio(block)` on this
-thread instead (the level is still measured).
+no turns are found; each block, echo cancelled, goes to `on_audio(block)` on this thread instead (the
+level is still measured). With a canceller (speakers), the VAD still runs for barge-in alone: the same
+judgement as above calls `on_barge_in()` after the block that decided it went to `on_audio`, and
+`barge_in_after` says how far back the speech began; the talk loop uses it to keep echo residue from
+the server's VAD (faces/chat/talk_remote.py). With headphones no VAD is made: there is no echo to judge.
 
 It knows no model, no terminal and no reply: what a barge-in does (silence the speaker, stop the
 generation) is the talk loop's business. An error on this thread is kept and raised by `next_turn`.
@@ -128,7 +131,7 @@ class Listener:
                  backend: Any = None, hint: str = RECORD_HINT, find_turns: bool = True,
                  on_audio: Callable[[np.ndarray], None] | None = None) -> None:
         self.options = options if options is not None else ListenOptions()
-        # False: no VAD, no turns; every cleaned block goes to `on_audio` (this listener's thread).
+        # False: no turns; each cleaned block goes to `on_audio` (this thread); barge-in is judged with a canceller.
         self.find_turns = find_turns
         self.on_audio = on_audio
         self.rate = self.options.sample_rate
@@ -148,9 +151,10 @@ class Listener:
         self.barge_in_after: list[float] = []
         self._barge_from = 0
         self.overflows = 0
-        # No VAD without turns to find (Silero's would load torch for nothing).
+        # No VAD without turns to find nor echo to judge (Silero's would load torch for nothing).
+        judge = find_turns or self.options.echo != "off"
         self._vad: Any = make_vad(self.options.vad, self.rate, mode=self.options.vad_mode,
-                                  threshold=self.options.silero_threshold) if find_turns else None
+                                  threshold=self.options.silero_threshold) if judge else None
         self._echo = make_echo_canceller(self.options.echo, self.rate)
         self._frame_ms = self._vad.frame_ms if self._vad is not None else 10
         self._frame = round(self._frame_ms * self.rate / 1000)  # samples a VAD flag stands for
@@ -268,6 +272,10 @@ class Listener:
             self._samples += clean.shape[0]
             if self.on_audio is not None and clean.shape[0]:
                 self.on_audio(clean)
+            if self._vad is not None:  # barge-in alone: after on_audio, so the block that decides it is out
+                self._loud.append(self._near_end(block, level))
+                for speech in self._vad.feed(clean):
+                    self._barge_flag(speech)
             return
         self._loud.append(self._near_end(block, level))
         self._audio.append(clean)
@@ -306,7 +314,17 @@ class Listener:
         ended = endpoint.push(speech)
         if speech and endpoint.voiced == 1:
             self._stretch_while_speaking = self.speaking.is_set()
-        # Voiced frames of this stretch that may be the user's (any of the blocks the frame ended in).
+        self._barge_flag(speech)
+        limit = endpoint.frames * self._frame >= self.options.max_seconds * self.rate
+        if ended or (limit and endpoint.heard):
+            self._finish("silence" if ended else "limit")
+        elif not endpoint.heard and endpoint.voiced == 0:
+            self._forget()
+
+    def _barge_flag(self, speech: bool) -> None:
+        """One VAD frame for barge-in (both modes): voiced frames of this stretch that may be the user's
+        (`_near_end` in any of the blocks the frame ended in) add up across pauses of up to BARGE_GAP_MS;
+        while a reply runs, `barge_in_ms` of them call `on_barge_in()`, once a reply."""
         if not speech:
             self._barge_quiet += 1
             if self._barge_quiet * self._frame_ms > BARGE_GAP_MS:
@@ -323,11 +341,6 @@ class Listener:
             self.barge_in_after.append((self._samples - self._barge_from) / self.rate)
             if self.on_barge_in is not None:
                 self.on_barge_in()
-        limit = endpoint.frames * self._frame >= self.options.max_seconds * self.rate
-        if ended or (limit and endpoint.heard):
-            self._finish("silence" if ended else "limit")
-        elif not endpoint.heard and endpoint.voiced == 0:
-            self._forget()
 
     def _finish(self, ended_by: str) -> None:
         """The turn ended: queued as a clip, unless it was a short stretch heard while the assistant spoke."""

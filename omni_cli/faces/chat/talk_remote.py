@@ -19,15 +19,24 @@ from the listener's thread; this thread reads the server's events:
   this side uses too for what it shows and keeps). The server stops generating by itself
   (`interrupt_response`); the speech is the next turn once the server's VAD ends it.
 
+With speakers (not `--headphones`) the server's VAD would also hear what the echo canceller leaves of the
+reply's own voice, and cut it with nobody speaking. So while the speaker plays, the audio goes through an
+echo gate (audio/gate.py) that sends digital silence in its place, and the listener judges barge-in as
+local talk mode does (`--barge-in-ms` of voiced, loud frames the canceller mostly kept). When the judge
+hears the user, the gate lets the held speech through from just before its start (the server's VAD
+hears it whole and cuts the reply) and the reply is cut here at once, as for `speech_started`, without
+waiting for the server's round trip. With headphones nothing is gated and the server's VAD barges in.
+
 The turns go into the chat's conversation and transcript as local talk mode keeps them (the user's
 speech as a clip cut from the audio sent, by the server's `audio_start_ms` / `audio_end_ms`), so typed
 turns after talk mode follow on. A line on stdin (Enter) leaves talk mode; the session is closed then,
 which stops a reply the server is still making.
 
-It knows the realtime client (api/realtime_client.py), the listener, the speaker's sink protocol and the
-chat's conversation; no model, no engine, no torch. It does not know the server's VAD or its timing: what
-counts as speech, and when a turn ends, is the server's; nor what the device still holds past what the
-speaker handed it (`audio_end_ms` may run ahead of what was heard by the device's buffer).
+It knows the realtime client (api/realtime_client.py), the listener, the echo gate, the speaker's sink
+protocol and the chat's conversation; no model, no engine, no torch. It does not know the server's VAD or
+its timing: what counts as speech, and when a turn ends, is the server's (while a reply plays, only after
+this side's judge let it through); nor what the device still holds past what the speaker handed it
+(`audio_end_ms` may run ahead of what was heard by the device's buffer).
 """
 
 from __future__ import annotations
@@ -42,6 +51,7 @@ from typing import TYPE_CHECKING, Any
 
 from ...api.client import ServerError
 from ...api.realtime_client import RATE, Event
+from ...audio.gate import EchoGate
 from ...heard import heard_text
 from ...media import AudioClip
 from ..console import isatty, shown
@@ -63,6 +73,14 @@ POLL_SECONDS = 0.02  # how long one wait for a server event lasts before Enter a
 SEND_SAMPLES = RATE // 50  # audio is sent in messages of at least 20 ms (the listener's blocks are 10 ms)
 KEEP_SECONDS = 90.0  # the audio sent kept here, for the user's turns as clips (a turn is at most 60 s)
 PRE_ROLL_MS, TAIL_MS = 300, 100  # kept around the server's speech start and end in a turn's clip
+# When the judge hears the user, the echo gate lets through the speech from the judge's first counted
+# frame and this much before it: that frame ends up to a VAD frame (30 ms) after the speech began, and a
+# word's soft start may not count. Short, as what comes before the speech is the reply's residue (the
+# server's VAD would take it for the speech's start), and the server pads the user's item itself.
+GATE_PRE_ROLL_MS = 100
+# While the speaker plays, the gate holds --barge-in-ms of the judge's voiced frames, the pre-roll and
+# this much more: the pauses between words the judge bridges across.
+HOLD_SLACK_MS = 500
 
 
 @dataclass
@@ -79,7 +97,8 @@ class RemoteReply:
     done: bool = False  # response.done came
     status: str | None = None
     cut: bool = False  # speech interrupted it here
-    cut_at: float | None = None  # perf_counter() of the speech_started that cut it
+    cut_at: float | None = None  # perf_counter() of what cut it (for "here": when the judge heard the speech)
+    cut_by: str = ""  # "here" (this side's judge), "server" (its speech_started), "next" (a new reply), "leaving"
 
 
 class RemoteTalk:
@@ -112,6 +131,15 @@ class RemoteTalk:
         self._speech_from: float | None = None  # the server's audio_start_ms of the speech now heard
         self._clip: AudioClip | None = None  # the last turn, for the reply that answers it
         self._turn_ended: float | None = None
+        # Speakers: the listener's barge-in judge decides what of the microphone the server hears while a
+        # reply plays (audio/gate.py says why). Not the server's VAD made stricter by session.update
+        # while a reply plays: it still hears only the cleaned signal, so residue and the user look alike
+        # to it (this side also has the microphone before cancelling), omni-serve's threshold is one of
+        # WebRTC's four modes and a changed turn_detection restarts its detector, and the update would
+        # race the reply's first sound. Headphones: no echo, nothing gated (the server's VAD barges in).
+        hold = (options.barge_in_ms + GATE_PRE_ROLL_MS + HOLD_SLACK_MS) / 1000
+        self._gate = EchoGate(RATE, hold, GATE_PRE_ROLL_MS / 1000) if options.echo != "off" else None
+        self._heard_over: RemoteReply | None = None  # the reply the judge heard the user over (its thread)
 
     # -- the loop ----------------------------------------------------------------------------------
     def run(self) -> None:
@@ -124,6 +152,7 @@ class RemoteTalk:
                 self.configure()
             self.listener = self._make_listener(self.options, on_level=self.meter.level, find_turns=False,
                                                 on_audio=self._send_audio)
+            self.listener.on_barge_in = self._heard_over_reply
             self.listener.start()
             watcher = stdin_stop(self.stop, done) if self.watch_stdin and not stdin_closed() else None
             repl.say("talk mode (the server's realtime session): speak; Enter leaves it"
@@ -132,6 +161,7 @@ class RemoteTalk:
             while not self.stop.is_set():
                 self.listener.check()  # what failed on the microphone's thread (a lost connection too)
                 event = self.session.receive(POLL_SECONDS)
+                self._cut_if_heard()  # first: the server's speech_started for the speech let through may be this event
                 if event is not None:
                     self._on_event(event)
                 self._played_out()
@@ -143,7 +173,7 @@ class RemoteTalk:
                 self._played_out()  # a reply that had just played out is whole, not cut
                 reply = self._reply
                 if reply is not None and not reply.cut:
-                    self._cut(reply, leaving=True)  # Enter during a reply: it stops as for speech
+                    self._cut(reply, "leaving")  # Enter during a reply: it stops as for speech
             finally:
                 self._reply = None
                 self.session.close()
@@ -179,7 +209,8 @@ class RemoteTalk:
 
     # -- the microphone's thread -------------------------------------------------------------------
     def _send_audio(self, block: np.ndarray) -> None:
-        """A cleaned block at the listener's rate: resampled to 24 kHz, sent in blocks of 20 ms or more."""
+        """A cleaned block at the listener's rate: resampled to 24 kHz, through the echo gate (speakers),
+        sent in blocks of 20 ms or more."""
         import numpy as np
 
         rate = self.listener.rate if self.listener is not None else self.options.sample_rate
@@ -189,7 +220,29 @@ class RemoteTalk:
 
                 self._resampler = soxr.ResampleStream(rate, RATE, 1, dtype="float32")
             block = self._resampler.resample_chunk(np.asarray(block, np.float32))
-        self._pending.append(np.asarray(block, np.float32))
+        block = np.asarray(block, np.float32)
+        self._send(self._gate.push(block) if self._gate is not None else [block])
+
+    def _heard_over_reply(self) -> None:
+        """The listener's judge heard the user over a reply (its thread; the block that decided it has gone
+        through the gate): the held speech goes out from its start, so the server's VAD hears all of it
+        and cuts the reply itself, and the main thread cuts it here at its next look (within POLL_SECONDS),
+        not waiting for the server's speech_started. Stopping here risks little more than a false
+        judgement already costs: the audio let through (--barge-in-ms of voiced frames) is what the
+        server's VAD, less strict, cuts a reply for anyway. Should it not, the reply stays cut here all
+        the same (its later deltas are dropped, the truncate keeps the server's history to what was heard)
+        and the server finishes it unheard."""
+        heard = self.listener.barge_in_after
+        if self._gate is not None:
+            self._gate.open(heard[-1] if heard else 0.0)
+            self._send(self._gate.flush())
+        self._heard_over = self._reply
+
+    def _send(self, blocks: list[np.ndarray]) -> None:
+        """Onto the session, in messages of SEND_SAMPLES or more; what is sent is kept for the turns' clips."""
+        import numpy as np
+
+        self._pending.extend(blocks)
         if sum(b.shape[0] for b in self._pending) < SEND_SAMPLES:
             return
         pcm = np.concatenate(self._pending)
@@ -223,7 +276,7 @@ class RemoteTalk:
         if kind == "input_audio_buffer.speech_started":
             self._speech_from = data.get("audio_start_ms")
             if reply is not None and not reply.cut:
-                self._cut(reply)
+                self._cut(reply, "server")
             self.meter.set(LISTENING)
         elif kind == "input_audio_buffer.speech_stopped":
             self._turn_ended = time.perf_counter()
@@ -232,7 +285,7 @@ class RemoteTalk:
             self.meter.set(THINKING)
         elif kind == "response.created":
             if reply is not None and not reply.cut:  # an earlier one still playing out: the new one takes over
-                self._cut(reply)
+                self._cut(reply, "next")
             response_id = str((data.get("response") or {}).get("id", ""))
             figures = ReplyFigures(turn_ended=self._turn_ended)
             self._reply = RemoteReply(response_id, figures, clip=self._clip)
@@ -267,6 +320,8 @@ class RemoteTalk:
             return
         sink = repl.speaker()
         sink.tap = lambda block: self.listener.reference(block, RATE)
+        if self._gate is not None:
+            self._gate.shut()  # from now on its echo may reach the microphone
         self.listener.reply_started()  # the reply's speaker stream is placed afresh on the microphone's clock
         sink.start(RATE)
         reply.sink = sink
@@ -285,8 +340,9 @@ class RemoteTalk:
         reply.figures.stopped = time.perf_counter()
         if reply.cut:  # speech stopped it: it was kept as heard already
             if self.repl.verbose and reply.cut_at is not None and reply.status == "cancelled":
+                since = "this side heard the speech" if reply.cut_by == "here" else "it heard the speech"
                 self.repl.say(f"barge-in: the server stopped the reply {ms_after(reply.figures.stopped, reply.cut_at)} ms "
-                              "after it heard the speech")
+                              f"after {since}")
             self._reply = None
             return
         self.meter.end_text(self.repl.out, bool(reply.pieces))
@@ -310,6 +366,10 @@ class RemoteTalk:
         if sink is not None:
             sink.close()  # played out already: this closes the stream (and raises what the device said)
             self.listener.reply_ended()
+            if self._gate is not None:
+                # Nobody spoke over it: what is held goes out as silence (the local rule: a stretch begun
+                # during a reply that never reached --barge-in-ms is dropped).
+                self._gate.open()
             figures.first_sound = sink.first_sound_time
             figures.played = sink.played / RATE
         figures.made = reply.made / RATE
@@ -323,15 +383,28 @@ class RemoteTalk:
         self.meter.set(LISTENING)
 
     # -- barge-in ----------------------------------------------------------------------------------
-    def _cut(self, reply: RemoteReply, leaving: bool = False) -> None:
-        """Speech (or Enter) over a reply: the sound off now, the server told what was heard of it."""
+    def _cut_if_heard(self) -> None:
+        """The judge heard the user over the reply playing now (`_heard_over_reply`): cut it here."""
+        reply, self._heard_over = self._heard_over, None
+        if reply is not None and reply is self._reply and not reply.cut:
+            self._cut(reply, "here")
+
+    def _cut(self, reply: RemoteReply, by: str) -> None:
+        """Speech (this side's judge's, or the server's), a new reply, or Enter over a reply: the sound
+        off now, the server told what was heard of it."""
+        leaving = by == "leaving"
         figures = reply.figures
-        reply.cut, reply.cut_at = True, time.perf_counter()
+        judged = self.listener.barge_ins[-1:] if by == "here" else []  # when the judge heard it (its thread)
+        reply.cut, reply.cut_at, reply.cut_by = True, judged[0] if judged else time.perf_counter(), by
         figures.barge_in = reply.cut_at
         sink = reply.sink
         if sink is not None:
             sink.abort()
             self.listener.reply_ended()
+        if self._gate is not None:
+            # The server heard speech (in audio sent before the gate shut): the user is speaking, so what
+            # is held goes as it is. Otherwise as silence (after the judge's cut the gate is open already).
+            self._gate.open(self._gate.most / RATE if by == "server" else 0.0)
         figures.silenced = time.perf_counter()
         figures.played = (sink.played / RATE) if sink is not None else 0.0
         figures.made = reply.made / RATE
@@ -354,9 +427,11 @@ class RemoteTalk:
         repl = self.repl
         repl.say(f"interrupted: kept {len(figures.kept.split())} of {len(figures.text.split())} words "
                  f"({figures.played:.1f} of {figures.made:.1f} s heard)")
-        if repl.verbose and not leaving:
-            repl.say(f"barge-in: sound off {ms_after(figures.silenced, figures.barge_in)} ms after the server heard "
-                     "the speech")
+        if repl.verbose and by in ("here", "server"):
+            heard = self.listener.barge_in_after[-1:] if by == "here" else []
+            repl.say(f"barge-in: sound off {ms_after(figures.silenced, figures.barge_in)} ms after "
+                     + ("this side heard the speech" if by == "here" else "the server heard the speech")
+                     + (f" ({heard[0] * 1000:.0f} ms of the microphone's audio from its start)" if heard else ""))
 
     # -- the chat's conversation and the screen ----------------------------------------------------
     def _keep(self, reply: RemoteReply, kept: str) -> None:
