@@ -16,6 +16,7 @@
 #   attend     the attention kernel over spans 256..8192 beside the library's ($OUT/attend-spans.jsonl)
 #   long3      Qwen3-Omni, a 2,500-token prompt, plain graphs ($OUT/qwen3-2500.json)
 #   long25     Qwen2.5-Omni-7B, a 2,500-token prompt, plain graphs ($OUT/qwen25-2500.json)
+#   room3      rt3's talk room only (omni-chat --talk --server over /v1/realtime against Qwen3-Omni)
 #   rt25, rt3  the 7B / Qwen3-Omni served at true size (scripts/serve_preset.py): /v1/realtime timed by
 #              scripts/realtime_latency.py ($OUT/realtime-*.json), then omni-chat --talk --server in the
 #              file-backed room (measure_talk.py room; PortAudio from .gpu_libs/ if the machine lacks it)
@@ -27,11 +28,11 @@ out=${OUT:-/tmp/omni-gpu-check}
 mkdir -p "$out"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 bench="python3 -m omni_cli.faces.bench --preset qwen2.5-omni-7b --runs 2 --json"
-served() {  # served PRESET MAX_CODES TAG [DEVICE]: serve it, time /v1/realtime and talk mode against it
+served() {  # served PRESET MAX_CODES TAG [DEVICE [ROOM_ONLY]]: serve it, time /v1/realtime and talk mode against it
   python3 scripts/serve_preset.py "$1" --port 8484 --max-codes "$2" --device "${4:-cuda}" > "$out/serve-$3.out" 2> "$out/serve-$3.err" &
   local pid=$!
   for _ in $(seq 400); do grep -q "omni-serve:" "$out/serve-$3.err" && break; kill -0 $pid 2>/dev/null || break; sleep 1; done
-  timeout 150 python3 scripts/realtime_latency.py --url http://127.0.0.1:8484 --rounds 3 --silence-ms 500 \
+  [ -n "${5:-}" ] || timeout 150 python3 scripts/realtime_latency.py --url http://127.0.0.1:8484 --rounds 3 --silence-ms 500 \
     --max-tokens 64 > "$out/realtime-$3.json" 2> "$out/realtime-$3.err"
   PYTHONPATH=$PWD/.gpu_libs:$PWD LD_LIBRARY_PATH=$PWD/.gpu_libs TALK_FLAGS="--server http://127.0.0.1:8484" TALK_LOG="$out/talk-$3.log" \
     timeout 240 python3 scripts/measure_talk.py room > "$out/talk-$3.txt" 2>&1
@@ -74,6 +75,7 @@ for step in "${@:-bench tests}"; do
              echo "long25 rc=$?"; grep '^\[omni-bench' "$out/qwen25-2500.err" | tail -4 ;;
       rt25) served qwen2.5-omni-7b 250 qwen25 ;;
       rt3) served qwen3-omni-30b-a3b 63 qwen3 ;;
+      room3) served qwen3-omni-30b-a3b 63 qwen3 cuda room ;;  # rt3's talk room only
       rttiny) served tiny 250 tiny cpu ;;  # the same on the built-in tiny model, on the CPU (a check of the step)
       tests) timeout 420 python3 -m pytest tests/test_gpu.py -q -s -p no:cacheprovider -o addopts="" 2>&1 | grep -v DEBUG > "$out/test_gpu.log"
              tail -3 "$out/test_gpu.log"; grep -E "codes: ref|text eq|talker step|^E " "$out/test_gpu.log" | head -20 ;;

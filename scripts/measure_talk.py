@@ -90,6 +90,13 @@ def part_room() -> None:
           f"(--barge-in-ms 300 of it)")
     m = re.search(r"barge-in: sound off (\S+) ms, reply stopped (\S+) ms[^(\n]*(?:\((\d+) ms of the microphone)?",
                   run["err"], re.M)
+    if m is None:  # talk mode over a server: who heard the speech, then the sound off, then the server's stop
+        off = re.search(r"barge-in: sound off (\S+) ms after (this side|the server) heard the speech"
+                        r"(?: \((\d+) ms of the microphone)?", run["err"])
+        stop = re.search(r"barge-in: the server stopped the reply (\S+) ms after", run["err"])
+        if off:
+            print(f"room: barge-in heard by {'this side' if off[2] == 'this side' else 'the server'}")
+            m = [None, off[1], stop[1] if stop else "?", off[3]]
     print(f"room: barge-in decided -> sound off {m[1] if m else '?'} ms, -> reply stopped (stream ended, engine "
           f"threads stopped) {m[2] if m else '?'} ms; first counted voiced frame -> decision "
           f"{m[3] if m and m[3] else '?'} ms of microphone audio")
