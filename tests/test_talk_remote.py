@@ -619,3 +619,37 @@ def test_the_gate_sends_every_sample_once_in_order_as_itself_or_as_zeros():
     want[10:60] = 0  # blocks 1-5: zeros; 6-8 (the speech and its pre-roll) and 9: as they were
     want[100:110] = 0  # block 10: held, then dropped as echo
     assert np.array_equal(pcm, want)
+
+
+def test_echo_the_canceller_has_not_learned_at_a_replys_start_does_not_cut_it_and_speech_over_it_does():
+    """The listener's barge-in judge (both talk modes) while a reply plays: a block counts as the user's
+    only where the canceller kept clearly more of it than of this reply's echo so far. What it left of
+    an echo it has not learned yet (12 dB taken away: a first reply, a reply's start) passed the fixed
+    -25 dB rule and cut replies with nobody speaking; the user, as loud as the echo, over a learned one
+    (30 dB taken away) still cuts it."""
+    from omni_cli.audio.listener import Listener, ListenOptions
+    from speechlike import utterance
+
+    listener = Listener(ListenOptions(echo="webrtc"), find_turns=False, on_audio=lambda block: None)
+    listener._echo = ScriptedEcho()
+    fired: list[float] = []
+    listener.on_barge_in = lambda: fired.append(listener._samples / listener.rate)
+    echo, user = utterance(20, seed=3), utterance(6, seed=4)
+    n = listener.rate // 100
+
+    def play(mic: np.ndarray, kept_db: float) -> None:
+        for at in range(0, mic.shape[0] - n + 1, n):
+            block = mic[at:at + n]
+            listener.reference(block, listener.rate)  # the speaker's tap: it plays as loud as it is heard
+            listener._echo.left = (block * 10 ** (kept_db / 20)).astype(np.float32)
+            listener._delivered += n
+            listener.feed(block)
+
+    listener.reply_started()
+    second = listener.rate
+    play(echo[:int(1.5 * second)], -12.0)
+    assert fired == []
+    play(echo[int(1.5 * second):3 * second], -30.0)
+    assert fired == []
+    play(user[:second], -3.0)
+    assert len(fired) == 1 and 3.0 < fired[0] < 3.0 + 0.8, fired

@@ -77,6 +77,18 @@ BARGE_FLOOR_DBFS = -50.0
 # (measured on speech-like signals: blocks of the user over the echo keep -8 dB median, down to -20 dB
 # where AEC3 damps the user while it also hears echo; echo alone -35 to -70 dB).
 ECHO_KEPT_DB = -25.0
+# How much the canceller takes away changes, though: 11-12 dB in the first reply, 40 dB and more once it
+# has converged, less again around a reply's start while it finds the echo's delay. With a noise-like
+# voice (a random-weight model's) that residue passed ECHO_KEPT_DB at a reply's start and cut it with
+# nobody speaking (the room on an H200 and on this CPU, scripts/measure_talk.py room, 0.6-0.8 s into a
+# reply). So while a reply plays, a block counts only where the canceller kept ECHO_MARGIN_DB more of it
+# than it kept of this reply's echo so far (the median over the blocks where the speaker played and the
+# microphone heard something); before ECHO_SETTLE_MS of those, only where it kept ECHO_UNSETTLED_DB:
+# speech over the echo keeps -8 dB median, as loud as the echo about -3.
+ECHO_MARGIN_DB = 10.0
+ECHO_SETTLE_MS = 500
+ECHO_UNSETTLED_DB = -6.0
+REFERENCE_SILENT_DBFS = -60.0  # a reference block this quiet: the speaker is not playing now
 
 
 @dataclass(frozen=True)
@@ -178,6 +190,10 @@ class Listener:
         self._barge_quiet = 0  # unvoiced frames in a row since (a longer run than BARGE_GAP_MS ends it)
         # `_near_end` of the last blocks (a VAD frame spans up to three 10 ms blocks).
         self._loud: collections.deque = collections.deque(maxlen=3)
+        # What the canceller kept of this reply's echo, a value a block (`_near_end`), the last 2 s.
+        self._echo_kept: collections.deque = collections.deque(maxlen=200)
+        self._echo_samples = 0  # the microphone's samples those were measured over, this reply
+        self._new_reply = False  # set by the talk loop's thread, seen by this one: the echo's figures restart
         self._new_turn(0)
 
     # -- the stream and the thread -----------------------------------------------------------------
@@ -264,7 +280,8 @@ class Listener:
         """Judge one microphone block (the worker's step; tests call it directly)."""
         import numpy as np
 
-        clean = self._echo.process(block, self._take_reference(block.shape[0]))
+        reference = self._take_reference(block.shape[0])
+        clean = self._echo.process(block, reference)
         level = dbfs(float(np.mean(np.square(clean, dtype=np.float64)))) if clean.shape[0] else -120.0
         if self.on_level is not None and clean.shape[0]:
             self.on_level(level)
@@ -273,28 +290,47 @@ class Listener:
             if self.on_audio is not None and clean.shape[0]:
                 self.on_audio(clean)
             if self._vad is not None:  # barge-in alone: after on_audio, so the block that decides it is out
-                self._loud.append(self._near_end(block, level))
+                self._loud.append(self._near_end(block, level, reference))
                 for speech in self._vad.feed(clean):
                     self._barge_flag(speech)
             return
-        self._loud.append(self._near_end(block, level))
+        self._loud.append(self._near_end(block, level, reference))
         self._audio.append(clean)
         self._samples += clean.shape[0]
         for speech in self._vad.feed(clean):
             self._frame_flag(speech)
 
-    def _near_end(self, block: "np.ndarray", level: float) -> bool:
+    def _near_end(self, block: "np.ndarray", level: float, reference: "np.ndarray") -> bool:
         """Whether this block may hold the user rather than the assistant's echo, for barge-in: its cleaned
         level is above BARGE_FLOOR_DBFS and, with a canceller, the canceller kept at least ECHO_KEPT_DB of
-        the microphone's power (it takes most of a block of echo away, little of the user's voice). The
-        VAD alone will not do: WebRTC's calls a faint harmonic residue of echo, 60 dB down, speech."""
+        the microphone's power (it takes most of a block of echo away, little of the user's voice), and
+        while the speaker plays, more than it keeps of the echo now (`_echo_bar`). The VAD alone will not
+        do: WebRTC's calls a faint harmonic residue of echo, 60 dB down, speech."""
         import numpy as np
 
-        if level < BARGE_FLOOR_DBFS:
-            return False
         if self.options.echo == "off" or not block.shape[0]:
-            return True
-        return level - dbfs(float(np.mean(np.square(block, dtype=np.float64)))) >= ECHO_KEPT_DB
+            return level >= BARGE_FLOOR_DBFS
+        if self._new_reply:
+            self._new_reply = False
+            self._echo_kept.clear()
+            self._echo_samples = 0
+        heard = dbfs(float(np.mean(np.square(block, dtype=np.float64))))
+        kept = level - heard
+        bar = ECHO_KEPT_DB
+        playing = bool(reference.shape[0]) and dbfs(float(np.mean(np.square(reference, dtype=np.float64)))) >= REFERENCE_SILENT_DBFS
+        if self.speaking.is_set() and playing and heard >= BARGE_FLOOR_DBFS:
+            bar = self._echo_bar()
+            self._echo_kept.append(kept)
+            self._echo_samples += block.shape[0]
+        return level >= BARGE_FLOOR_DBFS and kept >= bar
+
+    def _echo_bar(self) -> float:
+        """The share the canceller must keep of a block, while the speaker plays, for the block to count
+        as the user's (ECHO_MARGIN_DB and the two below say why)."""
+        if self._echo_samples < ECHO_SETTLE_MS * self.rate // 1000:
+            return ECHO_UNSETTLED_DB
+        ordered = sorted(self._echo_kept)
+        return max(ECHO_KEPT_DB, ordered[len(ordered) // 2] + ECHO_MARGIN_DB)
 
     def _drain_references(self) -> None:
         while self._refs:
@@ -392,6 +428,7 @@ class Listener:
         self._barged = False
         self._barge_voiced = self._barge_quiet = 0
         self._refs.append(None)  # the reply's speaker stream is placed afresh on the microphone's clock
+        self._new_reply = True
         self.speaking.set()
 
     def reply_ended(self) -> None:
