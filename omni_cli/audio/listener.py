@@ -317,8 +317,8 @@ class Listener:
         heard = dbfs(float(np.mean(np.square(block, dtype=np.float64))))
         kept = level - heard
         bar = ECHO_KEPT_DB
-        playing = bool(reference.shape[0]) and dbfs(float(np.mean(np.square(reference, dtype=np.float64)))) >= REFERENCE_SILENT_DBFS
-        if self.speaking.is_set() and playing and heard >= BARGE_FLOOR_DBFS:
+        played = dbfs(float(np.mean(np.square(reference, dtype=np.float64)))) if reference.shape[0] else -120.0
+        if self.speaking.is_set() and played >= REFERENCE_SILENT_DBFS and heard >= BARGE_FLOOR_DBFS:
             bar = self._echo_bar()
             self._echo_kept.append(kept)
             self._echo_samples += block.shape[0]
@@ -326,7 +326,7 @@ class Listener:
 
     def _echo_bar(self) -> float:
         """The share the canceller must keep of a block, while the speaker plays, for the block to count
-        as the user's (ECHO_MARGIN_DB and the two below say why)."""
+        as the user's (the comment above ECHO_MARGIN_DB says why)."""
         if self._echo_samples < ECHO_SETTLE_MS * self.rate // 1000:
             return ECHO_UNSETTLED_DB
         ordered = sorted(self._echo_kept)
