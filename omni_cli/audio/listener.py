@@ -47,8 +47,8 @@ from ..media import AudioClip
 from .echo import ECHO_KINDS, make_echo_canceller
 from .microphone import (
     RECORD_HINT,
+    block_dbfs,
     close_input,
-    dbfs,
     find_input_device,
     sounddevice_for_recording,
 )
@@ -278,11 +278,9 @@ class Listener:
     # -- one block ----------------------------------------------------------------------------------
     def feed(self, block: "np.ndarray") -> None:
         """Judge one microphone block (the worker's step; tests call it directly)."""
-        import numpy as np
-
         reference = self._take_reference(block.shape[0])
         clean = self._echo.process(block, reference)
-        level = dbfs(float(np.mean(np.square(clean, dtype=np.float64)))) if clean.shape[0] else -120.0
+        level = block_dbfs(clean)
         if self.on_level is not None and clean.shape[0]:
             self.on_level(level)
         if not self.find_turns:
@@ -306,19 +304,16 @@ class Listener:
         the microphone's power (it takes most of a block of echo away, little of the user's voice), and
         while the speaker plays, more than it keeps of the echo now (`_echo_bar`). The VAD alone will not
         do: WebRTC's calls a faint harmonic residue of echo, 60 dB down, speech."""
-        import numpy as np
-
         if self.options.echo == "off" or not block.shape[0]:
             return level >= BARGE_FLOOR_DBFS
         if self._new_reply:
             self._new_reply = False
             self._echo_kept.clear()
             self._echo_samples = 0
-        heard = dbfs(float(np.mean(np.square(block, dtype=np.float64))))
+        heard = block_dbfs(block)
         kept = level - heard
         bar = ECHO_KEPT_DB
-        played = dbfs(float(np.mean(np.square(reference, dtype=np.float64)))) if reference.shape[0] else -120.0
-        if self.speaking.is_set() and played >= REFERENCE_SILENT_DBFS and heard >= BARGE_FLOOR_DBFS:
+        if self.speaking.is_set() and block_dbfs(reference) >= REFERENCE_SILENT_DBFS and heard >= BARGE_FLOOR_DBFS:
             bar = self._echo_bar()
             self._echo_kept.append(kept)
             self._echo_samples += block.shape[0]

@@ -204,6 +204,13 @@ def dbfs(mean_square: float) -> float:
     return 10.0 * math.log10(mean_square) if mean_square > 10 ** (SILENCE_DBFS / 10) else SILENCE_DBFS
 
 
+def block_dbfs(block) -> float:
+    """A block of float samples' level in dBFS (`dbfs` of its mean square); SILENCE_DBFS for no samples."""
+    import numpy as np
+
+    return dbfs(float(np.mean(np.square(block, dtype=np.float64)))) if block.shape[0] else SILENCE_DBFS
+
+
 class _Turn:
     """Everything recorded so far, and the decision when to stop.
 
