@@ -365,12 +365,7 @@ class PrefillGraphs:
             self.wanted_long.add(size)
         if size is None or size not in self.graphs:
             return self.forward(self.model, embeds, self.cache, self.keep)
-        self.inputs[:, :n].copy_(embeds)
-        self.inputs[:, n:size].zero_()
-        graph, (hidden, kept) = self.graphs[size]
-        graph.replay()
-        self.cache.advance(n)
-        return hidden[:, :n], (None if kept is None else kept[:, :n])
+        return self._replay(self.graphs[size], embeds, size)
 
     def over_kept(self, embeds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """`embeds` [1, n, W] after the cache's kept positions, replayed as a graph: (hidden, kept layer's
@@ -383,9 +378,15 @@ class PrefillGraphs:
         entry = self.rest_graphs.get((size, suffix_span(start + size, self.cache.max_len)))
         if entry is None or start + size > self.cache.max_len:
             return None
+        self.start.fill_(start)
+        return self._replay(entry, embeds, size)
+
+    def _replay(self, entry, embeds: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`embeds` padded with zero rows to `size` into the static input, the graph replayed, the cache
+        advanced by the real rows: their (hidden, kept layer's output)."""
+        n = embeds.shape[1]
         self.inputs[:, :n].copy_(embeds)
         self.inputs[:, n:size].zero_()
-        self.start.fill_(start)
         graph, (hidden, kept) = entry
         graph.replay()
         self.cache.advance(n)
@@ -404,9 +405,8 @@ class PrefillGraphs:
                 key = (size, suffix_span(length + size, self.cache.max_len))
                 if key not in self.rest_graphs and length + size <= key[1]:
                     self.start.fill_(length)
-                    self.rest_graphs[key] = self._capture(size, span=key[1])
+                    self.rest_graphs[key] = self._capture(size, span=key[1])  # leaves the length as it was
                     made += 1
-            self.cache.length = length
             return made
         long = set(self.wanted_long)
         if self.last_long:
