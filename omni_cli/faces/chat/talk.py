@@ -270,18 +270,31 @@ class TalkMode:
         """A reply cut short: what was heard of it goes into the conversation and the transcript."""
         repl = self.repl
         figures.kept = heard_text(pieces, figures.played, figures.made, repl._steps[1])
-        repl.chat.history.add("", figures.kept, {"audio": [clip]})
-        repl.attachments.append({"turn": len(repl.transcript), "clips": [clip], "images": []})
-        repl.transcript.append({"role": "user", "content": ""})
-        repl.transcript.append({"role": "assistant", "content": figures.kept})
-        repl.replies += 1
-        repl.say(f"interrupted: kept {len(figures.kept.split())} of {len(figures.text.split())} words "
-                 f"({figures.played:.1f} of {figures.made:.1f} s heard)")
+        keep_turn(repl, clip, figures.kept)
+        repl.say(interrupted_line(figures))
         if repl.verbose and figures.barge_in is not None:
             heard = self.listener.barge_in_after[-1:] if self.listener is not None else []
             repl.say(f"barge-in: sound off {ms_after(figures.silenced, figures.barge_in)} ms, reply stopped "
                      f"{ms_after(figures.stopped, figures.barge_in)} ms after the speech was long enough"
                      + (f" ({heard[0] * 1000:.0f} ms of the microphone's audio from its start)" if heard else ""))
+
+
+def keep_turn(repl: Any, clip: Any, kept: str) -> None:
+    """A spoken turn (its clip, None if there is none) and the reply's text kept (whole, or cut to what was
+    heard) into the chat's conversation and transcript: both talk modes' record of a turn."""
+    clips = [clip] if clip is not None else []
+    repl.chat.history.add("", kept, {"audio": clips})
+    if clips:
+        repl.attachments.append({"turn": len(repl.transcript), "clips": clips, "images": []})
+    repl.transcript.append({"role": "user", "content": ""})
+    repl.transcript.append({"role": "assistant", "content": kept})
+    repl.replies += 1
+
+
+def interrupted_line(figures: ReplyFigures) -> str:
+    """What a cut reply says: how much of its text and its sound was kept."""
+    return (f"interrupted: kept {len(figures.kept.split())} of {len(figures.text.split())} words "
+            f"({figures.played:.1f} of {figures.made:.1f} s heard)")
 
 
 def ms_after(later: float | None, earlier: float) -> str:

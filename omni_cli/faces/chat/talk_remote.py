@@ -61,6 +61,8 @@ from .talk import (
     THINKING,
     ReplyFigures,
     TalkMeter,
+    interrupted_line,
+    keep_turn,
     ms_after,
     stdin_closed,
     stdin_stop,
@@ -375,7 +377,7 @@ class RemoteTalk:
         figures.made = reply.made / RATE
         figures.text = figures.kept = "".join(reply.pieces)
         if reply.status in ("completed", "incomplete"):
-            self._keep(reply, figures.kept)
+            keep_turn(self.repl, reply.clip, figures.kept)
             if self.repl.verbose and figures.first_sound is not None and figures.turn_ended is not None:
                 gaps = f"; {sink.underruns} gaps in its sound" if sink is not None and sink.underruns else ""
                 self.repl.say(f"first sound {ms_after(figures.first_sound, figures.turn_ended)} ms after the turn "
@@ -423,28 +425,16 @@ class RemoteTalk:
         self.meter.end_text(self.repl.out, bool(reply.pieces) and not reply.done)
         figures.kept = figures.text if self.repl.muted else heard_text(
             reply.pieces, figures.played, figures.made, self.repl._steps[1])
-        self._keep(reply, figures.kept)
+        keep_turn(self.repl, reply.clip, figures.kept)
         repl = self.repl
-        repl.say(f"interrupted: kept {len(figures.kept.split())} of {len(figures.text.split())} words "
-                 f"({figures.played:.1f} of {figures.made:.1f} s heard)")
+        repl.say(interrupted_line(figures))
         if repl.verbose and by in ("here", "server"):
             heard = self.listener.barge_in_after[-1:] if by == "here" else []
             repl.say(f"barge-in: sound off {ms_after(figures.silenced, figures.barge_in)} ms after "
                      + ("this side heard the speech" if by == "here" else "the server heard the speech")
                      + (f" ({heard[0] * 1000:.0f} ms of the microphone's audio from its start)" if heard else ""))
 
-    # -- the chat's conversation and the screen ----------------------------------------------------
-    def _keep(self, reply: RemoteReply, kept: str) -> None:
-        """A reply (whole, or cut to what was heard) into the chat's conversation and transcript."""
-        repl = self.repl
-        clips = [reply.clip] if reply.clip is not None else []
-        repl.chat.history.add("", kept, {"audio": clips})
-        if clips:
-            repl.attachments.append({"turn": len(repl.transcript), "clips": clips, "images": []})
-        repl.transcript.append({"role": "user", "content": ""})
-        repl.transcript.append({"role": "assistant", "content": kept})
-        repl.replies += 1
-
+    # -- the screen --------------------------------------------------------------------------------
     def _on_text(self, piece: str) -> None:
         self.meter.begin_text()
         self.repl._show(shown(piece, self.repl.out.file))
