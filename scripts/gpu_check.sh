@@ -16,6 +16,13 @@
 #   attend     the attention kernel over spans 256..8192 beside the library's ($OUT/attend-spans.jsonl)
 #   long3      Qwen3-Omni, a 2,500-token prompt, plain graphs ($OUT/qwen3-2500.json)
 #   long25     Qwen2.5-Omni-7B, a 2,500-token prompt, plain graphs ($OUT/qwen25-2500.json)
+#   packed     tests/test_gpu.py's packed-weight tests (int4 and FP8 steps = transformers on the dequantized weights)
+#   qmm        the packed prefill products beside bf16 (and an earlier quant_kernels.py, scripts/_qk_before.py,
+#              where one was copied there), with a tile sweep ($OUT/quant-mm.jsonl)
+#   qsweep     the packed decode kernels' blocks swept per use ($OUT/quant-sweep.json)
+#   qkernels   the packed decode kernels beside bf16 ($OUT/quant-kernels.json)
+#   q3 KIND    (q3int4, q3fp8, q3bf16, q25int4, q25bf16) omni-bench of a preset packed or not, the issue's unit
+#              ($OUT/q-PRESET-KIND.json)
 #   room3      rt3's talk room only (omni-chat --talk --server over /v1/realtime against Qwen3-Omni)
 #   rt25, rt3  the 7B / Qwen3-Omni served at true size (scripts/serve_preset.py): /v1/realtime timed by
 #              scripts/realtime_latency.py ($OUT/realtime-*.json), then omni-chat --talk --server in the
@@ -73,6 +80,20 @@ for step in "${@:-bench tests}"; do
       long25) timeout 420 python3 -m omni_cli.faces.bench --preset qwen2.5-omni-7b --runs 3 --prompt-tokens 2500 \
                --no-compile --json > "$out/qwen25-2500.json" 2> "$out/qwen25-2500.err"
              echo "long25 rc=$?"; grep '^\[omni-bench' "$out/qwen25-2500.err" | tail -4 ;;
+      packed) timeout 300 python3 -m pytest tests/test_gpu.py -q -s -p no:cacheprovider -o addopts="" -k packed 2>&1 \
+               | grep -v DEBUG > "$out/test_gpu_packed.log"; tail -3 "$out/test_gpu_packed.log"; grep -E "^E " "$out/test_gpu_packed.log" | head ;;
+      qmm) timeout 300 python3 scripts/quant_mm_check.py sweep > "$out/quant-mm.jsonl" 2> "$out/quant-mm.err"
+             echo "qmm rc=$?"; cat "$out/quant-mm.jsonl"; tail -3 "$out/quant-mm.err" ;;
+      qsweep) timeout 420 python3 scripts/quant_gpu.py sweep > "$out/quant-sweep.json" 2> "$out/quant-sweep.err"
+             echo "qsweep rc=$?"; grep '^{' "$out/quant-sweep.err" | cut -c1-600; grep -v '^{' "$out/quant-sweep.err" | tail -3 ;;
+      qkernels) timeout 300 python3 scripts/quant_gpu.py kernels > "$out/quant-kernels.json" 2> "$out/quant-kernels.err"
+             echo "qkernels rc=$?"; cut -c1-500 "$out/quant-kernels.err" | tail -8 ;;
+      q3int4|q3fp8|q3bf16|q25int4|q25bf16)
+             case $s in q3*) p=qwen3-omni-30b-a3b; unit="--frames 188" ;; *) p=qwen2.5-omni-7b; unit="--codes 250" ;; esac
+             q=${s#q3}; q=${q#q25}; [ "$q" = bf16 ] && qflag="" || qflag="--quantize $q"
+             timeout 400 python3 -m omni_cli.faces.bench --preset $p --runs 2 --prompt-tokens 60 --text-tokens 64 $unit \
+               --json --no-compile $qflag > "$out/q-$p-$q.json" 2> "$out/q-$p-$q.err"
+             echo "$s rc=$?"; grep '^\[omni-bench' "$out/q-$p-$q.err" | tail -4 ;;
       rt25) served qwen2.5-omni-7b 250 qwen25 ;;
       rt3) served qwen3-omni-30b-a3b 63 qwen3 ;;
       room3) served qwen3-omni-30b-a3b 63 qwen3 cuda room ;;  # rt3's talk room only

@@ -50,6 +50,10 @@ def kernels() -> dict:
     from omni_cli.runtime import kernels as bf16k
     from omni_cli.runtime import quant_kernels as qk
 
+    import importlib
+    import os
+
+    before = importlib.import_module("_qk_before") if os.path.exists("scripts/_qk_before.py") else None
     dev, dt = torch.device("cuda"), torch.bfloat16
     out = {"device": torch.cuda.get_device_name(), "matvec": [], "picked": []}
     shapes = {  # (N, K): Qwen3-Omni thinker q|k|v and o, its talker's; Qwen2.5-Omni-7B's
@@ -72,6 +76,9 @@ def kernels() -> dict:
                "fp8_us": _graph_time(lambda: qk.fp8_gemv(x, p8.qweight, p8.scales, block=(128, 128))) * 1e6,
                "int4_rel_err_vs_dequant": _rel(y4, ref4), "fp8_rel_err_vs_dequant": _rel(y8, ref8),
                "bytes_bf16": w.numel() * 2, "bytes_int4": p4.nbytes, "bytes_fp8": p8.nbytes}
+        if before is not None:  # an earlier quant_kernels.py beside (scripts/_qk_before.py, copied by hand)
+            row["int4_before_us"] = _graph_time(lambda: before.int4_gemv(x, p4.qweight, p4.scales, None, group_size=128)) * 1e6
+            row["fp8_before_us"] = _graph_time(lambda: before.fp8_gemv(x, p8.qweight, p8.scales, block=(128, 128))) * 1e6
         row["int4_GBps"] = p4.nbytes / row["int4_us"] / 1e3
         row["bf16_GBps"] = w.numel() * 2 / min(row["bf16_F.linear_us"], row["bf16_kernel_us"]) / 1e3
         out["matvec"].append(row)
@@ -103,6 +110,10 @@ def kernels() -> dict:
         want = ((deq_dn @ (F.silu(gate) * up).to(dt).float().unsqueeze(-1)).squeeze(-1) * rw.float()[:, None]).sum(0)
         row = {"name": name, "experts": e, "top_k": top, "bf16_us": _graph_time(bf16_moe) * 1e6,
                "int4_us": _graph_time(int4_moe) * 1e6, "int4_rel_err_vs_dequant": _rel(int4_moe(), want)}
+        if before is not None:
+            row["int4_before_us"] = _graph_time(lambda: before.int4_picked_gemv(
+                before.int4_picked_gemv(x, gq, gs, idx, group_size=128), dq, ds, idx, group_size=128, weights=rw,
+                gate=True)) * 1e6
         if hasattr(qk, "fp8_picked_gemv"):
             p8_gu = [quantize_fp8(t, (128, 128)) for t in gu]
             p8_dn = [quantize_fp8(t, (128, 128)) for t in dn]
@@ -120,37 +131,64 @@ def kernels() -> dict:
 
 
 def sweep() -> dict:
-    """The decode kernels' blocks: every (BLOCK_N, BLOCK_K, warps) on each shape, int4 g128 and FP8 128x128."""
+    """The decode kernels' blocks: every (BLOCK_N, BLOCK_K, warps) for each use of `DECODE_BLOCKS` (one
+    weight by output size, picked experts, summed experts), int4 g128 and FP8 128x128, on the true shapes;
+    the best config of a use is the one with the least total time over its shapes."""
     from omni_cli.quant.formats import quantize_fp8, quantize_int4
     from omni_cli.runtime import quant_kernels as qk
 
     dev, dt = torch.device("cuda"), torch.bfloat16
-    saved = dict(qk.DECODE_BLOCKS)
+    saved = {kind: dict(table) for kind, table in qk.DECODE_BLOCKS.items()}
+    uses = {"small": [(2048, 4096), (1024, 2048)], "large": [(5120, 2048), (4608, 3584), (3584, 18944)], "huge": [(37888, 3584)],
+            "picked": [(128, 8, 1536, 2048), (128, 6, 1536, 1024)], "summed": [(128, 8, 2048, 768), (128, 6, 1024, 768)]}
     results = []
-    for n, k in [(5120, 2048), (2048, 4096), (1536, 2048), (4608, 3584), (3584, 18944)]:
-        w = torch.randn(n, k, device=dev, dtype=dt) * 0.02
-        x = torch.randn(1, k, device=dev, dtype=dt)
-        p4, p8 = quantize_int4(w, 128, True, dt), quantize_fp8(w, (128, 128), torch.float32)
-        for kind, fn, nbytes in (
-                ("int4", lambda: qk.int4_gemv(x, p4.qweight, p4.scales, None, group_size=128), p4.nbytes),
-                ("fp8", lambda: qk.fp8_gemv(x, p8.qweight, p8.scales, block=(128, 128)), p8.nbytes)):
-            best = None
-            for bn in (8, 16, 32, 64):
-                for bk in (128, 256, 512):
+    for kind in ("int4", "fp8"):
+        for use, shapes in uses.items():
+            calls = []
+            for shape in shapes:
+                n, k = shape[-2:]
+                e, top = (shape[0], shape[1]) if len(shape) == 4 else (None, None)
+                w = torch.randn(*((e,) if e else ()), n, k, device=dev, dtype=dt) * 0.02
+                packs = [quantize_int4(t, 128, True, dt) if kind == "int4" else quantize_fp8(t, (128, 128))
+                         for t in (w if e else [w])]
+                q, sc = torch.stack([p.qweight for p in packs]), torch.stack([p.scales for p in packs])
+                if not e:
+                    q, sc = q[0], sc[0]
+                    x = torch.randn(1, k, device=dev, dtype=dt)
+                    fn = (lambda x=x, q=q, sc=sc: qk.int4_gemv(x, q, sc, None, group_size=128)) if kind == "int4" \
+                        else (lambda x=x, q=q, sc=sc: qk.fp8_gemv(x, q, sc, block=(128, 128)))
+                else:
+                    idx = torch.randperm(e, device=dev)[:top]
+                    summed = use == "summed"
+                    x = torch.randn(top, 2 * k, device=dev, dtype=dt) if summed else torch.randn(k, device=dev, dtype=dt)
+                    rw = torch.rand(top, device=dev, dtype=dt) if summed else None
+                    if kind == "int4":
+                        fn = (lambda x=x, q=q, sc=sc, idx=idx, rw=rw, g=summed:
+                              qk.int4_picked_gemv(x, q, sc, idx, group_size=128, weights=rw, gate=g))
+                    else:
+                        fn = (lambda x=x, q=q, sc=sc, idx=idx, rw=rw, g=summed:
+                              qk.fp8_picked_gemv(x, q, sc, idx, block=(128, 128), weights=rw, gate=g))
+                calls.append((shape, fn, sum(p.nbytes for p in packs) * ((top / e) if e else 1)))
+                del w
+            table = {}
+            for bn in (2, 4, 8, 16):
+                for bk in (512, 1024, 2048):
                     for warps in (4, 8):
-                        qk.DECODE_BLOCKS.update(small=(bn, bk, warps), large=(bn, bk, warps))
+                        qk.DECODE_BLOCKS[kind][use] = (bn, bk, warps)
                         try:
-                            us = _graph_time(fn, calls=20, repeats=3) * 1e6
+                            table[(bn, bk, warps)] = [_graph_time(fn, calls=20, repeats=3) * 1e6 for _, fn, _ in calls]
                         except Exception as exc:  # a config that does not compile (registers)
-                            print(f"{kind} {n}x{k} {bn},{bk},{warps}: {type(exc).__name__}", file=sys.stderr)
-                            continue
-                        if best is None or us < best[0]:
-                            best = (us, bn, bk, warps)
-            row = {"kind": kind, "N": n, "K": k, "best_us": best[0], "BLOCK_N": best[1], "BLOCK_K": best[2],
-                   "warps": best[3], "GBps": nbytes / best[0] / 1e3}
+                            print(f"{kind} {use} {bn},{bk},{warps}: {type(exc).__name__}", file=sys.stderr)
+            qk.DECODE_BLOCKS[kind][use] = saved[kind][use]
+            before = table.get(tuple(saved[kind][use]))
+            best = min(table, key=lambda c: sum(table[c]))
+            row = {"kind": kind, "use": use, "best": list(best), "best_us": table[best],
+                   "before": list(saved[kind][use]), "before_us": before,
+                   "GBps_best": [nb / us / 1e3 for (_, _, nb), us in zip(calls, table[best])],
+                   "shapes": [list(c[0]) for c in calls],
+                   "per_shape_best": [min(table, key=lambda c: table[c][i]) for i in range(len(calls))]}
             results.append(row)
             print(json.dumps(row), file=sys.stderr)
-    qk.DECODE_BLOCKS.update(saved)
     return {"sweep": results}
 
 

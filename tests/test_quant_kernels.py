@@ -137,6 +137,45 @@ def test_int4_gate_is_silu_gate_times_up_then_the_product(qk, rows):
     assert ulps(y, exact(gate_up[:, K:], w)) > 8  # the gate is really applied
 
 
+def rms_normed(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The library's RMSNorm, in its order: float32 statistic, the normed value cast back, then scaled."""
+    x32 = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
+    return (weight.float() * x32.to(x.dtype).float()).to(x.dtype)
+
+
+@pytest.mark.parametrize("fmt", ["int4", "fp8"])
+@pytest.mark.parametrize("rows", [1, 2])
+def test_gemv_does_the_norm_and_the_residual_in_its_launch(qk, fmt, rows):
+    """A plain step's packed layer: RMSNorm, product and residual in one launch, each rounded as the eager
+    ops round (the norm's output and the product in the activations' dtype, then the residual added)."""
+    torch.manual_seed(11 + rows)
+    N, K, eps = 72, 320, 1e-6
+    if fmt == "int4":
+        qweight, scales, zeros = random_int4(N, K, 64, zeros=True)
+        w = dequantize_int4(qweight, scales, zeros, 64)
+        run = lambda x, **kw: qk.int4_gemv(x, qweight, scales, zeros, group_size=64, **kw)  # noqa: E731
+    else:
+        weight, scale = random_fp8(N, K, (64, 64))
+        w = dequantize_fp8(weight, scale, (64, 64))
+        run = lambda x, **kw: qk.fp8_gemv(x, weight, scale, block=(64, 64), **kw)  # noqa: E731
+    x = torch.randn(rows, K, dtype=DT) * 3
+    norm_w = (torch.rand(K) + 0.5).to(DT)
+    residual = torch.randn(rows, N, dtype=DT)
+    normed = exact(rms_normed(x, norm_w, eps), w)
+    assert ulps(run(x, norm=norm_w, eps=eps), normed) <= 1
+    assert ulps(run(x, norm=norm_w, eps=eps), exact(x * norm_w, w)) > 8  # the statistic is applied
+    # the residual added to the product rounded to DT, as the eager add does: bit for bit the two steps
+    # (ulps against `exact` would count one unit of the product as several of a sum that cancels)
+    for kw in ({"norm": norm_w, "eps": eps}, {}):
+        assert torch.equal(run(x, residual=residual, **kw), (run(x, **kw).float() + residual.float()).to(DT))
+    if fmt == "fp8":
+        gate_up = torch.randn(rows, 2 * K, dtype=DT)
+        acts = (F.silu(gate_up[:, :K]) * gate_up[:, K:])
+        assert ulps(run(gate_up, gate=True), exact(acts, w)) <= 1
+    with pytest.raises(ValueError, match="residual"):
+        run(x, residual=residual[..., :-1])
+
+
 def test_int4_in_float32(qk):
     torch.manual_seed(4)
     N, K, g = 64, 128, 64
@@ -150,7 +189,9 @@ def test_int4_in_float32(qk):
 
 @pytest.mark.parametrize("rows", [1, 2])
 @pytest.mark.parametrize("N,K,block", [(136, 320, (128, 128)), (96, 160, (64, 32)), (64, 192, None)])
-def test_fp8_is_dequantize_then_multiply(qk, rows, N, K, block):
+@pytest.mark.parametrize("width", [512, 64])  # an iteration over whole block columns, or inside one
+def test_fp8_is_dequantize_then_multiply(qk, monkeypatch, rows, N, K, block, width):
+    monkeypatch.setitem(qk.DECODE_BLOCKS["fp8"], "small", (4, width, 4))
     torch.manual_seed(N + rows)
     weight = (torch.randn(N, K) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
     if block is None:
@@ -283,8 +324,14 @@ def test_fp8_picked_gemv_reads_the_picked_experts(qk, block, per_pick):
         assert torch.equal(qk.fp8_picked_gemv(x, weight, scale[..., None], idx, block=None), y)
 
 
-@pytest.mark.parametrize("M,N,K,g", [(5, 72, 192, 64), (70, 40, 160, 32)])  # partial row, column and K tiles
-def test_int4_mm_is_dequantize_then_multiply(qk, M, N, K, g):
+# partial row, column and K tiles; a group of 24 is no power of two: its scales are looked up per weight
+# 130 rows: past DEQUANTIZE_ROWS, the whole weight dequantized and the library's product
+@pytest.mark.parametrize("M,N,K,g", [(5, 72, 192, 64), (70, 40, 160, 32), (9, 40, 192, 24), (130, 40, 192, 64)])
+@pytest.mark.parametrize("tile", ["joined", "planes"])
+def test_int4_mm_is_dequantize_then_multiply(qk, monkeypatch, M, N, K, g, tile):
+    monkeypatch.setattr(qk, "INT4_TILE", tile)
+    if M >= qk.DEQUANTIZE_ROWS:  # the tile kernel is not launched: the whole weight is dequantized instead
+        monkeypatch.setattr(qk, "_mm_kernel", None)
     torch.manual_seed(M)
     qweight, scales, zeros = random_int4(N, K, g, zeros=M > 8)
     x = torch.randn(M, K, dtype=DT)
@@ -295,7 +342,9 @@ def test_int4_mm_is_dequantize_then_multiply(qk, M, N, K, g):
     assert rel(y, x.float() @ w.T) < 2e-3
 
 
-@pytest.mark.parametrize("M,N,K,block", [(5, 136, 160, (128, 128)), (40, 72, 192, (32, 64)), (24, 48, 96, None)])
+@pytest.mark.parametrize("M,N,K,block", [(5, 136, 160, (128, 128)), (40, 72, 192, (32, 64)), (24, 48, 96, None),
+                                         (12, 40, 120, (16, 24)),  # 24 wide: scales looked up per weight
+                                         (130, 72, 192, (32, 64))])  # past DEQUANTIZE_ROWS
 def test_fp8_mm_is_dequantize_then_multiply(qk, M, N, K, block):
     torch.manual_seed(M)
     weight, scale = random_fp8(N, K, block)
@@ -304,6 +353,17 @@ def test_fp8_mm_is_dequantize_then_multiply(qk, M, N, K, block):
     y = qk.fp8_mm(x, weight, scale, block=block)
     assert y.shape == (M, N) and ulps(y, layer(x, w)) <= 1
     assert rel(y, x.float() @ w.T) < 2e-3
+
+
+@pytest.mark.parametrize("g", [64, 24])
+def test_the_whole_weight_dequantized_in_one_launch_is_the_reference_rounded(qk, g):
+    torch.manual_seed(g)
+    qweight, scales, zeros = random_int4(72, 192, g, zeros=True)
+    want = dequantize_int4(qweight, scales, zeros, g).to(DT)
+    assert torch.equal(qk.int4_dequantize(qweight, scales, zeros, group_size=g, dtype=DT), want)
+    weight, scale = random_fp8(72, 192, (32, 64))
+    assert torch.equal(qk.fp8_dequantize(weight, scale, block=(32, 64), dtype=DT),
+                       dequantize_fp8(weight, scale, (32, 64)).to(DT))
 
 
 def test_mm_in_float32_multiplies_in_float32(qk):

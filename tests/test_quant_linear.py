@@ -236,3 +236,33 @@ def test_the_kernel_path_is_the_reference_path(qk, monkeypatch, name, rows, bias
     bound = (torch.maximum(product, torch.tensor(1 / 64)) + torch.maximum(ref.float().abs(), torch.tensor(1 / 64)))
     assert ((y.float() - ref.float()).abs() <= bound * torch.finfo(DT).eps).all()
     assert ulps(y, ref - q.bias) > 100  # the bias is really added
+
+
+@pytest.mark.parametrize("name", sorted(SPECS))
+def test_a_plain_steps_packed_layer_takes_its_norm_and_residual_into_one_launch(qk, monkeypatch, name):
+    """runtime.fused.gemv over a packed layer: one kernel call with the norm and the residual inside it,
+    equal to the steps it replaces (the norm, the layer, the add) within the norm's rounding; with a bias
+    (which would come between the product and the residual) or the kernels off, those steps."""
+    from omni_cli.runtime import fused
+
+    torch.manual_seed(5)
+    calls = []
+    for fn in ("int4_gemv", "fp8_gemv"):
+        real = getattr(qk, fn)
+        monkeypatch.setattr(qk, fn, lambda *a, _real=real, _fn=fn, **k: calls.append((_fn, sorted(k))) or _real(*a, **k))
+    q = QuantLinear.from_linear(nn.Linear(128, 40, bias=False), SPECS[name]).half()
+    x, residual = torch.randn(1, 128, dtype=DT) * 2, torch.randn(1, 40, dtype=DT)
+    norm = (torch.rand(128) + 0.5).to(DT)
+    q.kernel = "off"
+    steps = fused.gemv(x, q, norm=norm, eps=1e-6, residual=residual)
+    assert calls == []
+    q.kernel = "on"
+    y = fused.gemv(x, q, norm=norm, eps=1e-6, residual=residual)
+    assert len(calls) == 1 and {"norm", "residual"} <= set(calls[0][1])
+    assert ((y.float() - steps.float()).norm() / steps.float().norm()).item() < 2e-3
+    assert ((y.float() - (steps - residual).float()).norm() / y.float().norm()).item() > 0.1  # residual in
+    with_bias = QuantLinear.from_linear(nn.Linear(128, 40), SPECS[name]).half()
+    with_bias.kernel = "on"
+    calls.clear()
+    fused.gemv(x, with_bias, norm=norm, eps=1e-6, residual=residual)
+    assert len(calls) == 1 and "residual" not in calls[0][1]  # the layer alone; the add after its bias

@@ -14,6 +14,8 @@ What it knows:
   prefill), its tile-by-tile products (int4_mm / fp8_mm); otherwise (CPU, a shape the kernels refuse)
   the reference path: the weight dequantized to x's dtype (`formats.dequantize`) and `F.linear`, which
   materializes the whole weight for the call.
+- `step(x, norm=, eps=, gate=, residual=)`: a plain decode step's product with its norm, gate or residual
+  inside the same kernel (`runtime.fused.gemv` calls it), or None where the kernels do not take x.
 - `quantize_linears(module, spec, skip)` quantizes round-to-nearest, one layer at a time.
 
 What it does not know: loading a checkpoint's packed tensors into these buffers (the loader, with `formats.from_*`), which layers a
@@ -134,6 +136,25 @@ class QuantLinear(nn.Module):
         # the reference path: the whole weight dequantized to x's dtype
         bias = None if self.bias is None else self.bias.to(x.dtype)
         return F.linear(x, packed.dequantize(x.dtype), bias)
+
+    def step(self, x: torch.Tensor, *, norm: torch.Tensor | None = None, eps: float = 0.0, gate: bool = False,
+             residual: torch.Tensor | None = None) -> torch.Tensor | None:
+        """A decode step's product with what sits around it in one launch (`runtime.fused.gemv`'s arguments:
+        x's RMSNorm with `norm` first, or SiLU(gate) * up of a [gate | up] x; `residual` added after), where
+        the batch-1 kernels take x; None where they do not (the caller does it in steps), or where a bias
+        would have to come between the product and the residual."""
+        if not self._kernel_fits(x) or (self.bias is not None and residual is not None):
+            return None
+        from ..runtime import quant_kernels
+
+        packed = self.packed
+        if self.spec.kind == "int4":
+            y = quant_kernels.int4_gemv(x, packed.qweight, packed.scales, packed.zeros, group_size=self._group_size(),
+                                        gate=gate, norm=norm, eps=eps, residual=residual)
+        else:
+            y = quant_kernels.fp8_gemv(x, packed.qweight, packed.scales, block=self.spec.block, gate=gate, norm=norm,
+                                       eps=eps, residual=residual)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, spec={self.spec}"

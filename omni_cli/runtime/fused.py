@@ -223,9 +223,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def gemv(x: torch.Tensor, w, *, norm: torch.Tensor | None = None, eps: float = 0.0, gate: bool = False,
          residual: torch.Tensor | None = None) -> torch.Tensor:
     """`kernels.gemv` (its norm, gate and residual inside one launch) for a weight tensor; for a packed
-    layer the same math around the layer's own product (its kernels take no norm or residual)."""
+    layer its own kernel's launch with them (`QuantLinear.step`), or, where that does not take x (layers
+    side by side, a bias before the residual), the same math around the layer's product."""
     if isinstance(w, torch.Tensor):
         return _kernels.gemv(x, w, norm=norm, eps=eps, gate=gate, residual=residual)
+    step = getattr(w, "step", None)
+    y = step(x, norm=norm, eps=eps, gate=gate, residual=residual) if step is not None else None
+    if y is not None:
+        return y
     if norm is not None:
         x = rms_norm(x, norm, eps)
     y = w(gated(x) if gate else x)

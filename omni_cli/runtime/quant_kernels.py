@@ -3,16 +3,20 @@ never as a whole matrix: matrix-vector products for the one-token decode (read t
 tl.dot products for a prefill's many rows (each weight tile dequantized once for up to 64 rows).
 
 Decode (batch 1):
-- `int4_gemv(x, qweight, scales, zeros=, group_size=, gate=)`: rows x [..., K] times a 4-bit weight [N, K];
-  with `gate`, each row is [gate | up] and the input SiLU(gate) * up (the down projection's).
-- `fp8_gemv(x, weight, scale, block=)`: rows x [..., K] times an e4m3 weight [N, K] with block or
-  per-channel scales.
+- `int4_gemv(x, qweight, scales, zeros=, group_size=, gate=, norm=, eps=, residual=)`: rows x [..., K]
+  times a 4-bit weight [N, K]; with `gate`, each row is [gate | up] and the input SiLU(gate) * up (the down
+  projection's); `norm` and `residual` as kernels.gemv's, in the same launch (a packed layer of a plain
+  step costs one launch, as a bf16 one does, not a norm, a product and an add).
+- `fp8_gemv(x, weight, scale, block=, gate=, norm=, eps=, residual=)`: the same over an e4m3 weight [N, K]
+  with block or per-channel scales.
 - `int4_picked_gemv(x, qweight, scales, idx, zeros=, group_size=, weights=, gate=)` and
   `fp8_picked_gemv(x, weight, scale, idx, block=, weights=, gate=)`: the product over the experts `idx`
   picks from a bank [E, N, K] (idx on the device: no host sync), as `kernels.picked_gemv`.
 
 Prefill:
-- `int4_mm(x, qweight, scales, zeros=, group_size=)`, `fp8_mm(x, weight, scale, block=)`: x [M, K] -> [M, N].
+- `int4_mm(x, qweight, scales, zeros=, group_size=)`, `fp8_mm(x, weight, scale, block=)`: x [M, K] -> [M, N],
+  by tiles dequantized in registers under `DEQUANTIZE_ROWS` rows, by the whole weight dequantized
+  (`int4_dequantize`, `fp8_dequantize`: one launch) and the library's GEMM from there on.
 - `int4_moe_mm(x, qweight_bank, scales_bank, ids, zeros_bank=, group_size=, gate=)` and
   `fp8_moe_mm(x, weight_bank, scale_bank, ids, block=, gate=)`: every token's picked experts (ids [M, k])
   in one launch, -> [M*k, N] in pick order, unweighted. The picks are sorted by expert on the device
@@ -20,9 +24,11 @@ Prefill:
   reads one expert's weight; the number of tiles is bounded on the host by M*k + E*(BLOCK_M - 1) rows,
   which fixes every shape for a fixed M (CUDA graphs). The idea is vLLM's moe_align_block_size.
 
-The two formats share one kernel per product (a constexpr picks the format's code inside): int4 by its
-packed words' nibble planes (`_int4_rows`, `_int4_planes`), FP8 by tiles (`_fp8_rows`, `_fp8_tile`). An expert bank is the single weight's layout with
-a leading E, on the weight and on its scales (and zeros).
+The two formats share one kernel per product (a constexpr picks the format's code inside): int4 decode by
+its packed words' nibble planes (`_int4_rows`), its prefill tiles by each word's nibbles joined in place
+(`_int4_tile`; `INT4_TILE` "planes" for the first pass's eight products a tile), FP8 by tiles
+(`_fp8_rows`, `_fp8_tile`). An expert bank is the single weight's layout with a leading E, on the weight
+and on its scales (and zeros).
 
 The layouts they read (the in-memory form of omni_cli.quant.formats; a checkpoint's layout is turned into
 it there, not here):
@@ -47,7 +53,7 @@ What it does not know: models, checkpoint formats and their packing orders (GPTQ
 (`g_idx`) permutations, asymmetric FP8 or per-tensor FP8 scales; the MoE products do not weight or sum
 the picks, and expert ids are not checked against E (that would be a host sync). The tl.dot products
 dequantize with the activations' dtype, not FP8 or int8 tensor-core inputs. The decode blocks
-(`DECODE_BLOCKS`) come from a sweep on an H200; the prefill tiles are untuned.
+(`DECODE_BLOCKS`) and the prefill tiles come from sweeps on an H200.
 Importing it needs triton.
 """
 
@@ -57,7 +63,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .kernels import GATE, NONE, prologue_input
+from .kernels import GATE, NONE, NORM, _rstd, _store, prologue_input
 
 MAGIC: tl.constexpr = tl.constexpr(8388608.0)  # 2**23: a float32 whose mantissa's low bits are an integer
 MAGIC_BITS: tl.constexpr = tl.constexpr(0x4B000000)  # its bits
@@ -65,13 +71,17 @@ MAGIC_BITS: tl.constexpr = tl.constexpr(0x4B000000)  # its bits
 
 @triton.jit
 def _fp8_tile(w_ptr, s_ptr, rows, k0, N, K, BN, BK, s_row, BLOCKED: tl.constexpr, BLOCK_N: tl.constexpr,
-              BLOCK_K: tl.constexpr):
+              BLOCK_K: tl.constexpr, GROUP_TILE: tl.constexpr = False):
     """float32 [BLOCK_N, BLOCK_K]: rows `rows`, columns k0.. of the e4m3 weight w_ptr [N, K] times its block
-    scale (s_ptr [ceil(N/BN), s_row]) or its row's (s_ptr [N]); zero past the edges."""
+    scale (s_ptr [ceil(N/BN), s_row]) or its row's (s_ptr [N]); zero past the edges. GROUP_TILE: a block
+    column holds whole tiles (BK a multiple of BLOCK_K), so a row's scale is one load per tile, not one a
+    weight."""
     cols = k0 + tl.arange(0, BLOCK_K)
     mask = (rows[:, None] < N) & (cols[None, :] < K)
     w = tl.load(w_ptr + rows[:, None] * K + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    if BLOCKED:
+    if BLOCKED and GROUP_TILE:
+        s = tl.load(s_ptr + (rows // BN) * s_row + k0 // BK, mask=rows < N, other=0.0)[:, None]
+    elif BLOCKED:
         s = tl.load(s_ptr + (rows[:, None] // BN) * s_row + cols[None, :] // BK, mask=mask, other=0.0)
     else:  # per-channel: one multiplier a row, applied to each weight as the dequantized layer has it
         s = tl.load(s_ptr + rows, mask=rows < N, other=0.0)[:, None]
@@ -79,11 +89,11 @@ def _fp8_tile(w_ptr, s_ptr, rows, k0, N, K, BN, BK, s_row, BLOCKED: tl.constexpr
 
 
 @triton.jit
-def _rows(x_ptr, q_ptr, s_ptr, z_ptr, rows, N, K, G, BN, BK, s_row, FP8: tl.constexpr, ZEROS: tl.constexpr,
-          BLOCKED: tl.constexpr, PROLOGUE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-          SCALE_BLOCK: tl.constexpr = -1):
-    """float32 [BLOCK_N]: rows `rows` of the weight times the input [K] (PROLOGUE GATE: made from a
-    [gate | up] row, as kernels.prologue_input makes it).
+def _rows(x_ptr, nw_ptr, rstd, q_ptr, s_ptr, z_ptr, rows, N, K, G, BN, BK, s_row, FP8: tl.constexpr,
+          ZEROS: tl.constexpr, BLOCKED: tl.constexpr, PROLOGUE: tl.constexpr, BLOCK_N: tl.constexpr,
+          BLOCK_K: tl.constexpr, SCALE_BLOCK: tl.constexpr = -1):
+    """float32 [BLOCK_N]: rows `rows` of the weight times the input [K] as kernels.prologue_input makes it
+    (PROLOGUE NORM: RMSNorm with the weight nw_ptr and the statistic rstd; GATE: from a [gate | up] row).
 
     SCALE_BLOCK >= 0 (the decode kernels' fast path; `_blocks` picks it): the scales are applied to partial
     sums, not to each weight (`_int4_rows`, `_fp8_rows`): the exact product of the dequantized weight,
@@ -95,19 +105,20 @@ def _rows(x_ptr, q_ptr, s_ptr, z_ptr, rows, N, K, G, BN, BK, s_row, FP8: tl.cons
         for k0 in range(0, K, BLOCK_K):
             # rounded to the activations' dtype, as the weight an eager layer holding it would multiply with
             w = _fp8_tile(q_ptr, s_ptr, rows, k0, N, K, BN, BK, s_row, BLOCKED, BLOCK_N, BLOCK_K)
-            x = prologue_input(x_ptr, x_ptr, k0 + tl.arange(0, BLOCK_K), K, 0.0, PROLOGUE)
+            x = prologue_input(x_ptr, nw_ptr, k0 + tl.arange(0, BLOCK_K), K, rstd, PROLOGUE)
             acc += w.to(x_ptr.dtype.element_ty).to(tl.float32) * x[None, :]
         y = tl.sum(acc, axis=1)
     elif FP8:
-        y = _fp8_rows(x_ptr, q_ptr, s_ptr, rows, N, K, BN, BK, s_row, BLOCKED, PROLOGUE, BLOCK_N, BLOCK_K)
+        y = _fp8_rows(x_ptr, nw_ptr, rstd, q_ptr, s_ptr, rows, N, K, BN, BK, s_row, BLOCKED, PROLOGUE, BLOCK_N,
+                      BLOCK_K, SCALE_BLOCK)
     else:
-        y = _int4_rows(x_ptr, q_ptr, s_ptr, z_ptr, rows, N, K, G, ZEROS, PROLOGUE, BLOCK_N, BLOCK_K)
+        y = _int4_rows(x_ptr, nw_ptr, rstd, q_ptr, s_ptr, z_ptr, rows, N, K, G, ZEROS, PROLOGUE, BLOCK_N, BLOCK_K)
     return y
 
 
 @triton.jit
-def _int4_rows(x_ptr, q_ptr, s_ptr, z_ptr, rows, N, K, G, ZEROS: tl.constexpr, PROLOGUE: tl.constexpr,
-               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _int4_rows(x_ptr, nw_ptr, rstd, q_ptr, s_ptr, z_ptr, rows, N, K, G, ZEROS: tl.constexpr,
+               PROLOGUE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """`_rows`' fast int4 path. A packed word holds 8 consecutive inputs of one group, so per word
     sum((q - z) s x) = s sum((q - z) x): nibble j of every word of the block is one 2-D operation (shift,
     mask-and-or, subtract, multiply-add) against the inputs 8w + j, and the word's scale applied once. Dequantizing each weight first ((q - z) * s looked up per weight, rounded) and splitting
@@ -130,7 +141,7 @@ def _int4_rows(x_ptr, q_ptr, s_ptr, z_ptr, rows, N, K, G, ZEROS: tl.constexpr, P
             offset = 8.0 + MAGIC
         qx = tl.zeros([BLOCK_N, BLOCK_W], dtype=tl.float32)
         for j in tl.static_range(8):
-            xj = prologue_input(x_ptr, x_ptr, words * 8 + j, K, 0.0, PROLOGUE)  # [BLOCK_W], 0 past K
+            xj = prologue_input(x_ptr, nw_ptr, words * 8 + j, K, rstd, PROLOGUE)  # [BLOCK_W], 0 past K
             # code u as the float 2**23 + u (its bits OR-ed into 2**23's mantissa): an exact subtraction
             # then gives u - z, where an int-to-float conversion runs at a quarter of the FP32 rate
             f = (((packed >> (4 * j)) & 0xF) | MAGIC_BITS).to(tl.float32, bitcast=True)
@@ -140,33 +151,64 @@ def _int4_rows(x_ptr, q_ptr, s_ptr, z_ptr, rows, N, K, G, ZEROS: tl.constexpr, P
 
 
 @triton.jit
-def _fp8_rows(x_ptr, w_ptr, s_ptr, rows, N, K, BN, BK, s_row, BLOCKED: tl.constexpr, PROLOGUE: tl.constexpr,
-              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """`_rows`' fast FP8 path: one scale a row for the whole block of columns (a block column's, BK being a
-    multiple of BLOCK_K, or the row's), looked up once a row and iteration instead of once a weight."""
+def _fp8_rows(x_ptr, nw_ptr, rstd, w_ptr, s_ptr, rows, N, K, BN, BK, s_row, BLOCKED: tl.constexpr,
+              PROLOGUE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_BLOCK: tl.constexpr):
+    """`_rows`' fast FP8 path: a scale applied to a row's partial sum over its block column, looked up once a
+    row and block column instead of once a weight. An iteration's BLOCK_K columns lie in one block column
+    (SCALE_BLOCK a multiple of BLOCK_K) or span SUB = BLOCK_K / SCALE_BLOCK whole ones, read as a 3-D
+    [rows, SUB, SCALE_BLOCK] tile: wide iterations keep more of the weight's bytes in flight (capping an
+    iteration at one 128-wide block left 16 dependent iterations for a 2048-wide row). Per-channel scales
+    (not BLOCKED): one a row for the whole product."""
     row_ok = rows < N
     if not BLOCKED:
         s_rows = tl.load(s_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
-    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            cols = k0 + tl.arange(0, BLOCK_K)
+            w = tl.load(w_ptr + rows[:, None] * K + cols[None, :], mask=row_ok[:, None] & (cols[None, :] < K),
+                        other=0.0).to(tl.float32)
+            acc += w * prologue_input(x_ptr, nw_ptr, cols, K, rstd, PROLOGUE)[None, :]
+        return tl.sum(acc, axis=1) * s_rows
+    if BLOCK_K <= SCALE_BLOCK:
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            cols = k0 + tl.arange(0, BLOCK_K)
+            w = tl.load(w_ptr + rows[:, None] * K + cols[None, :], mask=row_ok[:, None] & (cols[None, :] < K),
+                        other=0.0).to(tl.float32)
+            s = tl.load(s_ptr + (rows // BN) * s_row + k0 // BK, mask=row_ok, other=0.0).to(tl.float32)
+            acc += w * s[:, None] * prologue_input(x_ptr, nw_ptr, cols, K, rstd, PROLOGUE)[None, :]
+        return tl.sum(acc, axis=1)
+    SUB: tl.constexpr = BLOCK_K // SCALE_BLOCK
+    sub = tl.arange(0, SUB)
+    inner = tl.arange(0, SCALE_BLOCK)
+    acc2 = tl.zeros([BLOCK_N, SUB], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        cols = k0 + tl.arange(0, BLOCK_K)
-        w = tl.load(w_ptr + rows[:, None] * K + cols[None, :], mask=row_ok[:, None] & (cols[None, :] < K),
-                    other=0.0).to(tl.float32)
-        if BLOCKED:
-            s_rows = tl.load(s_ptr + (rows // BN) * s_row + k0 // BK, mask=row_ok, other=0.0).to(tl.float32)
-        acc += w * s_rows[:, None] * prologue_input(x_ptr, x_ptr, cols, K, 0.0, PROLOGUE)[None, :]
-    return tl.sum(acc, axis=1)
+        cols = k0 + sub[:, None] * SCALE_BLOCK + inner[None, :]  # [SUB, SCALE_BLOCK]
+        w = tl.load(w_ptr + rows[:, None, None] * K + cols[None, :, :],
+                    mask=row_ok[:, None, None] & (cols[None, :, :] < K), other=0.0).to(tl.float32)
+        x = prologue_input(x_ptr, nw_ptr, cols, K, rstd, PROLOGUE)  # [SUB, SCALE_BLOCK]
+        part = tl.sum(w * x[None, :, :], axis=2)  # [BLOCK_N, SUB]: each block column's partial sum
+        s = tl.load(s_ptr + (rows // BN)[:, None] * s_row + (k0 // BK + sub)[None, :],
+                    mask=row_ok[:, None] & ((k0 + sub * SCALE_BLOCK) < K)[None, :], other=0.0).to(tl.float32)
+        acc2 += part * s
+    return tl.sum(acc2, axis=1)
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, out_ptr, N, K, G, BN, BK, s_row, x_row, FP8: tl.constexpr,
-                 ZEROS: tl.constexpr, BLOCKED: tl.constexpr, PROLOGUE: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, SCALE_BLOCK: tl.constexpr):
+def _gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, out_ptr, res_ptr, nw_ptr, N, K, G, BN, BK, s_row, x_row, eps,
+                 FP8: tl.constexpr, ZEROS: tl.constexpr, BLOCKED: tl.constexpr, PROLOGUE: tl.constexpr,
+                 RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_BLOCK: tl.constexpr):
+    """kernels.gemv's launch over a packed weight: the norm before the product and the residual after it
+    in the same launch (each program recomputes the short input's statistic: cheaper than a launch)."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m = tl.program_id(1)
-    y = _rows(x_ptr + m * x_row, q_ptr, s_ptr, z_ptr, rows, N, K, G, BN, BK, s_row, FP8, ZEROS, BLOCKED, PROLOGUE,
-              BLOCK_N, BLOCK_K, SCALE_BLOCK)
-    tl.store(out_ptr + m * N + rows, y.to(out_ptr.dtype.element_ty), mask=rows < N)
+    x_ptr += m * x_row
+    rstd = 1.0
+    if PROLOGUE == 1:
+        rstd = _rstd(x_ptr, K, eps, BLOCK_K)
+    y = _rows(x_ptr, nw_ptr, rstd, q_ptr, s_ptr, z_ptr, rows, N, K, G, BN, BK, s_row, FP8, ZEROS, BLOCKED,
+              PROLOGUE, BLOCK_N, BLOCK_K, SCALE_BLOCK)
+    _store(out_ptr + m * N, res_ptr + m * N, rows, N, y, RESIDUAL)
 
 
 @triton.jit
@@ -180,27 +222,66 @@ def _picked_kernel(x_ptr, q_ptr, s_ptr, z_ptr, idx_ptr, rw_ptr, out_ptr, N, K, G
         total = tl.zeros([BLOCK_N], dtype=tl.float32)
         for p in tl.static_range(TOPK):
             e = tl.load(idx_ptr + p).to(tl.int64)
-            y = _rows(x_ptr + p * x_stride, q_ptr + e * q_expert, s_ptr + e * s_expert, z_ptr + e * s_expert, rows,
-                      N, K, G, BN, BK, s_row, FP8, ZEROS, BLOCKED, PROLOGUE, BLOCK_N, BLOCK_K, SCALE_BLOCK)
+            y = _rows(x_ptr + p * x_stride, x_ptr, 1.0, q_ptr + e * q_expert, s_ptr + e * s_expert,
+                      z_ptr + e * s_expert, rows, N, K, G, BN, BK, s_row, FP8, ZEROS, BLOCKED, PROLOGUE, BLOCK_N,
+                      BLOCK_K, SCALE_BLOCK)
             rw = tl.load(rw_ptr + p).to(tl.float32)
             total += (y.to(out_ptr.dtype.element_ty).to(tl.float32) * rw).to(out_ptr.dtype.element_ty).to(tl.float32)
         tl.store(out_ptr + rows, total.to(out_ptr.dtype.element_ty), mask=rows < N)
     else:  # one pick per program row of the grid: out [TOPK, N]
         p = tl.program_id(1)
         e = tl.load(idx_ptr + p).to(tl.int64)
-        y = _rows(x_ptr + p * x_stride, q_ptr + e * q_expert, s_ptr + e * s_expert, z_ptr + e * s_expert, rows,
-                  N, K, G, BN, BK, s_row, FP8, ZEROS, BLOCKED, PROLOGUE, BLOCK_N, BLOCK_K, SCALE_BLOCK)
+        y = _rows(x_ptr + p * x_stride, x_ptr, 1.0, q_ptr + e * q_expert, s_ptr + e * s_expert,
+                  z_ptr + e * s_expert, rows, N, K, G, BN, BK, s_row, FP8, ZEROS, BLOCKED, PROLOGUE, BLOCK_N,
+                  BLOCK_K, SCALE_BLOCK)
         tl.store(out_ptr + p * N + rows, y.to(out_ptr.dtype.element_ty), mask=rows < N)
+
+
+@triton.jit
+def _int4_tile(q_ptr, s_ptr, z_ptr, cols_n, k0, N, K, G, dt: tl.constexpr, ZEROS: tl.constexpr,
+               GROUP_TILE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """[BLOCK_N, BLOCK_K] in dt: the int4 weight's outputs cols_n over the inputs k0.., (q - z) * s of each
+    weight rounded to dt. Each word is loaded once and its eight nibbles joined (tl.join: a new dimension
+    each thread holds) into [BLOCK_N, BLOCK_W, 2, 2, 2], whose row-major order is the inputs' (nibble
+    j = a + 2b + 4c sits at [.., c, b, a]), so the reshape to [BLOCK_N, BLOCK_K] moves no data. GROUP_TILE: a
+    group holds whole tiles (G a multiple of BLOCK_K), so a row's scale (and zero) is one load per tile."""
+    BLOCK_W: tl.constexpr = BLOCK_K // 8
+    KW = K // 8
+    KG = K // G
+    words = k0 // 8 + tl.arange(0, BLOCK_W)
+    row_ok = cols_n < N
+    packed = tl.load(q_ptr + cols_n[:, None] * KW + words[None, :], mask=row_ok[:, None] & (words[None, :] < KW),
+                     other=0)
+    u0 = tl.join(packed & 0xF, (packed >> 16) & 0xF)  # [.., c]: nibble k + 4c
+    u1 = tl.join((packed >> 4) & 0xF, (packed >> 20) & 0xF)
+    u2 = tl.join((packed >> 8) & 0xF, (packed >> 24) & 0xF)
+    u3 = tl.join((packed >> 12) & 0xF, (packed >> 28) & 0xF)
+    q = tl.reshape(tl.join(tl.join(u0, u2), tl.join(u1, u3)), [BLOCK_N, BLOCK_K]).to(tl.float32)
+    if GROUP_TILE:
+        at = cols_n * KG + k0 // G
+        sc = tl.load(s_ptr + at, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+        if ZEROS:
+            z = tl.load(z_ptr + at, mask=row_ok, other=0).to(tl.float32)[:, None]
+        else:
+            z = 8.0
+    else:
+        inputs = k0 + tl.arange(0, BLOCK_K)
+        ok = row_ok[:, None] & (inputs[None, :] < K)
+        at2 = cols_n[:, None] * KG + (inputs // G)[None, :]
+        sc = tl.load(s_ptr + at2, mask=ok, other=0.0).to(tl.float32)
+        if ZEROS:
+            z = tl.load(z_ptr + at2, mask=ok, other=0).to(tl.float32)
+        else:
+            z = 8.0
+    return ((q - z) * sc).to(dt)
 
 
 @triton.jit
 def _int4_planes(x_rows, q_ptr, s_ptr, z_ptr, cols_n, k0, N, K, G, acc, dt: tl.constexpr, ZEROS: tl.constexpr,
                  PROLOGUE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """acc + the inputs' columns k0.. times the int4 weight's, as eight products of K = BLOCK_K / 8: product j
-    takes nibble j of every word ((q - z) * s of each weight, rounded to dt, as `_tile` makes it) against
-    the input columns 8w + j. A sum's order is free, so no [N, K] tile is ever assembled: splitting the
-    words into columns through a 3-D reshape cost the product ten times FP8's (H200, 60 x 2048 x 5120:
-    2.1 ms against 0.22)."""
+    """`_int4_tile`'s alternative (INT4_TILE "planes"): acc + the inputs' columns k0.. times the weight's as
+    eight products of K = BLOCK_K / 8, product j taking nibble j of every word against the input columns
+    8w + j (a sum's order is free, so no [N, K] tile is assembled)."""
     BLOCK_W: tl.constexpr = BLOCK_K // 8
     KW = K // 8
     KG = K // G
@@ -221,10 +302,26 @@ def _int4_planes(x_rows, q_ptr, s_ptr, z_ptr, cols_n, k0, N, K, G, acc, dt: tl.c
 
 
 @triton.jit
+def _dequantize_kernel(q_ptr, s_ptr, z_ptr, out_ptr, N, K, G, BN, BK, s_row, FP8: tl.constexpr,
+                       ZEROS: tl.constexpr, BLOCKED: tl.constexpr, GROUP_TILE: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """A [BLOCK_N, BLOCK_K] tile of the whole weight in the output's dtype, as the products' tiles make it."""
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k0 = tl.program_id(1) * BLOCK_K
+    cols = k0 + tl.arange(0, BLOCK_K)
+    dt = out_ptr.dtype.element_ty
+    if FP8:
+        w = _fp8_tile(q_ptr, s_ptr, rows, k0, N, K, BN, BK, s_row, BLOCKED, BLOCK_N, BLOCK_K, GROUP_TILE).to(dt)
+    else:
+        w = _int4_tile(q_ptr, s_ptr, z_ptr, rows, k0, N, K, G, dt, ZEROS, GROUP_TILE, BLOCK_N, BLOCK_K)
+    tl.store(out_ptr + rows[:, None] * K + cols[None, :], w, mask=(rows[:, None] < N) & (cols[None, :] < K))
+
+
+@triton.jit
 def _mm_kernel(x_ptr, q_ptr, s_ptr, z_ptr, slots_ptr, tile_e_ptr, out_ptr, M, N, K, G, BN, BK, s_row, x_row,
                x_per, q_expert, s_expert, FP8: tl.constexpr, ZEROS: tl.constexpr, BLOCKED: tl.constexpr,
-               PROLOGUE: tl.constexpr, GROUPED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_K: tl.constexpr):
+               PROLOGUE: tl.constexpr, GROUPED: tl.constexpr, GROUP_TILE: tl.constexpr, PLANES: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """A [BLOCK_M, BLOCK_N] tile of out [M, N]: input rows times weight tiles dequantized in registers, through
     tl.dot. GROUPED: the tile's output rows are picks slots_ptr[tile] (M = padding) of the one expert
     tile_e_ptr[tile] (-1: an unused tile, which reads nothing), and pick p's input is row p // x_per."""
@@ -250,25 +347,43 @@ def _mm_kernel(x_ptr, q_ptr, s_ptr, z_ptr, slots_ptr, tile_e_ptr, out_ptr, M, N,
         if FP8:
             cols = (k0 + tl.arange(0, BLOCK_K))[None, :]
             a = prologue_input(x_rows, x_rows, cols, K, 0.0, PROLOGUE).to(dt)
-            w = _fp8_tile(q_ptr, s_ptr, cols_n, k0, N, K, BN, BK, s_row, BLOCKED, BLOCK_N, BLOCK_K).to(dt)
+            w = _fp8_tile(q_ptr, s_ptr, cols_n, k0, N, K, BN, BK, s_row, BLOCKED, BLOCK_N, BLOCK_K, GROUP_TILE).to(dt)
             # "ieee": float32 activations multiply in float32, not TF32 (half-precision ones are unaffected)
             acc = tl.dot(a, tl.trans(w), acc, input_precision="ieee")
-        else:
+        elif PLANES:
             acc = _int4_planes(x_rows, q_ptr, s_ptr, z_ptr, cols_n, k0, N, K, G, acc, dt, ZEROS, PROLOGUE, BLOCK_N,
                                BLOCK_K)
+        else:
+            a = prologue_input(x_rows, x_rows, (k0 + tl.arange(0, BLOCK_K))[None, :], K, 0.0, PROLOGUE).to(dt)
+            w = _int4_tile(q_ptr, s_ptr, z_ptr, cols_n, k0, N, K, G, dt, ZEROS, GROUP_TILE, BLOCK_N, BLOCK_K)
+            acc = tl.dot(a, tl.trans(w), acc, input_precision="ieee")
     mask = ok[:, None] & (cols_n[None, :] < N)
     tl.store(out_ptr + picks[:, None] * N + cols_n[None, :], acc.to(dt), mask=mask)
 
 
-# The decode kernels' blocks (rows a program, columns an iteration, warps), by output size: set from a
-# sweep on an H200 (scripts/quant_gpu.py kernels); a script may replace it to sweep again.
-DECODE_BLOCKS = {"small": (4, 512, 8), "large": (16, 512, 4)}  # N <= 2048, N > 2048
+# The decode kernels' blocks (rows a program, columns an iteration, warps) by format and use: one weight by
+# output size (N <= 2048, larger), the picked experts with one program row per pick, and with the picks
+# summed in the program. From a sweep on an H200 (scripts/quant_gpu.py sweep, the true shapes of both
+# families; benchmarks/results/2026-12-04-h200-quant-sweep.json): wide iterations (2,048 columns, 256
+# int4 words) keep more of a weight in flight than the 512 of the first sweep, whose range stopped there
+# (int4: o 8.6 -> 6.0 us, the 7B's down 57 -> 35, Qwen3's picked gate/up 21 -> 12, summed down 29 -> 17;
+# FP8: 40.7 -> 23.2, 16.4 -> 7.5, 17.2 -> 10.3). A script may replace them to sweep again.
+DECODE_BLOCKS = {
+    "int4": {"small": (8, 2048, 8), "large": (4, 2048, 4), "huge": (16, 512, 4), "picked": (8, 2048, 4),
+             "summed": (4, 1024, 4)},
+    "fp8": {"small": (8, 2048, 8), "large": (4, 2048, 4), "huge": (4, 2048, 4), "picked": (16, 1024, 4),
+            "summed": (8, 2048, 8)},
+}
+HUGE = 16384  # an output at least this wide is "huge" (the 7B's gate/up: int4 58.7 us with the first sweep's
+# blocks, 68.5 with "large"'s)
 
 
-def _blocks(N: int, K: int, fmt: dict | None = None) -> dict:
-    """The decode kernels' launch constants: `DECODE_BLOCKS`' for the output size, BLOCK_K no wider than K
-    needs, and the fast path's SCALE_BLOCK (`_rows`) where the format's scales line up with the blocks."""
-    block_n, block_k, warps = DECODE_BLOCKS["small" if N <= 2048 else "large"]
+def _blocks(N: int, K: int, fmt: dict | None = None, use: str = "one") -> dict:
+    """The decode kernels' launch constants: `DECODE_BLOCKS`' for the use ("one" weight, by its output
+    size: small, large, huge; "picked" or "summed" experts), BLOCK_K no wider than K needs, and the fast
+    path's SCALE_BLOCK (`_rows`) where the format's scales line up with the blocks."""
+    table = DECODE_BLOCKS["fp8" if fmt is not None and fmt["FP8"] else "int4"]
+    block_n, block_k, warps = table[use if use != "one" else "small" if N <= 2048 else "large" if N < HUGE else "huge"]
     block_k = min(block_k, max(16, triton.next_power_of_2(K)))
     blocks = {"BLOCK_N": block_n, "BLOCK_K": block_k, "num_warps": warps, "SCALE_BLOCK": -1}
     if fmt is None:
@@ -277,7 +392,7 @@ def _blocks(N: int, K: int, fmt: dict | None = None) -> dict:
         if not fmt["BLOCKED"]:
             blocks["SCALE_BLOCK"] = 0
         elif _power_of_two(fmt["BK"]) and fmt["BK"] >= 16:
-            blocks["BLOCK_K"] = min(block_k, fmt["BK"])  # a block column holds whole iterations
+            # both powers of two: an iteration lies inside one block column or spans whole ones (`_fp8_rows`)
             blocks["SCALE_BLOCK"] = fmt["BK"]
         return blocks
     blocks["SCALE_BLOCK"] = 0  # int4: any group size (a multiple of 8) lines up with the packed words
@@ -288,20 +403,45 @@ def _power_of_two(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
-def _mm_blocks(rows_a_tile: int, fp8: bool, grouped: bool = False) -> dict:
-    """A product's tile. int4: 16 rows x 128 outputs x 128 inputs (swept on an H200 for a 60-token prompt);
-    FP8: BLOCK_M from the rows a tile can fill (16, tl.dot's least, up to 64), 64 x 64 for the weight's
-    (untuned)."""
-    if MM_BLOCKS is not None:  # a sweep's (scripts/quant_mm_check.py)
-        return dict(MM_BLOCKS)
-    if not fp8:  # the H200 sweep's best, 60 rows: int4_mm 105 -> 70 us (5120 x 2048), int4_moe_mm 442 -> 382
-        # us (128 experts, 8 picked); BLOCK_K 128: the eight nibble products need K = 128 / 8 >= 16
-        return {"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4 if grouped else 8}
-    block_m = min(64, max(16, triton.next_power_of_2(rows_a_tile)))
-    return {"BLOCK_M": block_m, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4}
+def _mm_blocks(rows_a_tile: int, fmt: dict) -> dict:
+    """A product's tile: BLOCK_M from the rows a tile can fill (16, tl.dot's least, up to 64), so a short
+    prompt's weight is dequantized once, not once per 16 rows; BLOCK_N 64; BLOCK_K as wide as one group
+    or block column allows up to 128, so that a row's scale is one load a tile (GROUP_TILE), else 64 with
+    a scale looked up per weight. `MM_BLOCKS` (a sweep's) replaces the first three and the warps."""
+    block_m = min(64, max(16, triton.next_power_of_2(max(rows_a_tile, 1))))
+    width = fmt["BK"] if fmt["FP8"] else fmt["G"]
+    if fmt["FP8"] and not fmt["BLOCKED"]:
+        width = 128  # one scale a row: any width lines up
+    block_k = min(128, width) if _power_of_two(width) and width >= 16 else 64
+    blocks = {"BLOCK_M": block_m, "BLOCK_N": 64, "BLOCK_K": block_k, "num_warps": 4}
+    if MM_BLOCKS is not None:
+        blocks.update(MM_BLOCKS)
+    blocks["PLANES"] = not fmt["FP8"] and INT4_TILE == "planes"
+    if blocks["PLANES"] and (MM_BLOCKS is None or "BLOCK_K" not in MM_BLOCKS):
+        blocks["BLOCK_K"] = 128  # eight products of K = 16, tl.dot's least
+    blocks["GROUP_TILE"] = width % blocks["BLOCK_K"] == 0
+    return blocks
 
 
 MM_BLOCKS: dict | None = None  # replaces `_mm_blocks`' choice where set (a sweep)
+INT4_TILE = "joined"  # how an int4 product makes its tiles: "joined" (`_int4_tile`) or "planes" (`_int4_planes`)
+# A product dequantizes the whole weight (one launch, `_dequantize`) and multiplies with the library's GEMM
+# from DEQUANTIZE_ROWS rows on, where the tile kernel dequantizes each weight tile once per 64 rows, and
+# where its tiles would not give each SM TILES_PER_SM of them (a small matrix: the GPU mostly idle). H200,
+# 60 rows (benchmarks/results/2026-12-04-h200-quant-mm.jsonl): Qwen3's q/k/v by tiles 17.9 us, dequantized
+# 13.7 (bf16 6.8); its o 36.0 / 13.8; the 7B's gate/up 96 / 184 (bf16 83); 512 rows, q/k/v 56 / 25.
+DEQUANTIZE_ROWS = 128
+TILES_PER_SM = 2
+_SMS: dict[torch.device, int] = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    """The device's multiprocessors (0 off CUDA: Triton's interpreter, where the tiles always run)."""
+    if device.type != "cuda":
+        return 0
+    if device not in _SMS:
+        _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _SMS[device]
 
 
 def _check_int4(K: int, group_size: int, qshape: tuple[int, ...], sshape: tuple[int, ...],
@@ -371,37 +511,47 @@ def _pick_stride(x: torch.Tensor, top_k: int, kind: str) -> int:
     return 0 if x.dim() == 1 or x.shape[0] == 1 else x.stride(0)
 
 
-def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None = None,
-              *, group_size: int = 128, gate: bool = False) -> torch.Tensor:
-    """Rows x [..., K] (with `gate`, [..., 2K]: each row [gate | up], the input SiLU(gate) * up) times the
-    int4 weight qweight [N, K/8] (int32) with scales [N, K/g] and, if given, zero points zeros [N, K/g]
-    (else 8: symmetric): [..., N] in x's dtype."""
-    N, K = _int4_sizes(x, qweight, scales, zeros, group_size, gate)
+def _gemv(x: torch.Tensor, bank: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, N: int, K: int,
+          fmt: dict, norm: torch.Tensor | None, eps: float, gate: bool, residual: torch.Tensor | None,
+          kind: str) -> torch.Tensor:
+    """The matrix-vector launch, either format (fmt: its kernel arguments)."""
+    if norm is not None and gate:
+        raise ValueError(f"{kind}: a norm and a gate together (no layer has both before one product)")
     x = x.contiguous()
-    qweight, scales = qweight.contiguous(), scales.contiguous()
+    bank, scales = bank.contiguous(), scales.contiguous()
     out = torch.empty(*x.shape[:-1], N, device=x.device, dtype=x.dtype)
-    fmt = _int4_args(zeros, group_size)
+    if residual is not None and residual.shape != out.shape:
+        raise ValueError(f"{kind}: residual {list(residual.shape)} is not the output's {list(out.shape)}")
     blocks = _blocks(N, K, fmt)
     _gemv_kernel[(triton.cdiv(N, blocks["BLOCK_N"]), x.numel() // x.shape[-1])](
-        x, qweight, scales, zeros.contiguous() if zeros is not None else scales, out, N=N, K=K,
-        x_row=x.shape[-1], PROLOGUE=GATE if gate else NONE, **fmt, **blocks)
+        x, bank, scales, zeros.contiguous() if zeros is not None else scales, out,
+        residual.contiguous() if residual is not None else out, norm if norm is not None else x, N=N, K=K,
+        x_row=x.shape[-1], eps=eps, PROLOGUE=NORM if norm is not None else GATE if gate else NONE,
+        RESIDUAL=residual is not None, **fmt, **blocks)
     return out
+
+
+def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None = None,
+              *, group_size: int = 128, gate: bool = False, norm: torch.Tensor | None = None, eps: float = 0.0,
+              residual: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows x [..., K] (with `gate`, [..., 2K]: each row [gate | up], the input SiLU(gate) * up) times the
+    int4 weight qweight [N, K/8] (int32) with scales [N, K/g] and, if given, zero points zeros [N, K/g]
+    (else 8: symmetric): [..., N] in x's dtype. `norm`: each row RMSNorm-ed first with that weight and
+    `eps`; `residual` [..., N]: added to the result (kernels.gemv's rounding of both)."""
+    N, K = _int4_sizes(x, qweight, scales, zeros, group_size, gate)
+    return _gemv(x, qweight, scales, zeros, N, K, _int4_args(zeros, group_size), norm, eps, gate, residual,
+                 "int4_gemv")
 
 
 def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
-             *, block: tuple[int, int] | None = (128, 128)) -> torch.Tensor:
+             *, block: tuple[int, int] | None = (128, 128), gate: bool = False, norm: torch.Tensor | None = None,
+             eps: float = 0.0, residual: torch.Tensor | None = None) -> torch.Tensor:
     """Rows x [..., K] times the float8_e4m3fn weight [N, K] dequantized as weight * scale: with `block`
     (bn, bk), scale [ceil(N/bn), ceil(K/bk)], one multiplier a block; with block=None, per-channel scale
-    [N] or [N, 1]. Returns [..., N] in x's dtype."""
-    N, K, bn, bk = _fp8_sizes(x, weight, scale, block, False)
-    x = x.contiguous()
-    weight, scale = weight.contiguous(), scale.contiguous()
-    out = torch.empty(*x.shape[:-1], N, device=x.device, dtype=x.dtype)
-    fmt = _fp8_args(scale, bn, bk, block)
-    blocks = _blocks(N, K, fmt)
-    _gemv_kernel[(triton.cdiv(N, blocks["BLOCK_N"]), x.numel() // K)](
-        x, weight, scale, scale, out, N=N, K=K, x_row=K, PROLOGUE=NONE, **fmt, **blocks)
-    return out
+    [N] or [N, 1]. Returns [..., N] in x's dtype; `gate`, `norm`, `residual` as int4_gemv's."""
+    N, K, bn, bk = _fp8_sizes(x, weight, scale, block, gate)
+    return _gemv(x, weight, scale, None, N, K, _fp8_args(scale, bn, bk, block), norm, eps, gate, residual,
+                 "fp8_gemv")
 
 
 def _picked(x: torch.Tensor, bank: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
@@ -412,7 +562,7 @@ def _picked(x: torch.Tensor, bank: torch.Tensor, scales: torch.Tensor, zeros: to
     x = x.contiguous()
     x_stride = _pick_stride(x, top_k, kind)
     bank, scales, idx = bank.contiguous(), scales.contiguous(), idx.contiguous()
-    blocks = _blocks(N, K, fmt)
+    blocks = _blocks(N, K, fmt, "picked" if weights is None else "summed")
     grid: tuple[int, ...]
     if weights is None:
         out = torch.empty(top_k, N, device=x.device, dtype=x.dtype)
@@ -464,17 +614,51 @@ def _mm(x: torch.Tensor, bank: torch.Tensor, scales: torch.Tensor, zeros: torch.
     out = torch.empty(M, N, device=x.device, dtype=x.dtype)
     if M == 0:
         return out
-    blocks = _mm_blocks(M, fmt["FP8"])
+    blocks = _mm_blocks(M, fmt)
+    tiles = triton.cdiv(M, blocks["BLOCK_M"]) * triton.cdiv(N, blocks["BLOCK_N"])
+    if M >= DEQUANTIZE_ROWS or tiles < TILES_PER_SM * _sm_count(x.device):
+        return torch.mm(x, _dequantize(bank, scales, zeros, N, K, fmt, x.dtype).T, out=out)
     _mm_kernel[(triton.cdiv(M, blocks["BLOCK_M"]), triton.cdiv(N, blocks["BLOCK_N"]))](
         x, bank, scales, zeros.contiguous() if zeros is not None else scales, x, x, out, M=M, N=N, K=K,
         x_row=x.stride(0), x_per=1, q_expert=0, s_expert=0, PROLOGUE=NONE, GROUPED=False, **fmt, **blocks)
     return out
 
 
+def _dequantize(bank: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, N: int, K: int, fmt: dict,
+                dtype: torch.dtype) -> torch.Tensor:
+    """The whole weight [N, K] in `dtype`, each weight rounded as the products' tiles round it."""
+    out = torch.empty(N, K, device=bank.device, dtype=dtype)
+    blocks = _mm_blocks(1, fmt)
+    block_n, block_k = 64, blocks["BLOCK_K"]
+    _dequantize_kernel[(triton.cdiv(N, block_n), triton.cdiv(K, block_k))](
+        bank.contiguous(), scales.contiguous(), zeros.contiguous() if zeros is not None else scales, out, N=N, K=K,
+        **fmt, GROUP_TILE=blocks["GROUP_TILE"], BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
+    return out
+
+
+def int4_dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None = None, *,
+                    group_size: int = 128, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """The int4 weight (int4_gemv's layout) as a [N, K] matrix in `dtype`, in one launch."""
+    N, K = qweight.shape[-2], qweight.shape[-1] * 8
+    _check_int4(K, group_size, tuple(qweight.shape), tuple(scales.shape),
+                tuple(zeros.shape) if zeros is not None else None)
+    return _dequantize(qweight, scales, zeros, N, K, _int4_args(zeros, group_size), dtype)
+
+
+def fp8_dequantize(weight: torch.Tensor, scale: torch.Tensor, *, block: tuple[int, int] | None = (128, 128),
+                   dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """The e4m3 weight (fp8_gemv's layout and scales) as a [N, K] matrix in `dtype`, in one launch."""
+    x = torch.empty(0, weight.shape[-1], device=weight.device)
+    N, K, bn, bk = _fp8_sizes(x, weight, scale, block, False)
+    return _dequantize(weight, scale, None, N, K, _fp8_args(scale, bn, bk, block), dtype)
+
+
 def int4_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None = None,
             *, group_size: int = 128) -> torch.Tensor:
     """x [M, K] times the int4 weight (int4_gemv's layout): [M, N] in x's dtype, for a prefill's many
-    rows. Each program dequantizes its [64, 64] weight tiles in registers, once for up to 64 rows."""
+    rows. Under DEQUANTIZE_ROWS rows, each program dequantizes its weight tiles in registers, once for up
+    to 64 rows; from there on, the weight is dequantized whole (`int4_dequantize`) and multiplied by the
+    library's GEMM (a transient copy of one weight in x's dtype)."""
     N, K = _int4_sizes(x, qweight, scales, zeros, group_size, False)
     return _mm(x, qweight, scales, zeros, N, K, _int4_args(zeros, group_size))
 
@@ -525,7 +709,7 @@ def _moe_mm(x: torch.Tensor, bank: torch.Tensor, scales: torch.Tensor, zeros: to
     out = torch.empty(P, N, device=x.device, dtype=x.dtype)
     if P == 0:
         return out
-    blocks = _mm_blocks(P // E, fmt["FP8"], grouped=True)  # a tile holds one expert's picks: about P / E of them
+    blocks = _mm_blocks(P // E, fmt)  # a tile holds one expert's picks: about P / E of them
     slots, tile_expert = _moe_plan(ids, E, blocks["BLOCK_M"])
     _mm_kernel[(tile_expert.numel(), triton.cdiv(N, blocks["BLOCK_N"]))](
         x, bank, scales, zeros.contiguous() if zeros is not None else scales, slots, tile_expert, out, M=P, N=N,
