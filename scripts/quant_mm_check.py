@@ -4,7 +4,8 @@ cuBLAS (CUDA-graph replays, scripts/quant_gpu.py's timer); with `sweep`, their t
 `scripts/_qk_before.py` exists (an earlier quant_kernels.py, copied there by hand), its products are timed
 beside. One JSON line a measurement on stdout. Not imported by the package.
 
-    python3 scripts/quant_mm_check.py [sweep]
+    python3 scripts/quant_mm_check.py [sweep]    (all products; sweep: their tiles)
+    python3 scripts/quant_mm_check.py moe        (the experts' products only, tiles x warps x stages)
 """
 import importlib
 import json
@@ -33,7 +34,8 @@ def products(mod, p4, p8):
             "fp8_mm": lambda x: mod.fp8_mm(x, p8.qweight, p8.scales, block=(128, 128))}
 
 
-for M in (60, 512):
+ONLY_MOE = "moe" in sys.argv  # only the experts' products, with a sweep of their tiles and pipeline stages
+for M in () if ONLY_MOE else (60, 512):
     for shape_name, (n, k) in {"qwen3 qkv": (5120, 2048), "qwen3 o": (2048, 4096),
                                "7b gate_up": (37888, 3584)}.items():
         x = torch.randn(M, k, device=dev, dtype=dt)
@@ -94,6 +96,25 @@ for M in (60, 512):
         if before is not None:
             row["before_us"] = _graph_time(lambda: moe(before, kind, x, ids), calls=10) * 1e6
         print(json.dumps(row), flush=True)
+
+if ONLY_MOE:  # BLOCK_N x warps x num_stages for the grouped products, 60 tokens (BLOCK_M from the picks)
+    x = torch.randn(60, H, device=dev, dtype=dt)
+    ids = torch.stack([torch.randperm(E, device=dev)[:k] for _ in range(60)])
+    for kind in ("int4", "fp8"):
+        table = {}
+        for bn in (32, 64, 128):
+            for warps in (4, 8):
+                for stages in (1, 2, 3, 4):
+                    qk.MM_BLOCKS = {"BLOCK_N": bn, "num_warps": warps, "num_stages": stages}
+                    try:
+                        table[(bn, warps, stages)] = _graph_time(lambda: moe(qk, kind, x, ids), calls=5, repeats=3) * 1e6
+                    except Exception as exc:
+                        print(kind, bn, warps, stages, type(exc).__name__, file=sys.stderr)
+        qk.MM_BLOCKS = None
+        best = min(table, key=table.get)
+        print(json.dumps({"moe_sweep": kind, "best (BLOCK_N, warps, stages)": list(best), "best_us": table[best],
+                          "default_us": _graph_time(lambda: moe(qk, kind, x, ids), calls=5, repeats=3) * 1e6,
+                          "table": {str(c): round(t, 1) for c, t in table.items()}}), flush=True)
 
 if "sweep" in sys.argv:  # the prefill tiles over BLOCK_M x BLOCK_N x warps (BLOCK_K: `_mm_blocks`' choice)
     x = torch.randn(60, 2048, device=dev, dtype=dt)

@@ -60,7 +60,7 @@ def prologue_input(x_ptr, nw_ptr, cols, K, rstd, PROLOGUE: tl.constexpr):
 
 
 @triton.jit
-def _rstd(x_ptr, K, eps, BLOCK_K: tl.constexpr):
+def rms_rstd(x_ptr, K, eps, BLOCK_K: tl.constexpr):
     acc = tl.zeros([BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
@@ -84,7 +84,7 @@ def _row_block(x_ptr, w_ptr, nw_ptr, rows, N, K, rstd, PROLOGUE: tl.constexpr, B
 
 
 @triton.jit
-def _store(out_ptr, res_ptr, rows, N, y, RESIDUAL: tl.constexpr):
+def store_rows(out_ptr, res_ptr, rows, N, y, RESIDUAL: tl.constexpr):
     """y (float32) rounded to the output's dtype, plus the residual in that dtype (as the library adds)."""
     y = y.to(out_ptr.dtype.element_ty).to(tl.float32)
     if RESIDUAL:
@@ -100,9 +100,9 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, N, K, x_row, eps, PROLO
     x_ptr += m * x_row
     rstd = 1.0
     if PROLOGUE == 1:
-        rstd = _rstd(x_ptr, K, eps, BLOCK_K)
+        rstd = rms_rstd(x_ptr, K, eps, BLOCK_K)
     y = _row_block(x_ptr, w_ptr, nw_ptr, rows, N, K, rstd, PROLOGUE, BLOCK_N, BLOCK_K)
-    _store(out_ptr + m * N, res_ptr + m * N, rows, N, y, RESIDUAL)
+    store_rows(out_ptr + m * N, res_ptr + m * N, rows, N, y, RESIDUAL)
 
 
 @triton.jit
@@ -118,12 +118,12 @@ def _picked_kernel(x_ptr, w_ptr, idx_ptr, rw_ptr, out_ptr, res_ptr, N, K, x_stri
                            BLOCK_K).to(out_ptr.dtype.element_ty).to(tl.float32)
             rw = tl.load(rw_ptr + p).to(tl.float32)
             total += (y * rw).to(out_ptr.dtype.element_ty).to(tl.float32)
-        _store(out_ptr, res_ptr, rows, N, total, RESIDUAL)
+        store_rows(out_ptr, res_ptr, rows, N, total, RESIDUAL)
     else:  # one pick per program row of the grid: out [TOPK, N]
         p = tl.program_id(1)
         e = tl.load(idx_ptr + p).to(tl.int64)
         y = _row_block(x_ptr + p * x_stride, w_ptr + e * N * K, x_ptr, rows, N, K, 1.0, PROLOGUE, BLOCK_N, BLOCK_K)
-        _store(out_ptr + p * N, out_ptr, rows, N, y, False)
+        store_rows(out_ptr + p * N, out_ptr, rows, N, y, False)
 
 
 def _blocks(N: int, K: int, gate: bool) -> dict:

@@ -63,7 +63,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .kernels import GATE, NONE, NORM, _rstd, _store, prologue_input
+from .kernels import GATE, NONE, NORM, rms_rstd, store_rows, prologue_input
 
 MAGIC: tl.constexpr = tl.constexpr(8388608.0)  # 2**23: a float32 whose mantissa's low bits are an integer
 MAGIC_BITS: tl.constexpr = tl.constexpr(0x4B000000)  # its bits
@@ -205,10 +205,10 @@ def _gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, out_ptr, res_ptr, nw_ptr, N, K, G, 
     x_ptr += m * x_row
     rstd = 1.0
     if PROLOGUE == 1:
-        rstd = _rstd(x_ptr, K, eps, BLOCK_K)
+        rstd = rms_rstd(x_ptr, K, eps, BLOCK_K)
     y = _rows(x_ptr, nw_ptr, rstd, q_ptr, s_ptr, z_ptr, rows, N, K, G, BN, BK, s_row, FP8, ZEROS, BLOCKED,
               PROLOGUE, BLOCK_N, BLOCK_K, SCALE_BLOCK)
-    _store(out_ptr + m * N, res_ptr + m * N, rows, N, y, RESIDUAL)
+    store_rows(out_ptr + m * N, res_ptr + m * N, rows, N, y, RESIDUAL)
 
 
 @triton.jit
