@@ -282,8 +282,10 @@ def experts(x: torch.Tensor, weight: torch.Tensor, idx: torch.Tensor, tensors: t
     if not isinstance(gate_up, torch.Tensor):  # packed banks (quant/experts.py): its picked products
         from ..quant.experts import picked_product
 
-        out = torch.stack([picked_product(down, picked_product(gate_up, row, ids), ids, weights=w, gate=True)
-                           for row, ids, w in zip(rows, idx, weight)])
+        parts = [picked_product(down, picked_product(gate_up, row, ids), ids, weights=w, gate=True)
+                 for row, ids, w in zip(rows, idx, weight)]
+        # one token (a decode step): its row as it is, where a stack would copy it (a launch a layer)
+        out = parts[0].view(1, -1) if len(parts) == 1 else torch.stack(parts)
     elif kernels and rows.shape[0] == 1:
         h = _kernels.picked_gemv(rows[0], gate_up, idx[0])  # [k, 2I]: gate | up
         out = _kernels.picked_gemv(h, down, idx[0], weights=weight[0], gate=True).view(1, -1)
