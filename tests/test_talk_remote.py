@@ -653,3 +653,40 @@ def test_echo_the_canceller_has_not_learned_at_a_replys_start_does_not_cut_it_an
     assert fired == []
     play(user[:second], -3.0)
     assert len(fired) == 1 and 3.0 < fired[0] < 3.0 + 0.8, fired
+
+
+def test_echo_the_canceller_loses_after_a_gap_in_the_replys_sound_does_not_cut_it():
+    """A gap in a reply's sound (an underrun: the speaker's device played silence) may move the echo
+    against the reference (here it comes back 20 ms earlier than the reference says: a 30 ms gap in
+    what the speaker handed out, 10 ms in what the room heard). WebRTC's AEC3 then loses the echo for a
+    few hundred ms and leaves it 15-20 dB down, where before the gap, on a loud noise-like voice (a
+    random-weight 30B model's), it took all of it (the median kept share ~-77 dB: the bar at its -25 dB
+    floor). That residue cut the reply with nobody speaking (the room on the H200, and on this CPU with
+    that model's voice); after a pause in the reference the judge is as strict as at a reply's start."""
+    import soxr
+
+    from omni_cli.audio.listener import Listener, ListenOptions
+
+    listener = Listener(ListenOptions(echo="webrtc"), find_turns=False, on_audio=lambda block: None)
+    fired: list[float] = []
+    listener.on_barge_in = lambda: fired.append(listener._samples / listener.rate)
+    rng = np.random.default_rng(1)
+    voice = np.clip(rng.standard_normal(5 * RATE) * 0.4, -1, 1).astype(np.float32)  # -8 dBFS, broadband
+    gap = 3 * RATE
+    played = np.concatenate([voice[:gap], np.zeros(RATE * 30 // 1000, np.float32), voice[gap:]])
+    heard = np.concatenate([voice[:gap], np.zeros(RATE * 10 // 1000, np.float32), voice[gap:]])
+    echo = np.concatenate([np.zeros(MIC * 150 // 1000, np.float32),  # 150 ms late, at half level
+                           soxr.resample(heard, RATE, MIC).astype(np.float32) * 0.5, np.zeros(MIC // 2, np.float32)])
+    reference = np.concatenate([played, np.zeros(RATE, np.float32)])
+    per, n, lead = RATE // 100, MIC // 100, 5  # the speaker's tap runs 50 ms ahead of the microphone
+    listener.reply_started()
+    for m in range(lead):
+        listener.reference(reference[m * per:(m + 1) * per], RATE)
+    measured = 0
+    for j in range(echo.shape[0] // n):
+        listener._delivered += n
+        listener.reference(reference[(j + lead) * per:(j + lead + 1) * per], RATE)
+        listener.feed(echo[j * n:(j + 1) * n])
+        measured = max(measured, listener._echo_samples)
+    assert measured >= 2 * MIC  # the judge measured the echo (the reference lined up with it)
+    assert fired == [], fired

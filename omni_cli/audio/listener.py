@@ -84,7 +84,11 @@ ECHO_KEPT_DB = -25.0
 # reply). So while a reply plays, a block counts only where the canceller kept ECHO_MARGIN_DB more of it
 # than it kept of this reply's echo so far (the median over the blocks where the speaker played and the
 # microphone heard something); before ECHO_SETTLE_MS of those, only where it kept ECHO_UNSETTLED_DB:
-# speech over the echo keeps -8 dB median, as loud as the echo about -3.
+# speech over the echo keeps -8 dB median, as loud as the echo about -3. A pause in the reference (an
+# underrun, or between words) starts that over: after a gap the echo may come back shifted against the
+# reference, and AEC3 then leaves it 15-20 dB down for a few hundred ms where it had taken all of it (a
+# loud noise-like voice: the median at -77 dB, the bar at ECHO_KEPT_DB), which cut replies with nobody
+# speaking (the Qwen3 room over a server, on an H200 and on this CPU with the true-size code2wav's voice).
 ECHO_MARGIN_DB = 10.0
 ECHO_SETTLE_MS = 500
 ECHO_UNSETTLED_DB = -6.0
@@ -313,7 +317,11 @@ class Listener:
         heard = block_dbfs(block)
         kept = level - heard
         bar = ECHO_KEPT_DB
-        if self.speaking.is_set() and block_dbfs(reference) >= REFERENCE_SILENT_DBFS and heard >= BARGE_FLOOR_DBFS:
+        playing = block_dbfs(reference) >= REFERENCE_SILENT_DBFS
+        if self.speaking.is_set() and not playing:
+            self._echo_samples = 0  # a pause: what follows settles again (the comment above ECHO_MARGIN_DB)
+            self._echo_kept.clear()
+        elif self.speaking.is_set() and heard >= BARGE_FLOOR_DBFS:
             bar = self._echo_bar()
             self._echo_kept.append(kept)
             self._echo_samples += block.shape[0]
