@@ -637,10 +637,12 @@ def test_echo_the_canceller_has_not_learned_at_a_replys_start_does_not_cut_it_an
     echo, user = utterance(20, seed=3), utterance(6, seed=4)
     n = listener.rate // 100
 
-    def play(mic: np.ndarray, kept_db: float) -> None:
+    def play(mic: np.ndarray, kept_db: float, played: np.ndarray | None = None) -> None:
+        # `played`: what the speaker plays meanwhile (default: `mic`, the echo as loud as it is heard).
+        played = mic if played is None else played
         for at in range(0, mic.shape[0] - n + 1, n):
             block = mic[at:at + n]
-            listener.reference(block, listener.rate)  # the speaker's tap: it plays as loud as it is heard
+            listener.reference(played[at:at + n], listener.rate)  # the speaker's tap
             listener._echo.left = (block * 10 ** (kept_db / 20)).astype(np.float32)
             listener._delivered += n
             listener.feed(block)
@@ -651,7 +653,8 @@ def test_echo_the_canceller_has_not_learned_at_a_replys_start_does_not_cut_it_an
     assert fired == []
     play(echo[int(1.5 * second):3 * second], -30.0)
     assert fired == []
-    play(user[:second], -3.0)
+    more = echo[3 * second:4 * second]
+    play(user[:second] + more, -3.0, played=more)  # the user over the reply, as loud as its echo
     assert len(fired) == 1 and 3.0 < fired[0] < 3.0 + 0.8, fired
 
 

@@ -12,8 +12,15 @@ speaker played over the same stretch of time. The block is cut into 10 ms frames
   Measured (scripts/measure_talk.py echo; ten speech-like replies, echo at half level): ERLE from
   11-12 dB in the first reply to 43-64 dB once converged, median 37-39 dB, for echo 60 or 260 ms late;
   libspeexdsp's canceller (500 ms filter) on the same signals: median 12-18 dB, and it needs a system
-  library. It does let syllable onsets through at times (one false interruption in ten such replies).
+  library. It does let a stretch of echo through at times (late in a long reply of a harmonic voice: one
+  false interruption in ten such replies, until the listener checked what it kept: `EchoResemblance`).
 - "off" (`--headphones`): passes the microphone through; no reference is needed.
+
+`EchoResemblance` is a second opinion on what the canceller left: how much of the last 64 ms of its
+output a short filter over the reference explains (the best of the lags up to `max_delay_ms`). AEC3 now
+and then passes a stretch of echo through almost whole (kept at 0 dB where it had taken 60 dB a moment
+before: late in a long reply of a harmonic voice); that stretch is the reference filtered and delayed, so
+nearly all of it is explained, where the user's voice, with or without echo under it, is not.
 
 It knows nothing of devices, threads or the VAD. `livekit` is imported only when "webrtc" is asked for,
 so the rest of the package never loads it; a missing or broken package is an AudioDeviceError that
@@ -90,6 +97,62 @@ class WebRtcEcho:
             self._apm.process_stream(near)
             out.append(np.frombuffer(bytes(near.data), np.int16).astype(np.float32) / 32768.0)
         return np.concatenate(out) if out else np.zeros(0, np.float32)
+
+
+class EchoResemblance:
+    """How much of the canceller's recent output is the reference again (see the module docstring).
+
+    `push(clean, reference)` every block, the two of the same length on the microphone's clock (the
+    reference as the speaker's tap placed it there: the echo in `clean` comes up to `max_delay_ms` later);
+    `explained()` on demand: the share (0..1) of the last `window_ms` of `clean`'s power that a `taps`-long
+    filter over the reference explains, least squares, around the lag where the two correlate best. By
+    chance a filter of `taps` explains about taps/window of an unrelated signal (32 / 1024 here: 3 %);
+    a canceller's output that is echo reshaped by its spectral gain, 90 % and more. A room's reverberation
+    longer than the filter leaves part of an echo unexplained, so a stretch passed through is then judged
+    as less like the echo than it is (the judgement errs towards hearing the user)."""
+
+    def __init__(self, rate: int, window_ms: int = 64, max_delay_ms: int = 400, taps: int = 32) -> None:
+        import numpy as np
+
+        self.window = round(rate * window_ms / 1000)
+        self.reach = round(rate * max_delay_ms / 1000)
+        self.taps = taps
+        self._clean = np.zeros(self.window, np.float32)
+        self._ref = np.zeros(self.window + self.reach, np.float32)
+        self._fft = 1 << (self._ref.shape[0] + self.window).bit_length()
+
+    def push(self, clean: "np.ndarray", reference: "np.ndarray") -> None:
+        self._clean = _shift_in(self._clean, clean)
+        self._ref = _shift_in(self._ref, reference)
+
+    def explained(self) -> float:
+        import numpy as np
+
+        c, r = self._clean.astype(np.float64), self._ref.astype(np.float64)
+        power = float(np.dot(c, c))
+        if power <= 1e-12:
+            return 0.0
+        w, n = self.window, self._fft
+        # corr[k] = sum_i c[i] r[i + k] for every start k of a reference window: the echo at lag reach - k.
+        corr = np.fft.irfft(np.fft.rfft(r, n) * np.conj(np.fft.rfft(c, n)), n)[: r.shape[0] - w + 1]
+        sums = np.concatenate([[0.0], np.cumsum(r * r)])
+        energy = sums[w:] - sums[: sums.shape[0] - w]
+        # A window of near-silent reference would make any small correlation look perfect.
+        energy = np.maximum(energy, 0.1 * float(energy.max()) + 1e-12)
+        k = int(np.argmax(np.abs(corr) / np.sqrt(energy)))
+        lo = max(0, min(k - self.taps // 2, r.shape[0] - w - self.taps))
+        shifted = np.stack([r[j:j + w] for j in range(lo, lo + self.taps)], axis=1)
+        fit, *_ = np.linalg.lstsq(shifted, c, rcond=None)
+        rest = c - shifted @ fit
+        return max(0.0, 1.0 - float(np.dot(rest, rest)) / power)
+
+
+def _shift_in(ring: "np.ndarray", block: "np.ndarray") -> "np.ndarray":
+    """`ring` with `block` appended at its end and as many of its oldest samples dropped."""
+    import numpy as np
+
+    n = min(block.shape[0], ring.shape[0])
+    return np.concatenate([ring[n:], np.asarray(block[block.shape[0] - n:], np.float32)]) if n else ring
 
 
 def make_echo_canceller(kind: str, rate: int) -> EchoCanceller:

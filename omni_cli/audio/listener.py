@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from ..errors import AudioDeviceError, UsageError
 from ..media import AudioClip
-from .echo import ECHO_KINDS, make_echo_canceller
+from .echo import ECHO_KINDS, EchoResemblance, make_echo_canceller
 from .microphone import (
     RECORD_HINT,
     block_dbfs,
@@ -92,6 +92,11 @@ ECHO_KEPT_DB = -25.0
 ECHO_MARGIN_DB = 10.0
 ECHO_SETTLE_MS = 500
 ECHO_UNSETTLED_DB = -6.0
+# Nor does a block count, while the speaker plays, where this share or more of what the canceller left
+# is the reference again (echo.EchoResemblance): AEC3 at times passes a stretch of echo through whole,
+# at 0 dB, late in a long reply (ten harmonic speech-like replies: one false interruption, its stretch
+# 91-100 % explained, the user's voice over the echo 3-66 %, nearly all under 35 %).
+ECHO_EXPLAINED = 0.8
 REFERENCE_SILENT_DBFS = -60.0  # a reference block this quiet: the speaker is not playing now
 
 
@@ -172,6 +177,7 @@ class Listener:
         self._vad: Any = make_vad(self.options.vad, self.rate, mode=self.options.vad_mode,
                                   threshold=self.options.silero_threshold) if judge else None
         self._echo = make_echo_canceller(self.options.echo, self.rate)
+        self._resemblance = EchoResemblance(self.rate) if self.options.echo != "off" else None
         self._frame_ms = self._vad.frame_ms if self._vad is not None else 10
         self._frame = round(self._frame_ms * self.rate / 1000)  # samples a VAD flag stands for
         # (block, perf_counter() at arrival) from the stream's callback; deque append/popleft are atomic.
@@ -292,24 +298,27 @@ class Listener:
             if self.on_audio is not None and clean.shape[0]:
                 self.on_audio(clean)
             if self._vad is not None:  # barge-in alone: after on_audio, so the block that decides it is out
-                self._loud.append(self._near_end(block, level, reference))
+                self._loud.append(self._near_end(block, clean, level, reference))
                 for speech in self._vad.feed(clean):
                     self._barge_flag(speech)
             return
-        self._loud.append(self._near_end(block, level, reference))
+        self._loud.append(self._near_end(block, clean, level, reference))
         self._audio.append(clean)
         self._samples += clean.shape[0]
         for speech in self._vad.feed(clean):
             self._frame_flag(speech)
 
-    def _near_end(self, block: "np.ndarray", level: float, reference: "np.ndarray") -> bool:
+    def _near_end(self, block: "np.ndarray", clean: "np.ndarray", level: float, reference: "np.ndarray") -> bool:
         """Whether this block may hold the user rather than the assistant's echo, for barge-in: its cleaned
         level is above BARGE_FLOOR_DBFS and, with a canceller, the canceller kept at least ECHO_KEPT_DB of
         the microphone's power (it takes most of a block of echo away, little of the user's voice), and
-        while the speaker plays, more than it keeps of the echo now (`_echo_bar`). The VAD alone will not
-        do: WebRTC's calls a faint harmonic residue of echo, 60 dB down, speech."""
+        while the speaker plays, more than it keeps of the echo now (`_echo_bar`) and what it kept is not
+        mostly the reference again (ECHO_EXPLAINED). The VAD alone will not do: WebRTC's calls a faint
+        harmonic residue of echo, 60 dB down, speech."""
         if self.options.echo == "off" or not block.shape[0]:
             return level >= BARGE_FLOOR_DBFS
+        assert self._resemblance is not None  # made with the canceller
+        self._resemblance.push(clean, reference)
         if self._new_reply:
             self._new_reply = False
             self._echo_kept.clear()
@@ -325,7 +334,10 @@ class Listener:
             bar = self._echo_bar()
             self._echo_kept.append(kept)
             self._echo_samples += block.shape[0]
-        return level >= BARGE_FLOOR_DBFS and kept >= bar
+        counts = level >= BARGE_FLOOR_DBFS and kept >= bar
+        if counts and self.speaking.is_set():  # computed only for a block that would count
+            counts = self._resemblance.explained() < ECHO_EXPLAINED
+        return counts
 
     def _echo_bar(self) -> float:
         """The share the canceller must keep of a block, while the speaker plays, for the block to count
