@@ -693,3 +693,53 @@ def test_echo_the_canceller_loses_after_a_gap_in_the_replys_sound_does_not_cut_i
         measured = max(measured, listener._echo_samples)
     assert measured >= 2 * MIC  # the judge measured the echo (the reference lined up with it)
     assert fired == [], fired
+
+
+def _noise_voice_reply(seed: int, user: bool, explained=None) -> list[float]:
+    """Six seconds of a noise-like voice (a random-weight model's) with speech's envelope, whose echo a
+    canceller that has not learned it leaves 20 dB down on average but block by block anywhere from -3 to
+    -40 dB (AEC3's suppressor on such a voice: the tiny Qwen3 served in the room kept -8 to -30 dB); with
+    `user`, speech over it from 3 s on, which the canceller keeps. `explained`: stands in for
+    EchoResemblance.explained. When the listener called barge-in (s)."""
+    from speechlike import utterance
+
+    from omni_cli.audio.listener import Listener, ListenOptions
+
+    listener = Listener(ListenOptions(echo="webrtc"), find_turns=False, on_audio=lambda block: None)
+    listener._echo = ScriptedEcho()
+    if explained is not None:
+        listener._resemblance.explained = explained
+    fired: list[float] = []
+    listener.on_barge_in = lambda: fired.append(listener._samples / listener.rate)
+    rng = np.random.default_rng(seed)
+    shape = utterance(18, rate=MIC, seed=seed, f0=210.0, level=0.5)[: 6 * MIC]
+    envelope = np.sqrt(np.convolve(shape ** 2, np.ones(160) / 160, mode="same"))
+    voice = (rng.standard_normal(shape.shape[0]) * envelope * 1.4).astype(np.float32)
+    speech = utterance(6, rate=MIC, seed=4)
+    n = MIC // 100
+    listener.reply_started()
+    for j in range(voice.shape[0] // n):
+        block = voice[j * n:(j + 1) * n]
+        mic, left = block, block * 10 ** (float(np.clip(rng.normal(-20.0, 7.0), -40, -3)) / 20)
+        at = j * n - 3 * MIC
+        if user and 0 <= at < speech.shape[0]:
+            said = np.pad(speech[at:at + n], (0, max(0, n - speech[at:at + n].shape[0])))
+            mic, left = block + said, left + said * 10 ** (-3 / 20)
+        listener._echo.left = left.astype(np.float32)
+        listener.reference(block, MIC)  # the speaker's tap (here on the microphone's clock)
+        listener._delivered += n
+        listener.feed(mic.astype(np.float32))
+    return fired
+
+
+def test_echo_left_unevenly_by_a_canceller_that_has_not_learned_it_does_not_cut_a_reply():
+    """What the canceller keeps of an unlearned noise-like voice passes the judge's bar here and there; the
+    VAD takes it all for speech, so those blocks added up over a second or two to a barge-in with nobody
+    speaking (the tiny Qwen3 served, in the room: 2 s into a reply). The share of it that the reference
+    explains is taken off first; the user's speech over it still cuts the reply."""
+    seeds = (1, 2, 3, 4)
+    assert [_noise_voice_reply(s, user=False) for s in seeds] == [[]] * 4
+    cut = [_noise_voice_reply(s, user=True) for s in seeds]
+    assert all(len(t) == 1 and 3.0 < t[0] < 3.0 + 0.9 for t in cut), cut
+    # Without that (nothing explained), the same echo cuts replies: the test above can fail.
+    assert any(_noise_voice_reply(s, user=False, explained=lambda: 0.0) for s in seeds)

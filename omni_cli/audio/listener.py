@@ -92,10 +92,13 @@ ECHO_KEPT_DB = -25.0
 ECHO_MARGIN_DB = 10.0
 ECHO_SETTLE_MS = 500
 ECHO_UNSETTLED_DB = -6.0
-# Nor does a block count, while the speaker plays, where this share or more of what the canceller left
-# is the reference again (echo.EchoResemblance): AEC3 at times passes a stretch of echo through whole,
-# at 0 dB, late in a long reply (ten harmonic speech-like replies: one false interruption, its stretch
-# 91-100 % explained, the user's voice over the echo 3-66 %, nearly all under 35 %).
+# And while the speaker plays, the share of what the canceller kept that is the reference again
+# (echo.EchoResemblance) is taken off before those two bars: what is left is what may be the user. AEC3
+# at times passes a stretch of echo through whole, at 0 dB, late in a long reply (ten harmonic
+# speech-like replies: one false interruption, that stretch 91-100 % explained), and what it keeps of a
+# noise-like voice it has not learned is 40-70 % explained (the tiny Qwen3's voice served: a false cut
+# 2 s into a reply); the user's voice over the echo is 0-20 % explained, at its onset up to 66 %. A
+# block this much explained or more is the echo, whatever is left of it.
 ECHO_EXPLAINED = 0.8
 REFERENCE_SILENT_DBFS = -60.0  # a reference block this quiet: the speaker is not playing now
 
@@ -312,9 +315,9 @@ class Listener:
         """Whether this block may hold the user rather than the assistant's echo, for barge-in: its cleaned
         level is above BARGE_FLOOR_DBFS and, with a canceller, the canceller kept at least ECHO_KEPT_DB of
         the microphone's power (it takes most of a block of echo away, little of the user's voice), and
-        while the speaker plays, more than it keeps of the echo now (`_echo_bar`) and what it kept is not
-        mostly the reference again (ECHO_EXPLAINED). The VAD alone will not do: WebRTC's calls a faint
-        harmonic residue of echo, 60 dB down, speech."""
+        while the speaker plays, more than it keeps of the echo now (`_echo_bar`), counting only the part of
+        what it kept that the reference does not explain (the comments above ECHO_MARGIN_DB). The VAD
+        alone will not do: WebRTC's calls a faint harmonic residue of echo, 60 dB down, speech."""
         if self.options.echo == "off" or not block.shape[0]:
             return level >= BARGE_FLOOR_DBFS
         assert self._resemblance is not None  # made with the canceller
@@ -336,7 +339,9 @@ class Listener:
             self._echo_samples += block.shape[0]
         counts = level >= BARGE_FLOOR_DBFS and kept >= bar
         if counts and self.speaking.is_set():  # computed only for a block that would count
-            counts = self._resemblance.explained() < ECHO_EXPLAINED
+            explained = self._resemblance.explained()
+            own = 10.0 * math.log10(max(1.0 - explained, 1e-3))  # dB: the part the reference does not explain
+            counts = explained < ECHO_EXPLAINED and level + own >= BARGE_FLOOR_DBFS and kept + own >= bar
         return counts
 
     def _echo_bar(self) -> float:
