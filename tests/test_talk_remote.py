@@ -743,3 +743,51 @@ def test_echo_left_unevenly_by_a_canceller_that_has_not_learned_it_does_not_cut_
     assert all(len(t) == 1 and 3.0 < t[0] < 3.0 + 0.9 for t in cut), cut
     # Without that (nothing explained), the same echo cuts replies: the test above can fail.
     assert any(_noise_voice_reply(s, user=False, explained=lambda: 0.0) for s in seeds)
+
+
+def _loud_noise_reply(seed: int, user_at: float | None) -> list[float]:
+    """The room on the H200 with the true-size random-weight Qwen3-Omni's voice: broadband noise at -8 dBFS
+    with no pauses, its echo at half level, which AEC3 kept 11-21 dB down for 1.8 s, then took away (-80 dB);
+    the user, 10 dB under the echo, speaks from `user_at` s. When the listener called barge-in (s)."""
+    from speechlike import utterance
+
+    from omni_cli.audio.listener import Listener, ListenOptions
+
+    listener = Listener(ListenOptions(echo="webrtc"), find_turns=False, on_audio=lambda block: None)
+    listener._echo = ScriptedEcho()
+    fired: list[float] = []
+    listener.on_barge_in = lambda: fired.append(listener._samples / listener.rate)
+    rng = np.random.default_rng(seed)
+    voice = np.clip(rng.standard_normal(5 * MIC) * 0.4, -1, 1).astype(np.float32)
+    echo = voice * 0.5
+    speech = utterance(8, rate=MIC, seed=seed + 3)
+    speech = speech / np.sqrt(np.mean(speech[speech != 0] ** 2)) * np.sqrt(np.mean(echo ** 2)) * 10 ** (-10 / 20)
+    n = MIC // 100
+    listener.reply_started()
+    for j in range(echo.shape[0] // n):
+        block = echo[j * n:(j + 1) * n]
+        gain_db = -80.0 if j * n >= 1.8 * MIC else float(np.clip(rng.normal(-15.0, 3.0), -30, -5))
+        mic, left = block, block * 10 ** (gain_db / 20)
+        at = j * n - round((user_at or 99.0) * MIC)
+        if 0 <= at < speech.shape[0]:
+            said = np.pad(speech[at:at + n], (0, max(0, n - speech[at:at + n].shape[0])))
+            mic, left = block + said, left + said
+        listener._echo.left = left.astype(np.float32)
+        listener.reference(voice[j * n:(j + 1) * n], MIC)
+        listener._delivered += n
+        listener.feed(mic.astype(np.float32))
+    return fired
+
+
+def test_a_loud_echo_the_canceller_learns_late_does_not_cut_a_reply():
+    assert [_loud_noise_reply(s, None) for s in (1, 2, 3, 4)] == [[]] * 4
+
+
+@pytest.mark.xfail(strict=True, reason="known (the H200 room, twice): the judge's bar is the median of what the "
+                   "canceller kept of this reply's echo over the last 2 s, which lags a canceller that learns the "
+                   "echo late and at once; the user's blocks, 10 dB under the echo and not counted, keep it up. "
+                   "A median over 0.5 s that leaves out counted blocks hears the user here but made a false cut in "
+                   "the tiny Qwen3's local room (1 of 9 conversations): not kept")
+def test_speech_under_a_loud_echo_the_canceller_learns_late_cuts_the_reply():
+    cut = [_loud_noise_reply(s, 2.2) for s in (1, 2, 3, 4)]
+    assert all(len(t) == 1 and 2.2 < t[0] < 2.2 + 0.9 for t in cut), cut
