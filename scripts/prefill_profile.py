@@ -1,0 +1,72 @@
+"""Where a long prompt's prefill time goes on Qwen3-Omni's thinker: a developer's tool for the lent H200
+(random weights at true size, like omni-bench). Times the whole eager prefill of an N-token prompt through
+the library's layers (device time, CUDA events), lists its top kernels (torch.profiler), then one MoE
+block alone: the router and the library's experts, and each candidate experts function given by name.
+Prints one JSON report: `python scripts/prefill_profile.py [--preset NAME] [--tokens 2500] [--device cuda]`
+(the tiny preset on the CPU checks that it runs: `--preset tiny-qwen3 --tokens 200 --device cpu`).
+Written in the fifteenth pass and run there only on the CPU: the lent GPU could not be had long enough.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from profile_gpu import device_ms, kernels  # scripts/ is on sys.path when this file runs
+
+from omni_cli.models.qwen3_omni import presets
+from omni_cli.runtime.decoder import forward_layers_keeping
+
+def timed_ms(fn, n: int, dev: torch.device) -> float:
+    """Mean time of `fn` over n calls: device time (CUDA events) on a GPU, wall time elsewhere."""
+    if dev.type == "cuda":
+        return device_ms(fn, n)
+    fn()
+    t = time.perf_counter()
+    for _ in range(n):
+        fn()
+    return 1000 * (time.perf_counter() - t) / n
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default="qwen3-omni-30b-a3b")
+    ap.add_argument("--tokens", type=int, default=2500)
+    ap.add_argument("--device", default="cuda")
+    args = ap.parse_args()
+    dev = torch.device(args.device)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    report: dict = {"preset": args.preset, "tokens": args.tokens}
+    t = time.perf_counter()
+    model, voices = presets.build_model(args.preset, dev, dtype)
+    report["build_s"] = round(time.perf_counter() - t, 1)
+    steps = presets.steps(model, voices, max_context=4096, max_codes=64, graphs=True, compile=False)
+    th = steps.thinker
+    ids = torch.tensor([presets.prompt(model, args.tokens)], device=dev)
+    with torch.inference_mode():
+        embeds = th.embed(ids)
+
+        def prefill():
+            th.cache.reset()
+            return forward_layers_keeping(th.model, embeds, th.cache, th.accept_layer)
+
+        report["prefill_ms"] = timed_ms(prefill, 3, dev)
+        if dev.type == "cuda":  # the kernels' device times (torch.profiler's CUDA events)
+            report["prefill_kernels"] = kernels(prefill, top=25)
+        layer = th.model.layers[0]
+        x = torch.randn(1, args.tokens, embeds.shape[-1], device=dev, dtype=dtype) * 0.5
+        report["moe_block_ms"] = timed_ms(lambda: layer.mlp(x), 10, dev)
+        if dev.type == "cuda":
+            report["moe_block_kernels"] = kernels(lambda: layer.mlp(x), top=15)
+        report["experts_implementation"] = getattr(model.config.thinker_config.text_config,
+                                                   "_experts_implementation", None)
+    if dev.type == "cuda":
+        report["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    print(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
