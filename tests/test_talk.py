@@ -28,6 +28,9 @@ from speechlike import utterance
 
 RATE = 16000
 BLOCK = RATE // 100  # the listener's 10 ms blocks
+# Reference blocks handed over before the microphone's first: in lockstep, the resampled reference of a
+# block is not all there when the block is judged, and the judge takes the gap for a pause in the sound.
+REFERENCE_LEAD = 5
 
 
 # -- the listener on signals --------------------------------------------------------------------------
@@ -48,10 +51,14 @@ def play(heard, mic: np.ndarray, reference: np.ndarray | None = None, speaking: 
     if speaking:
         heard.reply_started()
     per_block = 24000 // 100
+    lead = REFERENCE_LEAD if reference is not None else 0
+    if lead:  # the speaker's tap runs ahead of the microphone (the device's buffers), as it does in a room
+        for m in range(lead):
+            heard.reference(reference[m * per_block:(m + 1) * per_block], 24000)
     for i in range(0, mic.shape[0], BLOCK):
         heard._delivered += BLOCK  # what the stream's callback counts (the tap reads it)
         if reference is not None:
-            k = i // BLOCK * per_block
+            k = (i // BLOCK + lead) * per_block
             heard.reference(reference[k:k + per_block], 24000)
         heard.feed(mic[i:i + BLOCK])
     if speaking:
@@ -154,8 +161,9 @@ def ten_replies(echo: str, user_in: int | None = None, delay_ms: float = 60, gai
 
 
 def test_with_echo_cancelling_none_of_ten_speechlike_replies_is_interrupted_by_its_echo():
-    # AEC3 passes a stretch of the tenth reply's echo through whole (kept at 0 dB, late in a 6 s reply):
-    # without the listener's resemblance check (ECHO_EXPLAINED) that stretch interrupted it.
+    # Without the listener's resemblance check (echo.EchoResemblance) the echo AEC3 lets through cuts
+    # replies: the first (not yet learned) here, and with the reference in lockstep with the microphone
+    # (no REFERENCE_LEAD) a stretch of the tenth passed whole (kept at 0 dB, late in a 6 s reply).
     assert ten_replies("webrtc") == []
 
 
