@@ -188,6 +188,8 @@ def test_the_resemblance_to_the_reference_tells_a_passed_echo_from_the_user():
 
     user_only = user * float(np.std(echo[at - 1024:at]) / np.std(user[at - 1024:at]))  # as loud as the echo
     assert explained(echo, ref) >= 0.95
+    white = np.random.default_rng(5).standard_normal(ref.shape[0]).astype(np.float32)  # no sample foretells the next
+    assert explained(white * 0.5, white) >= 0.95  # no delay at all: the filter reaches the last window too
     assert explained(user_only, ref) <= 0.2
     assert 0.35 <= explained(echo + user_only, ref) <= 0.65
     assert explained(echo, np.zeros_like(ref)) == 0.0  # nothing played: nothing is echo

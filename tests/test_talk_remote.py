@@ -695,7 +695,7 @@ def test_echo_the_canceller_loses_after_a_gap_in_the_replys_sound_does_not_cut_i
     assert fired == [], fired
 
 
-def _noise_voice_reply(seed: int, user: bool, explained=None) -> list[float]:
+def _noise_voice_reply(seed: int, user: bool, explained=None, delay_ms: int = 0) -> list[float]:
     """Six seconds of a noise-like voice (a random-weight model's) with speech's envelope, whose echo a
     canceller that has not learned it leaves 20 dB down on average but block by block anywhere from -3 to
     -40 dB (AEC3's suppressor on such a voice: the tiny Qwen3 served in the room kept -8 to -30 dB); with
@@ -715,18 +715,19 @@ def _noise_voice_reply(seed: int, user: bool, explained=None) -> list[float]:
     shape = utterance(18, rate=MIC, seed=seed, f0=210.0, level=0.5)[: 6 * MIC]
     envelope = np.sqrt(np.convolve(shape ** 2, np.ones(160) / 160, mode="same"))
     voice = (rng.standard_normal(shape.shape[0]) * envelope * 1.4).astype(np.float32)
+    echo = np.concatenate([np.zeros(MIC * delay_ms // 1000, np.float32), voice])  # after the tap's reference
     speech = utterance(6, rate=MIC, seed=4)
     n = MIC // 100
     listener.reply_started()
     for j in range(voice.shape[0] // n):
-        block = voice[j * n:(j + 1) * n]
+        block = echo[j * n:(j + 1) * n]
         mic, left = block, block * 10 ** (float(np.clip(rng.normal(-20.0, 7.0), -40, -3)) / 20)
         at = j * n - 3 * MIC
         if user and 0 <= at < speech.shape[0]:
             said = np.pad(speech[at:at + n], (0, max(0, n - speech[at:at + n].shape[0])))
             mic, left = block + said, left + said * 10 ** (-3 / 20)
         listener._echo.left = left.astype(np.float32)
-        listener.reference(block, MIC)  # the speaker's tap (here on the microphone's clock)
+        listener.reference(voice[j * n:(j + 1) * n], MIC)  # the speaker's tap (here on the microphone's clock)
         listener._delivered += n
         listener.feed(mic.astype(np.float32))
     return fired
@@ -738,11 +739,12 @@ def test_echo_left_unevenly_by_a_canceller_that_has_not_learned_it_does_not_cut_
     speaking (the tiny Qwen3 served, in the room: 2 s into a reply). The share of it that the reference
     explains is taken off first; the user's speech over it still cuts the reply."""
     seeds = (1, 2, 3, 4)
-    assert [_noise_voice_reply(s, user=False) for s in seeds] == [[]] * 4
-    cut = [_noise_voice_reply(s, user=True) for s in seeds]
-    assert all(len(t) == 1 and 3.0 < t[0] < 3.0 + 0.9 for t in cut), cut
-    # Without that (nothing explained), the same echo cuts replies: the test above can fail.
-    assert any(_noise_voice_reply(s, user=False, explained=lambda: 0.0) for s in seeds)
+    for delay_ms in (0, 40):  # the echo as late as the tap's reference, and 40 ms later (a device's latency)
+        assert [_noise_voice_reply(s, user=False, delay_ms=delay_ms) for s in seeds] == [[]] * 4
+        cut = [_noise_voice_reply(s, user=True, delay_ms=delay_ms) for s in seeds]
+        assert all(len(t) == 1 and 3.0 < t[0] < 3.0 + 1.2 for t in cut), (delay_ms, cut)
+        # Without that (nothing explained), the same echo cuts replies: the test above can fail.
+        assert any(_noise_voice_reply(s, user=False, explained=lambda: 0.0, delay_ms=delay_ms) for s in seeds)
 
 
 def _loud_noise_reply(seed: int, user_at: float | None) -> list[float]:
@@ -759,12 +761,12 @@ def _loud_noise_reply(seed: int, user_at: float | None) -> list[float]:
     listener.on_barge_in = lambda: fired.append(listener._samples / listener.rate)
     rng = np.random.default_rng(seed)
     voice = np.clip(rng.standard_normal(5 * MIC) * 0.4, -1, 1).astype(np.float32)
-    echo = voice * 0.5
+    echo = np.concatenate([np.zeros(MIC * 60 // 1000, np.float32), voice * 0.5])  # 60 ms late, as in the room
     speech = utterance(8, rate=MIC, seed=seed + 3)
     speech = speech / np.sqrt(np.mean(speech[speech != 0] ** 2)) * np.sqrt(np.mean(echo ** 2)) * 10 ** (-10 / 20)
     n = MIC // 100
     listener.reply_started()
-    for j in range(echo.shape[0] // n):
+    for j in range(voice.shape[0] // n):
         block = echo[j * n:(j + 1) * n]
         gain_db = -80.0 if j * n >= 1.8 * MIC else float(np.clip(rng.normal(-15.0, 3.0), -30, -5))
         mic, left = block, block * 10 ** (gain_db / 20)

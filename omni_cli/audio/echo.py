@@ -140,7 +140,7 @@ class EchoResemblance:
         # A window of near-silent reference would make any small correlation look perfect.
         energy = np.maximum(energy, 0.1 * float(energy.max()) + 1e-12)
         k = int(np.argmax(np.abs(corr) / np.sqrt(energy)))
-        lo = max(0, min(k - self.taps // 2, r.shape[0] - w - self.taps))
+        lo = max(0, min(k - self.taps // 2, r.shape[0] - w - self.taps + 1))  # up to the last window: no delay
         shifted = np.stack([r[j:j + w] for j in range(lo, lo + self.taps)], axis=1)
         fit, *_ = np.linalg.lstsq(shifted, c, rcond=None)
         rest = c - shifted @ fit

@@ -101,6 +101,9 @@ ECHO_UNSETTLED_DB = -6.0
 # block this much explained or more is the echo, whatever is left of it.
 ECHO_EXPLAINED = 0.8
 REFERENCE_SILENT_DBFS = -60.0  # a reference block this quiet: the speaker is not playing now
+# For this long after the speaker went quiet its echo may still come in (a device's latency and the room):
+# those blocks are judged by the bar of the last block it played, not the lenient ECHO_KEPT_DB.
+ECHO_TAIL_MS = 400
 
 
 @dataclass(frozen=True)
@@ -206,6 +209,8 @@ class Listener:
         # What the canceller kept of this reply's echo, a value a block (`_near_end`), the last 2 s.
         self._echo_kept: collections.deque = collections.deque(maxlen=200)
         self._echo_samples = 0  # the microphone's samples those were measured over, this reply
+        self._last_bar = ECHO_UNSETTLED_DB  # the bar of the last block the speaker played (`_near_end`)
+        self._quiet_samples = 0  # the microphone's samples since the speaker last played, this reply
         self._new_reply = False  # set by the talk loop's thread, seen by this one: the echo's figures restart
         self._new_turn(0)
 
@@ -326,6 +331,7 @@ class Listener:
             self._new_reply = False
             self._echo_kept.clear()
             self._echo_samples = 0
+            self._last_bar, self._quiet_samples = ECHO_UNSETTLED_DB, 0
         heard = block_dbfs(block)
         kept = level - heard
         bar = ECHO_KEPT_DB
@@ -333,10 +339,15 @@ class Listener:
         if self.speaking.is_set() and not playing:
             self._echo_samples = 0  # a pause: what follows settles again (the comment above ECHO_MARGIN_DB)
             self._echo_kept.clear()
+            self._quiet_samples += block.shape[0]
+            if self._quiet_samples <= ECHO_TAIL_MS * self.rate // 1000:
+                bar = self._last_bar  # the echo of what was just played is still coming in
         elif self.speaking.is_set() and heard >= BARGE_FLOOR_DBFS:
-            bar = self._echo_bar()
+            bar = self._last_bar = self._echo_bar()
             self._echo_kept.append(kept)
             self._echo_samples += block.shape[0]
+        if playing:
+            self._quiet_samples = 0
         counts = level >= BARGE_FLOOR_DBFS and kept >= bar
         if counts and self.speaking.is_set():  # computed only for a block that would count
             explained = self._resemblance.explained()
