@@ -1,7 +1,7 @@
 """Where a long prompt's prefill time goes on Qwen3-Omni's thinker: a developer's tool for the lent H200
 (random weights at true size, like omni-bench). Times the whole eager prefill of an N-token prompt through
 the library's layers (device time, CUDA events), lists its top kernels (torch.profiler), then one MoE
-block alone: the router and the library's experts, and each candidate experts function given by name.
+block alone (the router and the library's experts) and which experts implementation the library chose.
 Prints one JSON report: `python scripts/prefill_profile.py [--preset NAME] [--tokens 2500] [--device cuda]`
 (the tiny preset on the CPU checks that it runs: `--preset tiny-qwen3 --tokens 200 --device cpu`).
 Written in the fifteenth pass and run there only on the CPU: the lent GPU could not be had long enough.
@@ -19,6 +19,7 @@ from profile_gpu import device_ms, kernels  # scripts/ is on sys.path when this 
 
 from omni_cli.models.qwen3_omni import presets
 from omni_cli.runtime.decoder import forward_layers_keeping
+
 
 def timed_ms(fn, n: int, dev: torch.device) -> float:
     """Mean time of `fn` over n calls: device time (CUDA events) on a GPU, wall time elsewhere."""

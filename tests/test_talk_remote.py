@@ -695,14 +695,12 @@ def test_echo_the_canceller_loses_after_a_gap_in_the_replys_sound_does_not_cut_i
     assert fired == [], fired
 
 
-def _noise_voice_reply(seed: int, user: bool, explained=None, delay_ms: int = 0) -> list[float]:
-    """Six seconds of a noise-like voice (a random-weight model's) with speech's envelope, whose echo a
-    canceller that has not learned it leaves 20 dB down on average but block by block anywhere from -3 to
-    -40 dB (AEC3's suppressor on such a voice: the tiny Qwen3 served in the room kept -8 to -30 dB); with
-    `user`, speech over it from 3 s on, which the canceller keeps. `explained`: stands in for
-    EchoResemblance.explained. When the listener called barge-in (s)."""
-    from speechlike import utterance
-
+def _scripted_reply(played: np.ndarray, echo: np.ndarray, gains_db, speech: np.ndarray | None = None,
+                    speech_at: float = 0.0, speech_kept_db: float = 0.0, explained=None) -> list[float]:
+    """The real listener's barge-in judge over one reply, in 10 ms blocks: the speaker's tap hands over
+    `played`, the microphone hears `echo` (and `speech` from `speech_at` s on), and the scripted canceller
+    keeps block j of the echo at `gains_db[j]` dB and the speech at `speech_kept_db`. `explained`: stands in
+    for EchoResemblance.explained. When the listener called barge-in (s)."""
     from omni_cli.audio.listener import Listener, ListenOptions
 
     listener = Listener(ListenOptions(echo="webrtc"), find_turns=False, on_audio=lambda block: None)
@@ -711,26 +709,37 @@ def _noise_voice_reply(seed: int, user: bool, explained=None, delay_ms: int = 0)
         listener._resemblance.explained = explained
     fired: list[float] = []
     listener.on_barge_in = lambda: fired.append(listener._samples / listener.rate)
+    n, start = MIC // 100, round(speech_at * MIC)
+    listener.reply_started()
+    for j in range(played.shape[0] // n):
+        block = echo[j * n:(j + 1) * n]
+        mic, left = block, block * 10 ** (gains_db[j] / 20)
+        at = j * n - start
+        if speech is not None and 0 <= at < speech.shape[0]:
+            said = np.pad(speech[at:at + n], (0, max(0, n - speech[at:at + n].shape[0])))
+            mic, left = block + said, left + said * 10 ** (speech_kept_db / 20)
+        listener._echo.left = left.astype(np.float32)
+        listener.reference(played[j * n:(j + 1) * n], MIC)  # the speaker's tap (here on the microphone's clock)
+        listener._delivered += n
+        listener.feed(mic.astype(np.float32))
+    return fired
+
+
+def _noise_voice_reply(seed: int, user: bool, explained=None, delay_ms: int = 0) -> list[float]:
+    """Six seconds of a noise-like voice (a random-weight model's) with speech's envelope, whose echo a
+    canceller that has not learned it leaves 20 dB down on average but block by block anywhere from -3 to
+    -40 dB (AEC3's suppressor on such a voice: the tiny Qwen3 served in the room kept -8 to -30 dB); with
+    `user`, speech over it from 3 s on, which the canceller keeps. `explained`: as `_scripted_reply`'s."""
+    from speechlike import utterance
+
     rng = np.random.default_rng(seed)
     shape = utterance(18, rate=MIC, seed=seed, f0=210.0, level=0.5)[: 6 * MIC]
     envelope = np.sqrt(np.convolve(shape ** 2, np.ones(160) / 160, mode="same"))
     voice = (rng.standard_normal(shape.shape[0]) * envelope * 1.4).astype(np.float32)
     echo = np.concatenate([np.zeros(MIC * delay_ms // 1000, np.float32), voice])  # after the tap's reference
-    speech = utterance(6, rate=MIC, seed=4)
-    n = MIC // 100
-    listener.reply_started()
-    for j in range(voice.shape[0] // n):
-        block = echo[j * n:(j + 1) * n]
-        mic, left = block, block * 10 ** (float(np.clip(rng.normal(-20.0, 7.0), -40, -3)) / 20)
-        at = j * n - 3 * MIC
-        if user and 0 <= at < speech.shape[0]:
-            said = np.pad(speech[at:at + n], (0, max(0, n - speech[at:at + n].shape[0])))
-            mic, left = block + said, left + said * 10 ** (-3 / 20)
-        listener._echo.left = left.astype(np.float32)
-        listener.reference(voice[j * n:(j + 1) * n], MIC)  # the speaker's tap (here on the microphone's clock)
-        listener._delivered += n
-        listener.feed(mic.astype(np.float32))
-    return fired
+    gains = np.clip(rng.normal(-20.0, 7.0, voice.shape[0] // (MIC // 100)), -40, -3)
+    speech = utterance(6, rate=MIC, seed=4) if user else None
+    return _scripted_reply(voice, echo, gains, speech, 3.0, -3.0, explained)
 
 
 def test_echo_left_unevenly_by_a_canceller_that_has_not_learned_it_does_not_cut_a_reply():
@@ -753,32 +762,16 @@ def _loud_noise_reply(seed: int, user_at: float | None) -> list[float]:
     the user, 10 dB under the echo, speaks from `user_at` s. When the listener called barge-in (s)."""
     from speechlike import utterance
 
-    from omni_cli.audio.listener import Listener, ListenOptions
-
-    listener = Listener(ListenOptions(echo="webrtc"), find_turns=False, on_audio=lambda block: None)
-    listener._echo = ScriptedEcho()
-    fired: list[float] = []
-    listener.on_barge_in = lambda: fired.append(listener._samples / listener.rate)
     rng = np.random.default_rng(seed)
     voice = np.clip(rng.standard_normal(5 * MIC) * 0.4, -1, 1).astype(np.float32)
     echo = np.concatenate([np.zeros(MIC * 60 // 1000, np.float32), voice * 0.5])  # 60 ms late, as in the room
+    n = MIC // 100
+    learned = -(-round(1.8 * MIC) // n)  # the first block from 1.8 s on
+    gains = np.concatenate([np.clip(rng.normal(-15.0, 3.0, learned), -30, -5),
+                            np.full(voice.shape[0] // n - learned, -80.0)])
     speech = utterance(8, rate=MIC, seed=seed + 3)
     speech = speech / np.sqrt(np.mean(speech[speech != 0] ** 2)) * np.sqrt(np.mean(echo ** 2)) * 10 ** (-10 / 20)
-    n = MIC // 100
-    listener.reply_started()
-    for j in range(voice.shape[0] // n):
-        block = echo[j * n:(j + 1) * n]
-        gain_db = -80.0 if j * n >= 1.8 * MIC else float(np.clip(rng.normal(-15.0, 3.0), -30, -5))
-        mic, left = block, block * 10 ** (gain_db / 20)
-        at = j * n - round((user_at or 99.0) * MIC)
-        if 0 <= at < speech.shape[0]:
-            said = np.pad(speech[at:at + n], (0, max(0, n - speech[at:at + n].shape[0])))
-            mic, left = block + said, left + said
-        listener._echo.left = left.astype(np.float32)
-        listener.reference(voice[j * n:(j + 1) * n], MIC)
-        listener._delivered += n
-        listener.feed(mic.astype(np.float32))
-    return fired
+    return _scripted_reply(voice, echo, gains, speech if user_at is not None else None, user_at or 0.0)
 
 
 def test_a_loud_echo_the_canceller_learns_late_does_not_cut_a_reply():
