@@ -297,5 +297,8 @@ def test_bench_turns_times_a_spoken_conversation_kept_and_whole(capsys, preset):
     assert prompts[0] < prompts[1] < prompts[2]
     assert [t["prefill_tokens"] for t in whole] == prompts
     assert [t["prefill_tokens"] for t in kept[1:]] == [b - a for a, b in zip(prompts, prompts[1:])]
+    # The talker keeps its rows of the kept positions too (kept mode only); more each turn.
+    assert all(t["talker_kept_rows"] == 0 for t in whole)
+    assert kept[0]["talker_kept_rows"] < kept[1]["talker_kept_rows"] < kept[2]["talker_kept_rows"]
     assert all(t["text_tokens"] == 4 and t["codes"] == 12 and t["audio_encoder_ms"] > 0 for t in kept + whole)
     assert result["meta"]["turns"] == 3 and result["meta"]["audio_seconds"] == 1

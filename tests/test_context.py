@@ -123,6 +123,8 @@ def assert_kept_and_fresh(stats: list, clip: int, image: int) -> None:
     dropping = stats[-1]
     assert dropping.get("dropped_exchanges", 0) >= 1  # the kept prefix: the system prompt, the rest prefilled
     assert dropping["prefill_tokens"] < dropping["prompt_tokens"]
+    # The talker kept its rows of the user turns (Qwen2.5-Omni: of every position) the thinker kept.
+    assert stats[0]["talker_kept_rows"] == 0 and all(s["talker_kept_rows"] > 0 for s in stats[1:-1])
 
 
 def test_a_kept_qwen25_conversation_equals_transformers_at_every_turn(qwen25, monkeypatch):
@@ -193,17 +195,76 @@ def kept_against_fresh(model) -> dict:
     return worst
 
 
-def test_the_suffix_graphs_forward_equals_the_eager_suffix_prefill(qwen3):
+@pytest.mark.parametrize("family", ["qwen25", "qwen3"])
+def test_the_talkers_kept_rows_equal_a_fresh_prefill(family, request):
+    """A second turn's talker keeps the rows of the first prompt's positions (runtime/context.py
+    `TalkerRows`) and prefills the rest: its prompt rows in the cache, its text and its codes equal those of
+    the same turn with nothing kept (float32)."""
+    model = request.getfixturevalue(family)
+    steps, opts = model.engine.steps, dict(greedy=True, seed=0, max_text_tokens=6, max_codes=6)
+    chat = model.conversation()
+    chat.say("Hello there.", **opts)
+    past = type(chat.history)(chat.history.system, list(chat.history.turns))
+
+    def turn(reply):
+        n = len(steps.talker.rows.sources)  # the talker prompt's rows
+        cache = steps.talker.cache
+        return reply, [t[:, :, :n].clone() for t in cache.keys + cache.values]
+
+    kept, kept_rows = turn(chat.say("Tell me more.", **opts))
+    assert 0 < kept.stats["talker_kept_rows"] < len(steps.talker.rows.sources)
+    steps.thinker.context.clear()
+    fresh, fresh_rows = turn(model.say("Tell me more.", conversation=past, **opts))
+    assert fresh.stats["talker_kept_rows"] == 0 and fresh.stats["prefill_tokens"] == kept.stats["prompt_tokens"]
+    assert (kept.text_ids, kept.codes) == (fresh.text_ids, fresh.codes) and kept.codes
+    worst = max((a - b).abs().max().item() for a, b in zip(kept_rows, fresh_rows))
+    assert worst <= CACHE_BOUND, worst
+
+
+def test_a_talker_after_a_text_only_turn_keeps_nothing(qwen25):
+    """The talker's rows are kept only from the prompt just before: a text-only turn between (its
+    prompt's positions kept by the thinker, the talker's cache still the turn before's) keeps none."""
+    opts = dict(greedy=True, seed=0, max_text_tokens=6, max_codes=6)
+    chat = qwen25.conversation()
+    chat.say("Hello there.", **opts)
+    assert chat.say("Go on.", text_only=True, **opts).stats.get("talker_kept_rows") is None
+    third = chat.say("Tell me more.", **opts)
+    assert third.stats["talker_kept_rows"] == 0 and third.stats["prefill_tokens"] < third.stats["prompt_tokens"]
+
+
+def test_qwen3_talkers_captures_between_turns_leave_its_user_rows(qwen3):
+    """Between turns the talker's prompt graphs are captured over the user rows it keeps (the cache cut
+    back to them: the opener's rows and the reply's are made again), and the next turn keeps them all."""
+    opts = dict(greedy=True, seed=0, max_text_tokens=6, max_codes=6)
+    talker = qwen3.engine.steps.talker
+    chat = qwen3.conversation()
+    chat.say("Hello there.", **opts)
+    users = len(talker._users)
+    assert talker.cache.length > users + 9
+    with torch.inference_mode():
+        qwen3.engine.steps._capture_talker_prompts()
+    assert talker.cache.length == users
+    assert chat.say("Tell me more.", **opts).stats["talker_kept_rows"] == users
+
+
+@pytest.mark.parametrize("stack", ["thinker", "talker"])
+def test_the_suffix_graphs_forward_equals_the_eager_suffix_prefill(qwen3, stack):
     """What the suffix graphs replay (`decoder.forward_suffix`: the kept length a device value, the rest
     padded to its bucket, the keys read over a fixed span behind a mask) gives the eager suffix prefill's
-    rows and cache (float32, CPU: the same function the GPU captures)."""
+    rows and cache (float32, CPU: the same function the GPU captures), for the thinker's stack and the
+    talker's."""
     from omni_cli.runtime.decoder import forward_layers_keeping, forward_suffix
     from omni_cli.runtime.graphs import suffix_span
 
-    thinker = qwen3.engine.steps.thinker
-    model, cache, keep = thinker.model, thinker.cache, thinker.accept_layer
+    steps = qwen3.engine.steps
+    thinker, talker = steps.thinker, steps.talker
+    if stack == "thinker":
+        model, cache, keep = thinker.model, thinker.cache, thinker.accept_layer
+        width = thinker.embed_tokens.weight.shape[1]
+    else:
+        model, cache, keep = talker.model, talker.cache, None
+        width = talker.codec_head.in_features
     torch.manual_seed(0)
-    width = thinker.embed_tokens.weight.shape[1]
     prompt, rest = torch.randn(1, 40, width), torch.randn(1, 23, width)
     with torch.inference_mode():
         cache.reset()
@@ -216,7 +277,8 @@ def test_the_suffix_graphs_forward_equals_the_eager_suffix_prefill(qwen3):
         padded = torch.cat([rest, torch.zeros(1, 64 - 23, width)], dim=1)
         graphed = forward_suffix(model, padded, cache, keep, torch.tensor(40), suffix_span(40 + 64, cache.max_len))
     assert cache.length == 40  # the caller advances it
-    worst = max((a - b[:, :23]).abs().max().item() for a, b in zip(eager, graphed))
+    assert (eager[1] is None) == (graphed[1] is None) == (keep is None)  # the kept layer's output, if asked
+    worst = max((a - b[:, :23]).abs().max().item() for a, b in zip(eager, graphed) if a is not None)
     worst_cache = max((a - b[:, :, :63]).abs().max().item() for a, b in zip(rows, cache.keys + cache.values))
     assert worst <= CACHE_BOUND and worst_cache <= CACHE_BOUND, (worst, worst_cache)
 

@@ -676,20 +676,24 @@ def test_qwen3_suffix_graph_replays_the_eager_rest_over_a_kept_context():
 
 def test_qwen3_conversation_replays_its_rests_from_graphs_captured_between_turns(monkeypatch):
     """Through the API (bfloat16, graphs): the second turn's rest runs eagerly and makes its bucket wanted,
-    the engine's capture ahead captures it, and the third turn's rest replays a graph."""
+    the engine's capture ahead captures it, and the third turn's rest replays a graph; the talker's too."""
     import omni_cli
 
     model = omni_cli.load("assets/tiny-qwen3-omni", device="cuda", dtype="bfloat16")
-    graphs = model.engine.steps.thinker.prefill_graphs
-    replays = []
-    over_kept = graphs.over_kept
+    graphs, talker = model.engine.steps.thinker.prefill_graphs, model.engine.steps.talker.prefill_graphs
+    replays, talker_replays = [], []
+    over_kept, talker_over_kept = graphs.over_kept, talker.over_kept
     monkeypatch.setattr(graphs, "over_kept", lambda embeds: _noted(replays, over_kept(embeds)))
+    monkeypatch.setattr(talker, "over_kept", lambda embeds: _noted(talker_replays, talker_over_kept(embeds)))
     chat = model.conversation()
+    kept = []
     for text in ("Hello there.", "Tell me more.", "And then?"):
-        chat.say(text, greedy=True, seed=0, max_text_tokens=6, max_codes=8)
+        kept.append(chat.say(text, greedy=True, seed=0, max_text_tokens=6, max_codes=8).stats["talker_kept_rows"])
         model.engine.settle()
-    # The second turn's rest (the reply's tail and a typed turn: under 32 rows) found no graph yet.
+    # The second turn's rest (the reply's tail and a typed turn: under 32 rows) found no graph yet; so
+    # did the talker's (the new user turn and its 9 opener rows), after the user rows it kept.
     assert replays == [False, True] and (32, 512) in graphs.rest_graphs, (replays, list(graphs.rest_graphs))
+    assert talker_replays == [False, True] and kept[0] == 0 and 0 < kept[1] < kept[2], (talker_replays, kept)
 
 
 def _noted(replays: list, out):

@@ -220,6 +220,7 @@ def _reply(engine, subject: _Subject, prompt_ids, text_tokens, codes, device, i:
         "codes": len(reply.codes),
         "prompt_tokens": s["prompt_tokens"],
         "prefill_tokens": s["prefill_tokens"],  # the rest was kept from the turn before
+        "talker_kept_rows": s.get("talker_kept_rows"),  # the talker prompt's rows kept from the turn before
         "audio_encoder_ms": s.get("audio_encoder_ms"),
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
     }

@@ -5,10 +5,11 @@ length, not on what it says) and a few words; each reply is forced to `--text-to
 next prompt is the whole conversation so far, as a chat sends it. The conversation runs twice on the same
 engine, side by side: with the thinker's context kept between turns (runtime/context.py, the default) and
 with every prompt prefilled whole (as before it), after one warm-up reply with a clip (the encoders' first
-run). Per turn: first audio, real-time factor, prompt and prefilled tokens, the audio encoder's time, the
-time until the prefill is issued, and the host's feature extraction for the clips before the turn (kept:
-the new clip's only, as an assistant's conversation keeps each clip's features, encoder_inputs.py; whole:
-every clip the conversation holds, as before). Before each turn the engine settles (`Engine.settle`: the
+run). Per turn: first audio, real-time factor, prompt and prefilled tokens, the talker prompt's rows
+kept from the turn before (kept: the rows of the positions the thinker kept), the audio encoder's time,
+the time until the prefill is issued, and the host's feature extraction for the clips before the turn
+(kept: the new clip's only, as an assistant's conversation keeps each clip's features,
+encoder_inputs.py; whole: every clip the conversation holds, as before). Before each turn the engine settles (`Engine.settle`: the
 step graphs a finished turn captures ahead, in the pause a person leaves between turns).
 
 It knows the families only through their presets modules (`spoken_turn`, `reply_end`, `spoken_inputs`).
@@ -71,10 +72,12 @@ def conversation(engine, subject, turns: int, audio_seconds: float, reply) -> di
 
 def table(result: dict) -> str:
     """Each turn side by side: first audio, RTF and prefilled tokens, kept vs whole."""
-    lines = [f"{'turn':>4}  {'prompt':>6}  {'prefill kept/whole':>18}  {'first audio ms kept/whole':>26}  "
+    lines = [f"{'turn':>4}  {'prompt':>6}  {'prefill kept/whole':>18}  {'talker kept':>11}  "
+             f"{'first audio ms kept/whole':>26}  "
              f"{'RTF kept/whole':>15}  {'encoder ms kept/whole':>22}  {'features ms kept/whole':>22}"]
     for i, (k, w) in enumerate(zip(result["kept"], result["whole"]), 1):
         lines.append(f"{i:>4}  {k['prompt_tokens']:>6}  {k['prefill_tokens']:>8}/{w['prefill_tokens']:<9}  "
+                     f"{k.get('talker_kept_rows') or 0:>11}  "
                      f"{k['time_to_first_audio_ms']:>12.0f}/{w['time_to_first_audio_ms']:<13.0f}  "
                      f"{k['real_time_factor']:>7.3f}/{w['real_time_factor']:<7.3f}  "
                      f"{k['audio_encoder_ms'] or 0:>10.1f}/{w['audio_encoder_ms'] or 0:<11.1f}  "

@@ -15,8 +15,15 @@ A causal prefix's keys, values and outputs do not depend on what follows it, so 
 what a fresh prefill of the whole prompt computes, up to the rounding of matmuls of other row counts
 (float32: exact greedy picks, tests/test_context.py states the bound).
 
-It knows neither the family (the thinker passes its placeholder ids and its tensors by name) nor the
-talker's own cache (the talker prefills its whole prompt each turn). It does not look at the device.
+The talker's prompt is made of rows that each come from one thinker prompt position (Qwen2.5-Omni:
+every position; Qwen3-Omni: the user turns' positions) and a few rows of its own at the end (the
+assistant opener, the voice, the first reply token). `TalkerRows` says how many leading rows of the
+talker's cache the next talker prompt can keep: those made from the same positions, where the thinker
+kept those positions (so the talker reads the same vectors there); its own rows and the reply's codes
+after them are always made again.
+
+It knows neither the family (the thinker passes its placeholder ids and its tensors by name, a talker
+the positions its rows come from) nor the caches' layout. It does not look at the device.
 """
 
 from __future__ import annotations
@@ -135,6 +142,39 @@ class KeptContext:
         if kept is None or suffix is None:
             return None
         return torch.cat([kept[:, :start], suffix], dim=1)
+
+
+class TalkerRows:
+    """Which thinker positions the leading rows of a talker's cache were made from, and of which prompt
+    (the thinker's prefill count, `Thinker.prompts`): the next talker prompt keeps the rows it shares.
+
+    Kept only across consecutive prompts: the thinker's `found` (the positions its prefill kept) is
+    counted against the prompt just before, so rows made from an older prompt (a text-only turn came
+    between, or a turn stopped before its talker ran) are made again."""
+
+    def __init__(self) -> None:
+        self.sources: list[int] = []  # the thinker position of each row (-1: a row of the talker's own)
+        self.prompt = -2  # the thinker prompt they were made from (never one before the first: -2)
+        self.found = 0  # rows the last talker prompt kept
+
+    def clear(self) -> None:
+        """Nothing kept (the talker's cache was written otherwise: a warm-up, a graph's capture)."""
+        self.sources, self.prompt = [], -2
+
+    def reuse(self, sources: list[int], prompt: int, thinker_found: int) -> int:
+        """How many leading rows of the talker prompt made from `sources` (as above) out of the thinker's
+        prompt number `prompt`, which kept its first `thinker_found` positions, the cache holds. Like
+        `KeptContext.reuse` it takes the rows over until `keep`."""
+        kept, self.sources = (self.sources if prompt == self.prompt + 1 else []), []
+        n, limit = 0, min(len(kept), len(sources))
+        while n < limit and 0 <= sources[n] < thinker_found and kept[n] == sources[n]:
+            n += 1
+        self.found = n
+        return n
+
+    def keep(self, sources: list[int], prompt: int) -> None:
+        """Remember the talker prompt just prefilled."""
+        self.sources, self.prompt = list(sources), prompt
 
 
 def context_figures(thinker) -> dict:

@@ -219,8 +219,10 @@ class Turn:
         rate = self.steps.sample_rate
         stats = turn_stats(st, self.clock, t0, end, len(audio) / rate)
         stats["prompt_tokens"] = len(self.req.input_ids)
-        kept = self.steps.kept_context()["found"]
-        stats["prefill_tokens"] = len(self.req.input_ids) - kept  # the rest was kept from the turn before
+        kept = self.steps.kept_context()
+        stats["prefill_tokens"] = len(self.req.input_ids) - kept["found"]  # the rest was kept from the turn before
+        if st.codes:  # the talker's prompt rows it found kept (its prefill ran this turn)
+            stats["talker_kept_rows"] = kept.get("talker_found", 0)
         stats.update(media_stats(self.req.media))
         return Reply(self.detok.text(st.text_ids), list(st.text_ids), list(st.codes), audio, rate, stats)
 

@@ -87,8 +87,9 @@ class Qwen25Steps:
     def kept_context(self) -> dict:
         """The thinker's kept context (runtime/context.py): `found`, the positions the last prefill found in
         the cache; `held`, the positions kept for the next; `bytes`, their keys and values in the cache and
-        the prompt's embeddings and hidden states kept for the talker."""
-        return context_figures(self.thinker)
+        the prompt's embeddings and hidden states kept for the talker; `talker_found`, the rows of its last
+        prompt the talker found in its cache."""
+        return dict(context_figures(self.thinker), talker_found=self.talker.rows.found if self.has_talker else 0)
 
     def reply_vector(self, out) -> torch.Tensor:
         """What the talker reads for the fed token: the thinker's hidden state plus the token's embedding."""
@@ -179,7 +180,8 @@ class _TalkerTurn:
 
             ids = list(prompt.prompt_ids) + [self.voice_bos_id, 0]
             positions, shift = mrope_positions(self.talker.module, ids, prompt.media, embeds.device)
-        return self._pick(self.talker.prefill(embeds, prompt.hidden, self.voice_bos, first_vec, positions, shift))
+        return self._pick(self.talker.prefill(embeds, prompt.hidden, self.voice_bos, first_vec, positions, shift,
+                                              prompt=prompt.prompt, found=prompt.found))
 
     def step(self, code: torch.Tensor, vec: torch.Tensor) -> torch.Tensor:
         return self._pick(self.talker.decode_one(code, vec))

@@ -3,7 +3,8 @@
 Inputs are built exactly as transformers' `Qwen2_5OmniForConditionalGeneration.generate` builds them:
 prefill = [prompt hidden + prompt embeddings, voice's text-bos embedding (+ codec pad), first reply
 vector (+ codec bos)]; decode step k = embedding of code k-1 + reply vector k. Every input goes through
-`thinker_to_talker_proj`, a plain `torch.nn.Linear` that we call directly on the critical path.
+`thinker_to_talker_proj`, a plain `torch.nn.Linear` that we call directly on the critical path. In a
+conversation the rows of the prompt positions the thinker kept stay in the cache from the turn before.
 
 It does not know where reply vectors come from (the engine picks reply vector, text-EOS or text-pad),
 nor about sampling or stopping.
@@ -15,6 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ...runtime.context import TalkerRows
 from ...runtime.decoder import forward_layers
 from ...runtime.kv_cache import StaticKVCache
 
@@ -31,6 +33,7 @@ class Talker:
         self.codec_embed = talker_module.get_input_embeddings()
         self.codec_head = talker_module.codec_head
         self.cache = cache
+        self.rows = TalkerRows()  # which of the cache's rows the next prompt may keep (runtime/context.py)
         cfg = talker_module.config
         self.codec_bos = cfg.tts_codec_start_token_id
         self.codec_pad = cfg.tts_codec_pad_token_id
@@ -55,6 +58,7 @@ class Talker:
         self.graphs = policy.step_graphs(self._fused_step, self.cache.max_len, lazy=not policy.compile_on)
 
     def capture_graphs(self) -> None:
+        self.rows.clear()  # the captures write the cache
         if self.fused is not None:
             with torch.inference_mode():
                 self.graphs.capture_all()
@@ -73,9 +77,19 @@ class Talker:
         first_reply: torch.Tensor,  # [1, 1, W] reply vector of the first reply token
         positions: torch.Tensor | None = None,  # [3, 1, L + 2] M-RoPE positions of an image prompt
         shift: int = 0,  # their delta for the steps after the prompt
+        *,
+        prompt: int = -1,  # the thinker's prompt number (`ThinkerOut.prompt`)
+        found: int = 0,  # the positions of it the thinker kept (`ThinkerOut.found`)
     ) -> torch.Tensor:
-        """Returns float32 logits [1, vocab] for code 0."""
-        self.cache.reset()
+        """Returns float32 logits [1, vocab] for code 0. The rows of the positions the thinker kept are
+        in the cache from the turn before (`TalkerRows`): only the rest is prefilled."""
+        length = prompt_embeds.shape[1]
+        sources = list(range(length)) + [-1, -1]
+        start = self.rows.reuse(sources, prompt, found)
+        if start:
+            self.cache.keep_first(start)
+        else:
+            self.cache.reset()
         self.rope_delta = shift
         if self.fused is not None:
             self.fused.rope_shift.fill_(shift)
@@ -83,8 +97,13 @@ class Talker:
         pad_bos = self.codec_embed(self.pad_bos_ids)
         x[:, -1, :] += pad_bos[1]
         x[:, -2, :] += pad_bos[0]
-        hidden = forward_layers(self.model, self.proj(x), self.cache, positions=positions)
-        # Same as the reference: head over all positions, last row kept.
+        # Projected over every row, as the reference (a matmul's rounding depends on its row count).
+        rest = self.proj(x)[:, start:]
+        hidden = forward_layers(self.model, rest, self.cache,
+                                positions=None if positions is None else positions[..., start:])
+        self.rows.keep(sources, prompt)
+        # As the reference: the head over every row prefilled (all of them where nothing was kept), the
+        # last kept.
         return self.codec_head(hidden).float()[:, -1]
 
     def decode_one(self, code: torch.Tensor, reply: torch.Tensor) -> torch.Tensor:

@@ -41,6 +41,10 @@ class ThinkerOut:
     # The prompt's media (encoder inputs) and ids, for the talker's positions; None for a decode step.
     media: dict | None = None
     prompt_ids: list | None = None
+    # Of a prompt: the positions its prefill found kept in the cache, and which prefill it was (the
+    # thinker's count): the talker keeps its rows of those positions (runtime/context.py `TalkerRows`).
+    found: int = 0
+    prompt: int = 0
 
 
 class Thinker:
@@ -56,6 +60,7 @@ class Thinker:
         # The last prompt's positions kept for the next (runtime/context.py); None: every prefill is whole.
         self.context: KeptContext | None = KeptContext(self.audio_token, self.image_token)
         self.kept_positions = 0  # positions the last prefill found in the cache
+        self.prompts = 0  # prefills so far (a prompt's number, for the talker's kept rows)
 
     def enable_fast_decode(self, policy) -> None:
         """Decode through the fused fixed-shape step (`runtime/fused.py`), replayed as CUDA graphs where
@@ -80,6 +85,7 @@ class Thinker:
         where the prompt extends the last one (runtime/context.py: only the rest is prefilled, only its
         clips and images encoded), else from an empty cache. The outputs cover the whole prompt."""
         ids = input_ids[0].tolist()
+        self.prompts += 1
         reuse = self.context.reuse(ids, media) if self.context is not None else Reuse(0, media)
         start, part = reuse.start, reuse.media or {}
         if start:
@@ -112,7 +118,7 @@ class Thinker:
         if self.context is not None:
             self.context.keep(ids, media, {"embeds": embeds, "hidden": hidden, "talker": talker_embeds},
                               self.rope_delta)
-        return ThinkerOut(embeds, hidden, logits, talker_embeds, media or None, ids)
+        return ThinkerOut(embeds, hidden, logits, talker_embeds, media or None, ids, start, self.prompts)
 
     def _with_images(self, input_ids, embeds, talker_embeds, media):
         """The vision encoder's outputs at the image positions (and zeros there for the talker)."""

@@ -84,8 +84,9 @@ class Qwen3Steps:
     def kept_context(self) -> dict:
         """The thinker's kept context (runtime/context.py): `found`, the positions the last prefill found in
         the cache; `held`, the positions kept for the next; `bytes`, their keys and values in the cache and
-        the prompt's embeddings and hidden states kept for the talker."""
-        return context_figures(self.thinker)
+        the prompt's embeddings and hidden states kept for the talker; `talker_found`, the rows of its last
+        prompt the talker found in its cache."""
+        return dict(context_figures(self.thinker), talker_found=self.talker.rows.found if self.has_talker else 0)
 
     def reply_vector(self, out) -> torch.Tensor:
         return self.talker.reply_vector(out)
@@ -111,8 +112,8 @@ class Qwen3Steps:
     def capture_ahead(self) -> int:
         """Between turns (the engine's capture ahead, CUDA): the thinker's and the talker's lazy span
         buckets a growing conversation reaches next (runtime/graphs.py `capture_ahead`), and the prompts'
-        graphs the next turn wants (`PrefillGraphs.capture_rests`: its rest over the thinker's kept context,
-        the talker's growing prompt)."""
+        graphs the next turn wants (`PrefillGraphs.capture_rests`: the rests over the thinker's and the
+        talker's kept rows)."""
         from ...runtime.graphs import capture_ahead
 
         thinker = self.thinker.fused.graphs if self.thinker.fused is not None else None
@@ -122,9 +123,21 @@ class Qwen3Steps:
         with torch.inference_mode():
             if self.thinker.prefill_graphs is not None:
                 made += self.thinker.prefill_graphs.capture_rests(kept=context is not None and bool(context.ids))
-            if self.has_talker and self.talker.prefill_graphs is not None:  # its cache is never kept
-                made += self.talker.prefill_graphs.capture_rests(kept=False)
+            if self.has_talker and self.talker.prefill_graphs is not None:
+                made += self._capture_talker_prompts()
         return made
+
+    def _capture_talker_prompts(self) -> int:
+        """The talker's prompt graphs the next turn wants: its rest after the user rows the cache keeps
+        (their number is the most the next prompt keeps), or, with none kept, its prompts from an empty
+        cache (whose captures write from the first row)."""
+        talker = self.talker
+        users = next((i for i, s in enumerate(talker.rows.sources) if s < 0), len(talker.rows.sources))
+        if users and users <= talker.cache.length:
+            talker.cache.keep_first(users)  # the opener's rows and the reply's are made again anyway
+            return talker.prefill_graphs.capture_rests(kept=True)
+        talker.rows.clear()
+        return talker.prefill_graphs.capture_rests(kept=False)
 
     def warmup(self) -> dict | None:
         """Capture the CUDA graphs (thinker and talker steps for every span bucket, the frame) and, with

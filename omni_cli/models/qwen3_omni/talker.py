@@ -12,7 +12,9 @@ sum of the frame's 16 codebook embeddings plus one text entry.
 The talker prompt (made in `prefill`, as the reference): the user turns of the conversation only
 (system and earlier assistant turns dropped), each token `text_projection`-ed; then nine positions:
 `<|im_start|>`, `assistant`, `\\n` (text-projected), then tts_pad + codec nothink / think_bos / think_eos /
-the voice's codec id, tts_bos + codec pad, and the first reply token + codec bos.
+the voice's codec id, tts_bos + codec pad, and the first reply token + codec bos. In a conversation the
+next prompt's user rows begin with the last one's: those the thinker kept stay in the cache and only the
+rest is prefilled (runtime/context.py `TalkerRows`).
 
 Steps take and return device tensors only (no host sync); every id and mask tensor is made in
 `__init__` or `begin`. It does not know where the text entries come from (the runtime picks R[k],
@@ -38,6 +40,7 @@ import torch
 
 from ...config import SamplingOptions
 from . import TALKER_SAMPLING
+from ...runtime.context import TalkerRows
 from ...runtime.decoder import forward_layers
 from ...runtime.kv_cache import StaticKVCache
 from ...runtime.sampling import SamplingParams, mark_seen, pick
@@ -90,6 +93,7 @@ class Talker:
         self.predictor_heads = talker.code_predictor.lm_head  # [k] gives codebook k+1
         self.predictor_embeds = talker.code_predictor.get_input_embeddings()  # [k] embeds codebook k+1
         self.cache = cache
+        self.rows = TalkerRows()  # which of the cache's rows the next prompt may keep (runtime/context.py)
         self.predictor_cache = predictor_cache
         self.accept_hidden_layer = tcfg.accept_hidden_layer
 
@@ -242,6 +246,7 @@ class Talker:
     def capture_graphs(self) -> None:
         """Capture the frame's graph and the step's for every span bucket (the engine's warm-up). The
         capture's warm-up runs write the sampling state: `begin` resets it for every turn."""
+        self.rows.clear()  # the captures write the cache
         if self.fused is None:
             return
         assert self.prefill_graphs is not None  # made with the fused steps (`enable_fast_decode`)
@@ -280,15 +285,28 @@ class Talker:
         # Added as the reference adds them: the opener rows get zeros, the other six their codec ids.
         codec = torch.cat([self._no_codec, self.codec_embed(self._codec_ids).unsqueeze(0)], dim=1)
         x = torch.cat([user, text + codec], dim=1)
-        self.cache.reset()
+        # The user rows of the positions the thinker kept are in the cache from the turn before.
+        sources = self._users + [-1] * (x.shape[1] - len(self._users))
+        start = self.rows.reuse(sources, prompt.prompt, prompt.found)
+        if start:
+            self.cache.keep_first(start)
+        else:
+            self.cache.reset()
         positions, self.rope_delta = self._positions(prompt, x.device)
         if self.fused is not None:
             self.fused.rope_shift.fill_(self.rope_delta)
-        if self.prefill_graphs is None or positions is not None:
-            hidden = forward_layers(self.model, x, self.cache, positions=positions)
+        rest = x[:, start:]
+        graphed = None
+        if self.prefill_graphs is not None and positions is None:
+            graphed = self.prefill_graphs(rest) if not start else self.prefill_graphs.over_kept(rest)
+        if graphed is not None:
+            hidden = graphed[0]
         else:
-            hidden, _ = self.prefill_graphs(x)
-        # `codec_head` over every prompt position, last row kept: the reference's matmul shape.
+            hidden = forward_layers(self.model, rest, self.cache,
+                                    positions=None if positions is None else positions[..., start:])
+        self.rows.keep(sources, prompt.prompt)
+        # `codec_head` over every row prefilled, last row kept: the reference's matmul shape (all of the
+        # prompt's rows) where nothing was kept.
         logits = self.codec_head(hidden)[:, -1].float()
         self._draw()
         if self.fused is None:

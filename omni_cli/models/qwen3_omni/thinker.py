@@ -48,6 +48,10 @@ class ThinkerOut:
     # The prompt's media (encoder inputs) and ids, for the talker's positions; None for a decode step.
     media: dict | None = None
     prompt_ids: list | None = None
+    # Of a prompt: the positions its prefill found kept in the cache, and which prefill it was (the
+    # thinker's count): the talker keeps its rows of those positions (runtime/context.py `TalkerRows`).
+    found: int = 0
+    prompt: int = 0
 
 
 class Thinker:
@@ -66,6 +70,7 @@ class Thinker:
         # The last prompt's positions kept for the next (runtime/context.py); None: every prefill is whole.
         self.context: KeptContext | None = KeptContext(self.audio_token, self.image_token)
         self.kept_positions = 0  # positions the last prefill found in the cache
+        self.prompts = 0  # prefills so far (a prompt's number, for the talker's kept rows)
 
     def enable_fast_decode(self, policy) -> None:
         """Decode through the fused fixed-shape step (`runtime/fused.py`), replayed as CUDA graphs where
@@ -119,6 +124,7 @@ class Thinker:
         images encoded), else from an empty cache. Audio positions stay 1-D (for audio the reference's
         M-RoPE rows are equal and consecutive). The outputs cover the whole prompt."""
         ids = input_ids[0].tolist()
+        self.prompts += 1
         reuse = self.context.reuse(ids, media) if self.context is not None else Reuse(0, media)
         start, part = reuse.start, reuse.media or {}
         if start:
@@ -148,7 +154,7 @@ class Thinker:
         if self.context is not None:
             self.context.keep(ids, media, {"embeds": out.embeds, "hidden": out.hidden, "accepted": out.accepted},
                               self.rope_delta)
-        out.media, out.prompt_ids = media or None, ids
+        out.media, out.prompt_ids, out.found, out.prompt = media or None, ids, start, self.prompts
         return out
 
     def _with_images(self, input_ids, embeds, media):
