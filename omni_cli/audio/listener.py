@@ -34,6 +34,7 @@ generation) is the talk loop's business. An error on this thread is kept and rai
 from __future__ import annotations
 
 import collections
+import itertools
 import logging
 import math
 import queue
@@ -104,6 +105,18 @@ REFERENCE_SILENT_DBFS = -60.0  # a reference block this quiet: the speaker is no
 # For this long after the speaker went quiet its echo may still come in (a device's latency and the room):
 # those blocks are judged by the bar of the last block it played, not the lenient ECHO_KEPT_DB.
 ECHO_TAIL_MS = 400
+# What the canceller keeps of the echo is measured on the blocks' echo-like part: a block the reference
+# explains ECHO_WHOLE or more of is echo whole (what AEC3 keeps of a voice it has not learned is 25-90 %
+# explained, mostly 35-55), one it explains no more than a filter explains of an unrelated signal by
+# chance (ECHO_CHANCE: the user's speech over a noise-like voice, 7-12 %) is not echo, and between the two
+# in proportion. So the user's blocks do not count as echo: they held the bar up while the user spoke
+# 10 dB under a loud voice that AEC3 learned late (the room on an H200: 11-21 dB kept for 1.8 s, then -80).
+# And the bar follows a canceller that has just learned the echo: it is the lower of the medians over the
+# last 2 s and the last 0.5 s. (With every block scaled by its explained share, the bar fell under the
+# uneven residue of an unlearned voice: a false cut in 2 of 13 rooms on this CPU, recorded and replayed.)
+ECHO_CHANCE = 0.1
+ECHO_WHOLE = 0.3
+ECHO_RECENT_BLOCKS = 50  # 10 ms blocks: 0.5 s
 
 
 @dataclass(frozen=True)
@@ -210,6 +223,7 @@ class Listener:
         self._echo_kept: collections.deque = collections.deque(maxlen=200)
         self._echo_samples = 0  # the microphone's samples those were measured over, this reply
         self._last_bar = ECHO_UNSETTLED_DB  # the bar of the last block the speaker played (`_near_end`)
+        self._explained: float | None = None  # this block's EchoResemblance.explained(), once computed
         self._quiet_samples = 0  # the microphone's samples since the speaker last played, this reply
         self._new_reply = False  # set by the talk loop's thread, seen by this one: the echo's figures restart
         self._new_turn(0)
@@ -320,9 +334,10 @@ class Listener:
         """Whether this block may hold the user rather than the assistant's echo, for barge-in: its cleaned
         level is above BARGE_FLOOR_DBFS and, with a canceller, the canceller kept at least ECHO_KEPT_DB of
         the microphone's power (it takes most of a block of echo away, little of the user's voice), and
-        while the speaker plays, more than it keeps of the echo now (`_echo_bar`), counting only the part of
-        what it kept that the reference does not explain (the comments above ECHO_MARGIN_DB). The VAD
-        alone will not do: WebRTC's calls a faint harmonic residue of echo, 60 dB down, speech."""
+        while the speaker plays, more than it keeps of the echo now (`_echo_bar`, over `_echo_part`s),
+        counting only the part of what it kept that the reference does not explain (the comments above
+        ECHO_MARGIN_DB and ECHO_CHANCE). The VAD alone will not do: WebRTC's calls a faint harmonic residue
+        of echo, 60 dB down, speech."""
         if self.options.echo == "off" or not block.shape[0]:
             return level >= BARGE_FLOOR_DBFS
         assert self._resemblance is not None  # made with the canceller
@@ -334,7 +349,7 @@ class Listener:
             self._last_bar, self._quiet_samples = ECHO_UNSETTLED_DB, 0
         heard = block_dbfs(block)
         kept = level - heard
-        bar = ECHO_KEPT_DB
+        bar, self._explained = ECHO_KEPT_DB, None
         playing = block_dbfs(reference) >= REFERENCE_SILENT_DBFS
         if self.speaking.is_set() and not playing:
             self._echo_samples = 0  # a pause: what follows settles again (the comment above ECHO_MARGIN_DB)
@@ -344,24 +359,36 @@ class Listener:
                 bar = self._last_bar  # the echo of what was just played is still coming in
         elif self.speaking.is_set() and heard >= BARGE_FLOOR_DBFS:
             bar = self._last_bar = self._echo_bar()
-            self._echo_kept.append(kept)
+            self._echo_kept.append(self._echo_part(kept))
             self._echo_samples += block.shape[0]
         if playing:
             self._quiet_samples = 0
         counts = level >= BARGE_FLOOR_DBFS and kept >= bar
-        if counts and self.speaking.is_set():  # computed only for a block that would count
-            explained = self._resemblance.explained()
+        if counts and self.speaking.is_set():  # computed once, where it may matter (1.8 ms on this CPU)
+            explained = self._resemblance.explained() if self._explained is None else self._explained
             own = 10.0 * math.log10(max(1.0 - explained, 1e-3))  # dB: the part the reference does not explain
             counts = explained < ECHO_EXPLAINED and level + own >= BARGE_FLOOR_DBFS and kept + own >= bar
         return counts
 
+    def _echo_part(self, kept: float) -> float:
+        """What the canceller kept of the echo in a block it kept `kept` dB of while the speaker played: its
+        echo-like part (the comment above ECHO_CHANCE); all of it below ECHO_KEPT_DB (such a block never
+        counts, and is not looked at)."""
+        if kept < ECHO_KEPT_DB:
+            return kept
+        assert self._resemblance is not None  # made with the canceller
+        self._explained = self._resemblance.explained()
+        share = (self._explained - ECHO_CHANCE) / (ECHO_WHOLE - ECHO_CHANCE)
+        return kept + 10.0 * math.log10(min(1.0, max(share, 1e-3)))
+
     def _echo_bar(self) -> float:
         """The share the canceller must keep of a block, while the speaker plays, for the block to count
-        as the user's (the comment above ECHO_MARGIN_DB says why)."""
+        as the user's (the comments above ECHO_MARGIN_DB and ECHO_CHANCE say why)."""
         if self._echo_samples < ECHO_SETTLE_MS * self.rate // 1000:
             return ECHO_UNSETTLED_DB
         ordered = sorted(self._echo_kept)
-        return max(ECHO_KEPT_DB, ordered[len(ordered) // 2] + ECHO_MARGIN_DB)
+        recent = sorted(itertools.islice(self._echo_kept, max(0, len(self._echo_kept) - ECHO_RECENT_BLOCKS), None))
+        return max(ECHO_KEPT_DB, min(ordered[len(ordered) // 2], recent[len(recent) // 2]) + ECHO_MARGIN_DB)
 
     def _drain_references(self) -> None:
         while self._refs:
