@@ -1,7 +1,8 @@
 """Talk mode's figures, measured on this machine (CPU, no sound card): `python scripts/measure_talk.py [PART ...]`.
 
 Parts (all by default):
-  room     omni-chat --talk with the built-in tiny model ($TALK_FLAGS: more flags) in tests/room.py's room (the real PortAudio path,
+  room     omni-chat --talk with the built-in tiny model ($TALK_FLAGS: more flags; $TALK_RECORD=OUT: the listener's
+           inputs recorded, scripts/listener_record.py) in tests/room.py's room (the real PortAudio path,
            ALSA FIFO devices; echo at 60 ms, half level): three spoken turns, the third over the second
            reply. Speech start -> sound stopped (the room's last sound), barge-in -> sound off and ->
            reply stopped (the app's --verbose figures), end of speech -> first sound.
@@ -53,7 +54,11 @@ def room_run(lines: list[tuple[str, int, int]], flags: list[str], limit: float) 
         turns.append({"file": str(path), "when": when, "n": n, "into": 0.8})
     (folder / "script.json").write_text(json.dumps({"delay_ms": 60, "echo_gain": 0.5, "turns": turns}))
     room = subprocess.Popen([sys.executable, str(ROOT / "tests" / "room.py"), str(folder / "dev"), str(folder / "script.json")])
-    app = subprocess.Popen([sys.executable, "-m", "omni_cli.faces.chat.main", "--talk", "--seed", "1", "--verbose", *flags],
+    # $TALK_RECORD=OUT: the listener's inputs recorded as OUT.flac and OUT.json (scripts/listener_record.py).
+    record = os.environ.get("TALK_RECORD")
+    program = ([str(ROOT / "scripts" / "listener_record.py"), "record", record, "--"] if record
+               else ["-m", "omni_cli.faces.chat.main"])
+    app = subprocess.Popen([sys.executable, *program, "--talk", "--seed", "1", "--verbose", *flags],
                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                            env=cli_env(**env, XDG_DATA_HOME=str(folder / "data")), cwd=ROOT)
     log_path = folder / "dev" / "room.log"
