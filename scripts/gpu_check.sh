@@ -26,7 +26,8 @@
 #   room3      rt3's talk room only (omni-chat --talk --server over /v1/realtime against Qwen3-Omni)
 #   rt25, rt3  the 7B / Qwen3-Omni served at true size (scripts/serve_preset.py): /v1/realtime timed by
 #              scripts/realtime_latency.py ($OUT/realtime-*.json), then omni-chat --talk --server in the
-#              file-backed room (measure_talk.py room; PortAudio from .gpu_libs/ if the machine lacks it)
+#              file-backed room (measure_talk.py room; PortAudio from .gpu_libs/ if the machine lacks it; the
+#              listener's inputs in $OUT/listener-*.flac/.json, for scripts/listener_record.py replay)
 # Each step has its own time limit so a call stays under the 600 s it may take; omni-bench prints a
 # progress line per phase on stderr, so a step cut short still shows how far it got.
 #   usage: bash scripts/gpu_check.sh [STEP ...]
@@ -42,7 +43,7 @@ served() {  # served PRESET MAX_CODES TAG [DEVICE [ROOM_ONLY]]: serve it, time /
   [ -n "${5:-}" ] || timeout 150 python3 scripts/realtime_latency.py --url http://127.0.0.1:8484 --rounds 3 --silence-ms 500 \
     --max-tokens 64 > "$out/realtime-$3.json" 2> "$out/realtime-$3.err"
   PYTHONPATH=$PWD/.gpu_libs:$PWD LD_LIBRARY_PATH=$PWD/.gpu_libs TALK_FLAGS="--server http://127.0.0.1:8484" TALK_LOG="$out/talk-$3.log" \
-    timeout 240 python3 scripts/measure_talk.py room > "$out/talk-$3.txt" 2>&1
+    TALK_RECORD="$out/listener-$3" timeout 240 python3 scripts/measure_talk.py room > "$out/talk-$3.txt" 2>&1
   kill $pid; wait $pid 2>/dev/null
 }
 for step in "${@:-bench tests}"; do
