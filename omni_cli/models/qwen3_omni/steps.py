@@ -131,13 +131,14 @@ class Qwen3Steps:
         """The talker's prompt graphs the next turn wants: its rest after the user rows the cache keeps
         (their number is the most the next prompt keeps), or, with none kept, its prompts from an empty
         cache (whose captures write from the first row)."""
-        talker = self.talker
+        talker, graphs = self.talker, self.talker.prefill_graphs
+        assert graphs is not None  # called where the talker has them
         users = next((i for i, s in enumerate(talker.rows.sources) if s < 0), len(talker.rows.sources))
         if users and users <= talker.cache.length:
             talker.cache.keep_first(users)  # the opener's rows and the reply's are made again anyway
-            return talker.prefill_graphs.capture_rests(kept=True)
+            return graphs.capture_rests(kept=True)
         talker.rows.clear()
-        return talker.prefill_graphs.capture_rests(kept=False)
+        return graphs.capture_rests(kept=False)
 
     def warmup(self) -> dict | None:
         """Capture the CUDA graphs (thinker and talker steps for every span bucket, the frame) and, with
