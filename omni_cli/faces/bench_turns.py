@@ -9,8 +9,9 @@ run). Per turn: first audio, real-time factor, prompt and prefilled tokens, the 
 kept from the turn before (kept: the rows of the positions the thinker kept), the audio encoder's time,
 the time until the prefill is issued, and the host's feature extraction for the clips before the turn
 (kept: the new clip's only, as an assistant's conversation keeps each clip's features,
-encoder_inputs.py; whole: every clip the conversation holds, as before). Before each turn the engine settles (`Engine.settle`: the
-step graphs a finished turn captures ahead, in the pause a person leaves between turns).
+encoder_inputs.py; whole: every clip the conversation holds, as before). Before each turn the engine
+settles (`Engine.settle`: the step graphs a finished turn captures ahead, in the pause a person leaves
+between turns).
 
 It knows the families only through their presets modules (`spoken_turn`, `reply_end`, `spoken_inputs`).
 """
