@@ -241,29 +241,29 @@ def test_qwen3_talkers_captures_between_turns_leave_its_user_rows(qwen3):
     chat.say("Hello there.", **opts)
     users = len(talker._users)
     assert talker.cache.length > users + 9
-    with torch.inference_mode():
-        qwen3.engine.steps._capture_talker_prompts()
+    from omni_cli.runtime.graphs import capture_prompts
+
+    capture_prompts(qwen3.engine.steps.thinker, talker)
     assert talker.cache.length == users
     assert chat.say("Tell me more.", **opts).stats["talker_kept_rows"] == users
 
 
-@pytest.mark.parametrize("stack", ["thinker", "talker"])
-def test_the_suffix_graphs_forward_equals_the_eager_suffix_prefill(qwen3, stack):
+@pytest.mark.parametrize("family, stack", [("qwen3", "thinker"), ("qwen3", "talker"), ("qwen25", "thinker"),
+                                           ("qwen25", "talker")])
+def test_the_suffix_graphs_forward_equals_the_eager_suffix_prefill(family, stack, request):
     """What the suffix graphs replay (`decoder.forward_suffix`: the kept length a device value, the rest
     padded to its bucket, the keys read over a fixed span behind a mask) gives the eager suffix prefill's
-    rows and cache (float32, CPU: the same function the GPU captures), for the thinker's stack and the
-    talker's."""
+    rows and cache (float32, CPU: the same function the GPU captures), for each family's thinker and
+    talker stacks."""
     from omni_cli.runtime.decoder import forward_layers_keeping, forward_suffix
     from omni_cli.runtime.graphs import suffix_span
 
-    steps = qwen3.engine.steps
+    steps = request.getfixturevalue(family).engine.steps
     thinker, talker = steps.thinker, steps.talker
-    if stack == "thinker":
-        model, cache, keep = thinker.model, thinker.cache, thinker.accept_layer
-        width = thinker.embed_tokens.weight.shape[1]
-    else:
-        model, cache, keep = talker.model, talker.cache, None
-        width = talker.codec_head.in_features
+    model, cache = (thinker.model, thinker.cache) if stack == "thinker" else (talker.model, talker.cache)
+    keep = getattr(thinker, "accept_layer", None) if stack == "thinker" else None  # Qwen3's talker reads one
+    width = model.layers[0].self_attn.q_proj.in_features
+    thinker.context.clear(), talker.rows.clear()  # this writes the caches: nothing in them is kept after it
     torch.manual_seed(0)
     prompt, rest = torch.randn(1, 40, width), torch.randn(1, 23, width)
     with torch.inference_mode():

@@ -645,41 +645,51 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
 SUFFIX_BOUND = 3e-2
 
 
-def test_qwen3_suffix_graph_replays_the_eager_rest_over_a_kept_context():
-    """A prompt's rest over the kept context, replayed from a graph captured between turns (padded to its
-    bucket, the kept length a device value), equals the eager rest: rows, kept layer and cache."""
+def _prompt_graphed(asset: str, monkeypatch):
+    """The tiny model on CUDA in bfloat16 with its prompt graphs (Qwen2.5-Omni's turned on: `PROMPT_GRAPHS`)."""
     import omni_cli
+    from omni_cli.models import qwen2_5_omni
+
+    monkeypatch.setattr(qwen2_5_omni, "PROMPT_GRAPHS", True)
+    return omni_cli.load(asset, device="cuda", dtype="bfloat16")
+
+
+@pytest.mark.parametrize("asset, stack", [("assets/tiny-qwen3-omni", "thinker"), ("assets/tiny-qwen3-omni", "talker"),
+                                          ("assets/tiny-qwen2.5-omni", "thinker"), ("assets/tiny-qwen2.5-omni", "talker")])
+def test_suffix_graph_replays_the_eager_rest_over_a_kept_context(asset, stack, monkeypatch):
+    """A prompt's rest over the kept context, replayed from a graph captured between turns (padded to its
+    bucket, the kept length a device value), equals the eager rest: rows, kept layer and cache; each
+    family's thinker and talker stacks."""
     from omni_cli.runtime.decoder import forward_layers_keeping
 
-    model = omni_cli.load("assets/tiny-qwen3-omni", device="cuda", dtype="bfloat16")
-    thinker = model.engine.steps.thinker
-    graphs, cache, keep = thinker.prefill_graphs, thinker.cache, thinker.accept_layer
+    steps = _prompt_graphed(asset, monkeypatch).engine.steps
+    part = steps.thinker if stack == "thinker" else steps.talker
+    graphs, cache, keep = part.prefill_graphs, part.cache, getattr(part, "accept_layer", None)
     assert graphs is not None and graphs.buckets
     torch.manual_seed(0)
-    width = thinker.embed_tokens.weight.shape[1]
+    width = part.model.layers[0].self_attn.q_proj.in_features
     prompt, rest = (torch.randn(1, n, width, device="cuda", dtype=torch.bfloat16) for n in (40, 23))
     with torch.inference_mode():
         cache.reset()
-        forward_layers_keeping(thinker.model, prompt, cache, keep)
-        eager = forward_layers_keeping(thinker.model, rest, cache, keep)
+        forward_layers_keeping(part.model, prompt, cache, keep)
+        eager = forward_layers_keeping(part.model, rest, cache, keep)
         rows = [t[:, :, :63].clone() for t in cache.keys + cache.values]
         cache.keep_first(40)
         graphs.wanted_rests = {32}
         assert graphs.capture_rests(kept=True) == 1 and cache.length == 40
         graphed = graphs.over_kept(rest)
     assert graphed is not None and cache.length == 63
-    worst = max(_relative(b, a) for a, b in zip(eager, graphed))
+    worst = max(_relative(b, a) for a, b in zip(eager, graphed) if a is not None)
     worst_cache = max(_relative(b[:, :, :63], a) for a, b in zip(rows, cache.keys + cache.values))
-    print(f"suffix graph vs eager: rows {worst:.2e}, cache {worst_cache:.2e}")
+    print(f"{asset} {stack}: suffix graph vs eager: rows {worst:.2e}, cache {worst_cache:.2e}")
     assert worst <= SUFFIX_BOUND and worst_cache <= SUFFIX_BOUND, (worst, worst_cache)
 
 
-def test_qwen3_conversation_replays_its_rests_from_graphs_captured_between_turns(monkeypatch):
+@pytest.mark.parametrize("asset", ["assets/tiny-qwen3-omni", "assets/tiny-qwen2.5-omni"])
+def test_conversation_replays_its_rests_from_graphs_captured_between_turns(asset, monkeypatch):
     """Through the API (bfloat16, graphs): the second turn's rest runs eagerly and makes its bucket wanted,
     the engine's capture ahead captures it, and the third turn's rest replays a graph; the talker's too."""
-    import omni_cli
-
-    model = omni_cli.load("assets/tiny-qwen3-omni", device="cuda", dtype="bfloat16")
+    model = _prompt_graphed(asset, monkeypatch)
     graphs, talker = model.engine.steps.thinker.prefill_graphs, model.engine.steps.talker.prefill_graphs
     replays, talker_replays = [], []
     over_kept, talker_over_kept = graphs.over_kept, talker.over_kept
@@ -691,9 +701,34 @@ def test_qwen3_conversation_replays_its_rests_from_graphs_captured_between_turns
         kept.append(chat.say(text, greedy=True, seed=0, max_text_tokens=6, max_codes=8).stats["talker_kept_rows"])
         model.engine.settle()
     # The second turn's rest (the reply's tail and a typed turn: under 32 rows) found no graph yet; so
-    # did the talker's (the new user turn and its 9 opener rows), after the user rows it kept.
+    # did the talker's (Qwen3: the new user turn and its 9 opener rows; Qwen2.5: the thinker's rest and its
+    # 2 rows), after the rows it kept.
     assert replays == [False, True] and (32, 512) in graphs.rest_graphs, (replays, list(graphs.rest_graphs))
     assert talker_replays == [False, True] and kept[0] == 0 and 0 < kept[1] < kept[2], (talker_replays, kept)
+
+
+@pytest.mark.parametrize("stack", ["thinker", "talker"])
+def test_qwen25_prompt_graph_equals_the_eager_prompt(stack, monkeypatch):
+    """Qwen2.5-Omni's prompt from an empty cache, replayed from the warm-up's graph of its bucket (padded
+    to 64 rows), equals the eager prefill: rows and cache, to bfloat16's rounding of other row counts."""
+    from omni_cli.runtime.decoder import forward_layers_keeping
+
+    steps = _prompt_graphed("assets/tiny-qwen2.5-omni", monkeypatch).engine.steps
+    part = steps.thinker if stack == "thinker" else steps.talker
+    graphs, cache = part.prefill_graphs, part.cache
+    assert graphs is not None and 64 in graphs.graphs  # captured in the warm-up
+    torch.manual_seed(0)
+    prompt = torch.randn(1, 40, part.model.layers[0].self_attn.q_proj.in_features, device="cuda", dtype=torch.bfloat16)
+    with torch.inference_mode():
+        cache.reset()
+        eager, _ = forward_layers_keeping(part.model, prompt, cache, None)
+        rows = [t[:, :, :40].clone() for t in cache.keys + cache.values]
+        graphed, _ = graphs(prompt)
+    assert cache.length == 40
+    worst = _relative(graphed, eager)
+    worst_cache = max(_relative(b[:, :, :40], a) for a, b in zip(rows, cache.keys + cache.values))
+    print(f"qwen2.5 {stack}: prompt graph vs eager: rows {worst:.2e}, cache {worst_cache:.2e}")
+    assert worst <= SUFFIX_BOUND and worst_cache <= SUFFIX_BOUND, (worst, worst_cache)
 
 
 def _noted(replays: list, out):

@@ -250,6 +250,30 @@ def capture_ahead(*stacks) -> int:
     return made
 
 
+def capture_prompts(thinker, talker) -> int:
+    """Between turns: the prompt graphs (`PrefillGraphs.capture_rests`) the next turn wants, for the
+    thinker (its rests over the kept context) and the talker, if given: its rests after the rows it keeps
+    (runtime/context.py `TalkerRows`: the cache cut back to them, the most the next prompt keeps; the rows
+    of its own and the reply's are made again anyway), or, with none kept, its prompts from an empty cache
+    (whose captures write from the first row). Each stack has `prefill_graphs` (or None) and `cache`; the
+    thinker a `context`, the talker `rows`. Returns the graphs made."""
+    made = 0
+    with torch.inference_mode():
+        if thinker.prefill_graphs is not None:
+            context = thinker.context
+            made += thinker.prefill_graphs.capture_rests(kept=context is not None and bool(context.ids))
+        if talker is not None and talker.prefill_graphs is not None:
+            sources = talker.rows.sources
+            rows = next((i for i, s in enumerate(sources) if s < 0), len(sources))
+            if rows and rows <= talker.cache.length:
+                talker.cache.keep_first(rows)
+                made += talker.prefill_graphs.capture_rests(kept=True)
+            else:
+                talker.rows.clear()
+                made += talker.prefill_graphs.capture_rests(kept=False)
+    return made
+
+
 @contextlib.contextmanager
 def capture_anywhere(graph: torch.cuda.CUDAGraph, pool, stream: torch.cuda.Stream):
     """Capture `graph` on `stream` while other threads may be using the GPU (a step graph in the middle of

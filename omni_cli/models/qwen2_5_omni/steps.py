@@ -111,12 +111,14 @@ class Qwen25Steps:
     # -- warm-up -------------------------------------------------------------------------------------
     def capture_ahead(self) -> int:
         """Between turns (the engine's capture ahead, CUDA): the thinker's and the talker's lazy span
-        buckets a growing conversation reaches next (runtime/graphs.py `capture_ahead`)."""
-        from ...runtime.graphs import capture_ahead
+        buckets a growing conversation reaches next (runtime/graphs.py `capture_ahead`), and the prompts'
+        graphs the next turn wants (`capture_prompts`; none while `PROMPT_GRAPHS` is off)."""
+        from ...runtime.graphs import capture_ahead, capture_prompts
 
         thinker = self.thinker.fused.graphs if self.thinker.fused is not None else None
         talker = (self.talker.graphs if self.has_talker and self.talker.fused is not None else None)
-        return capture_ahead((thinker, self.thinker.cache), (talker, self.talker.cache if talker else None))
+        made = capture_ahead((thinker, self.thinker.cache), (talker, self.talker.cache if talker else None))
+        return made + capture_prompts(self.thinker, self.talker if self.has_talker else None)
 
     def warmup(self) -> dict | None:
         """Capture the CUDA graphs and, with `compile`, compile, on this thread, with nothing else running.

@@ -22,6 +22,7 @@ from ...runtime.kv_cache import StaticKVCache
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from ...runtime.fused import FusedDecoder
+    from ...runtime.graphs import PrefillGraphs
 
 
 class Talker:
@@ -43,6 +44,7 @@ class Talker:
         self.pad_bos_ids = torch.tensor([self.codec_pad, self.codec_bos], device=self.proj.weight.device)
 
     fused: FusedDecoder | None = None  # the fused step (`enable_fast_decode`)
+    prefill_graphs: PrefillGraphs | None = None  # the prompt's graphs, made with `fused`
 
     def enable_fast_decode(self, policy) -> None:
         """Decode through the fused fixed-shape step (`fused.py`), replayed as CUDA graphs where `policy`
@@ -56,12 +58,19 @@ class Talker:
         self.static_reply = torch.zeros(1, 1, width, dtype=self.proj.weight.dtype, device=dev)
         self.static_pos = torch.zeros(1, dtype=torch.long, device=dev)
         self.graphs = policy.step_graphs(self._fused_step, self.cache.max_len, lazy=not policy.compile_on)
+        from . import PROMPT_GRAPHS
+
+        dtype = self.proj.weight.dtype
+        self.prefill_graphs = policy.prefill_graphs(self.model, self.cache, self.proj.out_features, dtype,
+                                                    allowed=PROMPT_GRAPHS and dtype == torch.bfloat16)
 
     def capture_graphs(self) -> None:
         self.rows.clear()  # the captures write the cache
         if self.fused is not None:
             with torch.inference_mode():
                 self.graphs.capture_all()
+        if self.prefill_graphs is not None:
+            self.prefill_graphs.capture_all()
 
     def _fused_step(self, span: int) -> torch.Tensor:
         assert self.fused is not None  # only `enable_fast_decode`'s graphs run this step
@@ -99,8 +108,14 @@ class Talker:
         x[:, -2, :] += pad_bos[0]
         # Projected over every row, as the reference (a matmul's rounding depends on its row count).
         rest = self.proj(x)[:, start:]
-        hidden = forward_layers(self.model, rest, self.cache,
-                                positions=None if positions is None else positions[..., start:])
+        graphed = None  # a graph of the rest's length where one is captured, as the thinker's
+        if self.prefill_graphs is not None and positions is None:
+            graphed = self.prefill_graphs(rest) if not start else self.prefill_graphs.over_kept(rest)
+        if graphed is not None:
+            hidden = graphed[0]
+        else:
+            hidden = forward_layers(self.model, rest, self.cache,
+                                    positions=None if positions is None else positions[..., start:])
         self.rows.keep(sources, prompt)
         # As the reference: the head over every row prefilled (all of them where nothing was kept), the
         # last kept.

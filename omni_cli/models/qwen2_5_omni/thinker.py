@@ -29,6 +29,7 @@ from ...runtime import encoders
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from ...runtime.fused import TokenDecoder
+    from ...runtime.graphs import PrefillGraphs
 
 
 @dataclass
@@ -67,15 +68,23 @@ class Thinker:
         `policy` (runtime/graphs.py) has them."""
         from ...runtime.fused import TokenDecoder
 
+        from . import PROMPT_GRAPHS
+
         self.fused = TokenDecoder(self.model, self.cache, self.embed, self.lm_head, policy=policy)
+        weight = self.embed_tokens.weight
+        self.prefill_graphs = policy.prefill_graphs(self.model, self.cache, weight.shape[1], weight.dtype,
+                                                    allowed=PROMPT_GRAPHS and weight.dtype == torch.bfloat16)
 
     def capture_graphs(self) -> None:
         if self.context is not None:
             self.context.clear()  # the captures write the cache
         if self.fused is not None:
             self.fused.capture()
+        if self.prefill_graphs is not None:
+            self.prefill_graphs.capture_all()
 
     fused: TokenDecoder | None = None  # the fused step (`enable_fast_decode`)
+    prefill_graphs: PrefillGraphs | None = None  # made with `fused`
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(ids)
@@ -106,7 +115,15 @@ class Thinker:
             positions = positions[..., start:]
         if self.fused is not None:
             self.fused.fused.rope_shift.fill_(self.rope_delta)
-        hidden = forward_layers(self.model, embeds, self.cache, positions=positions)
+        # A graph per length bucket, from an empty cache or over the kept context, where one is captured
+        # (runtime/graphs.py PrefillGraphs); eagerly otherwise, and with an image's 3-D positions.
+        graphed = None
+        if self.prefill_graphs is not None and positions is None:
+            graphed = self.prefill_graphs(embeds) if not start else self.prefill_graphs.over_kept(embeds)
+        if graphed is not None:
+            hidden = graphed[0]
+        else:
+            hidden = forward_layers(self.model, embeds, self.cache, positions=positions)
         # The reference projects every position and keeps the last row: do the same matmul so the
         # picked token is bit-identical (a one-row matmul may round differently).
         logits = self.lm_head(hidden)[:, -1].float()

@@ -114,31 +114,12 @@ class Qwen3Steps:
         buckets a growing conversation reaches next (runtime/graphs.py `capture_ahead`), and the prompts'
         graphs the next turn wants (`PrefillGraphs.capture_rests`: the rests over the thinker's and the
         talker's kept rows)."""
-        from ...runtime.graphs import capture_ahead
+        from ...runtime.graphs import capture_ahead, capture_prompts
 
         thinker = self.thinker.fused.graphs if self.thinker.fused is not None else None
         talker = (self.talker.step_graphs if self.has_talker and self.talker.fused is not None else None)
         made = capture_ahead((thinker, self.thinker.cache), (talker, self.talker.cache if talker else None))
-        context = self.thinker.context
-        with torch.inference_mode():
-            if self.thinker.prefill_graphs is not None:
-                made += self.thinker.prefill_graphs.capture_rests(kept=context is not None and bool(context.ids))
-            if self.has_talker and self.talker.prefill_graphs is not None:
-                made += self._capture_talker_prompts()
-        return made
-
-    def _capture_talker_prompts(self) -> int:
-        """The talker's prompt graphs the next turn wants: its rest after the user rows the cache keeps
-        (their number is the most the next prompt keeps), or, with none kept, its prompts from an empty
-        cache (whose captures write from the first row)."""
-        talker, graphs = self.talker, self.talker.prefill_graphs
-        assert graphs is not None  # called where the talker has them
-        users = next((i for i, s in enumerate(talker.rows.sources) if s < 0), len(talker.rows.sources))
-        if users and users <= talker.cache.length:
-            talker.cache.keep_first(users)  # the opener's rows and the reply's are made again anyway
-            return graphs.capture_rests(kept=True)
-        talker.rows.clear()
-        return graphs.capture_rests(kept=False)
+        return made + capture_prompts(self.thinker, self.talker if self.has_talker else None)
 
     def warmup(self) -> dict | None:
         """Capture the CUDA graphs (thinker and talker steps for every span bucket, the frame) and, with
