@@ -391,6 +391,11 @@ class PrefillGraphs:
             return self.forward(self.model, embeds, self.cache, self.keep)
         return self._replay(self.graphs[size], embeds, size)
 
+    def run(self, embeds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """`embeds` after the cache's rows: from an empty cache as `__call__` (a graph, else the eager
+        forward), over kept rows as `over_kept` (a graph, else None: the caller runs it eagerly)."""
+        return self(embeds) if self.cache.length == 0 else self.over_kept(embeds)
+
     def over_kept(self, embeds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """`embeds` [1, n, W] after the cache's kept positions, replayed as a graph: (hidden, kept layer's
         output), or None where no graph fits (the caller runs it eagerly; its length is wanted from now)."""

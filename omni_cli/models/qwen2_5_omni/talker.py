@@ -108,14 +108,10 @@ class Talker:
         x[:, -2, :] += pad_bos[0]
         # Projected over every row, as the reference (a matmul's rounding depends on its row count).
         rest = self.proj(x)[:, start:]
-        graphed = None  # a graph of the rest's length where one is captured, as the thinker's
-        if self.prefill_graphs is not None and positions is None:
-            graphed = self.prefill_graphs(rest) if not start else self.prefill_graphs.over_kept(rest)
-        if graphed is not None:
-            hidden = graphed[0]
-        else:
-            hidden = forward_layers(self.model, rest, self.cache,
-                                    positions=None if positions is None else positions[..., start:])
+        # A graph of the rest's length where one is captured (runtime/graphs.py PrefillGraphs), as the thinker's.
+        graphed = self.prefill_graphs.run(rest) if self.prefill_graphs is not None and positions is None else None
+        hidden = graphed[0] if graphed is not None else forward_layers(
+            self.model, rest, self.cache, positions=None if positions is None else positions[..., start:])
         self.rows.keep(sources, prompt)
         # As the reference: the head over every row prefilled (all of them where nothing was kept), the
         # last kept.

@@ -117,13 +117,9 @@ class Thinker:
             self.fused.fused.rope_shift.fill_(self.rope_delta)
         # A graph per length bucket, from an empty cache or over the kept context, where one is captured
         # (runtime/graphs.py PrefillGraphs); eagerly otherwise, and with an image's 3-D positions.
-        graphed = None
-        if self.prefill_graphs is not None and positions is None:
-            graphed = self.prefill_graphs(embeds) if not start else self.prefill_graphs.over_kept(embeds)
-        if graphed is not None:
-            hidden = graphed[0]
-        else:
-            hidden = forward_layers(self.model, embeds, self.cache, positions=positions)
+        graphed = self.prefill_graphs.run(embeds) if self.prefill_graphs is not None and positions is None else None
+        hidden = graphed[0] if graphed is not None else forward_layers(self.model, embeds, self.cache,
+                                                                        positions=positions)
         # The reference projects every position and keeps the last row: do the same matmul so the
         # picked token is bit-identical (a one-row matmul may round differently).
         logits = self.lm_head(hidden)[:, -1].float()

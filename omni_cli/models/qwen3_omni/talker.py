@@ -296,14 +296,9 @@ class Talker:
         if self.fused is not None:
             self.fused.rope_shift.fill_(self.rope_delta)
         rest = x[:, start:]
-        graphed = None
-        if self.prefill_graphs is not None and positions is None:
-            graphed = self.prefill_graphs(rest) if not start else self.prefill_graphs.over_kept(rest)
-        if graphed is not None:
-            hidden = graphed[0]
-        else:
-            hidden = forward_layers(self.model, rest, self.cache,
-                                    positions=None if positions is None else positions[..., start:])
+        graphed = self.prefill_graphs.run(rest) if self.prefill_graphs is not None and positions is None else None
+        hidden = graphed[0] if graphed is not None else forward_layers(
+            self.model, rest, self.cache, positions=None if positions is None else positions[..., start:])
         self.rows.keep(sources, prompt.prompt)
         # `codec_head` over every row prefilled, last row kept: the reference's matmul shape (all of the
         # prompt's rows) where nothing was kept.

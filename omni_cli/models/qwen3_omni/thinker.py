@@ -105,8 +105,7 @@ class Thinker:
         # and one no graph fits, run eagerly.
         graphed = None
         if prefill and self.prefill_graphs is not None and positions is None:
-            graphed = (self.prefill_graphs(embeds) if self.cache.length == 0
-                       else self.prefill_graphs.over_kept(embeds))
+            graphed = self.prefill_graphs.run(embeds)
         if graphed is not None:
             hidden, accepted = graphed
         else:
