@@ -787,7 +787,7 @@ def test_speech_under_a_loud_echo_the_canceller_learns_late_cuts_the_reply():
     assert all(len(t) == 1 and 2.2 < t[0] < 2.2 + 0.9 for t in cut), cut
 
 
-def _recorded_room(name: str) -> tuple[list[float], list[tuple[int, int]]]:
+def _recorded_room(name: str) -> tuple[list[float], list[tuple[float, float]]]:
     """The real listener (AEC3 and the judge) over a recorded room (tests/data/room/NAME.flac and .json: the
     microphone and the reference as the talk client's listener got them, block by block): when it called
     barge-in (s), and the replies' spans (s)."""
