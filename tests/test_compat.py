@@ -305,3 +305,23 @@ def test_reference_talker_prompt_has_the_codec_embeddings():
         # 5.17: generate keeps the mask itself, so both runs already include the codec embeddings
         torch.testing.assert_close(with_mask, without)
     assert "forward" not in talker.__dict__  # the class's forward is back
+
+
+def test_audio_features_without_a_read_back_equal_the_librarys(model):
+    """`compat.audio_features` (the clips laid end to end and chunked by lengths on the host, the tower's
+    indices made there) gives `get_audio_features`' output bit for bit: three clips of other lengths, one
+    of them padded in the batch, another longer than the tower's chunk of frames."""
+    import numpy as np
+
+    thinker = model.thinker
+    rng = np.random.default_rng(0)
+    frames = [130, 357, 41]
+    features = torch.tensor(rng.standard_normal((3, 128, max(frames))), dtype=torch.float32)
+    mask = torch.zeros(3, max(frames), dtype=torch.long)
+    for i, n in enumerate(frames):
+        mask[i, :n] = 1
+        features[i, :, n:] = -0.8  # the batch's padding: read by neither
+    with torch.inference_mode():
+        library = thinker.get_audio_features(features, mask, return_dict=True).last_hidden_state
+        ours = compat.audio_features(thinker, features, mask, "cpu")
+    assert ours.shape == library.shape and torch.equal(ours, library)

@@ -39,13 +39,15 @@ class Spy:
     """Counts the clips and images each encoder is given, and the prompt ids each turn's engine got."""
 
     def __init__(self, model, monkeypatch) -> None:
+        from omni_cli.runtime import compat
+
         self.clips, self.images, self.ids = [], [], []
         thinker = model.loaded.model.thinker
-        audio, vision, stream = thinker.get_audio_features, thinker.get_image_features, model.engine.stream
+        audio, vision, stream = compat.audio_features, thinker.get_image_features, model.engine.stream
 
-        def heard(features, *args, **kwargs):
+        def heard(module, features, *args, **kwargs):
             self.clips.append(features.shape[0])
-            return audio(features, *args, **kwargs)
+            return audio(module, features, *args, **kwargs)
 
         def seen(pixels, grid, *args, **kwargs):
             self.images.append(grid.shape[0])
@@ -55,7 +57,7 @@ class Spy:
             self.ids.append(list(req.input_ids))
             return stream(req)
 
-        monkeypatch.setattr(thinker, "get_audio_features", heard)
+        monkeypatch.setattr(compat, "audio_features", heard)
         monkeypatch.setattr(thinker, "get_image_features", seen)
         monkeypatch.setattr(model.engine, "stream", spied)
 

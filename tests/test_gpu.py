@@ -772,17 +772,47 @@ def test_the_audio_encoder_runs_without_cudnn_attention(asset, monkeypatch):
     from omni_cli.media import AudioClip
     from test_media_input import tone
 
+    from omni_cli.runtime import compat
+
     model = omni_cli.load(asset, device="cuda", dtype="bfloat16")
-    thinker = model.loaded.model.thinker
-    heard, seen = thinker.get_audio_features, []
+    heard, seen = compat.audio_features, []
 
     def spied(*args, **kwargs):
         seen.append(torch.backends.cuda.cudnn_sdp_enabled())
         return heard(*args, **kwargs)
 
-    monkeypatch.setattr(thinker, "get_audio_features", spied)
+    monkeypatch.setattr(compat, "audio_features", spied)
     before = torch.backends.cuda.cudnn_sdp_enabled()
     model.say("Listen.", audio=[AudioClip(tone(0.9, 16_000, 500.0, 7), 16_000)], greedy=True, max_text_tokens=2,
               max_codes=4)
     assert seen == [False]
     assert torch.backends.cuda.cudnn_sdp_enabled() == before  # only for the call: the process's setting is back
+
+
+@pytest.mark.parametrize("asset", ["assets/tiny-qwen2.5-omni", "assets/tiny-qwen3-omni"])
+def test_the_audio_encoder_reads_nothing_back_from_the_device(asset):
+    """`compat.audio_features` on two clips under sync debug "error": no host synchronisation (the
+    library's call made three: the clips' boolean mask, the chunking by device lengths, and Qwen2.5-Omni's
+    output-length check, after which the prefill waited for the encoder), and its features equal the
+    library's."""
+    import numpy as np
+
+    import omni_cli
+    from omni_cli.runtime import compat
+
+    thinker = omni_cli.load(asset, device="cuda", dtype="bfloat16").loaded.model.thinker
+    frames = [130, 357]
+    features = torch.tensor(np.random.default_rng(0).standard_normal((2, 128, 357)), dtype=torch.bfloat16)
+    mask = torch.zeros(2, 357, dtype=torch.long)
+    for i, n in enumerate(frames):
+        mask[i, :n] = 1
+    features = features.cuda()
+    with torch.inference_mode():
+        library = thinker.get_audio_features(features, mask.cuda(), return_dict=True).last_hidden_state
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            ours = compat.audio_features(thinker, features, mask, torch.device("cuda"))
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(ours, library)

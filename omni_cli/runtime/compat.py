@@ -192,6 +192,33 @@ def cache_capacity(cache) -> int:
 # -- the audio towers' precomputed index tensors (5.17 on) ----------------------------------------------
 
 
+def audio_features(thinker, features, mask, device):
+    """`thinker.get_audio_features(features, mask).last_hidden_state` (`features` [clips, mel, frames] on
+    `device`, `mask` [clips, frames] on the host) without a host synchronisation: the clips' frames laid end
+    to end by their lengths on the host, where the library takes them by a boolean mask (a read-back of
+    its size), split into the tower's chunks by lengths on the host (`chunk_and_pad_features`, which reads
+    them back from the device when given device lengths), and Qwen2.5-Omni's check of the output length
+    left out (it reads the lengths back after the tower has run: the prefill waited for the encoder). With
+    `audio_plan`'s indices the tower then reads nothing back. The same ops on the same values: the features
+    are bit-identical (tests/test_compat.py). Where the module lacks these functions, the library's call."""
+    import sys
+
+    import torch
+
+    tower = audio_tower(thinker)
+    lib = sys.modules[type(tower).__module__]
+    lengths = mask.sum(-1).to("cpu", torch.long)
+    plan = audio_plan(tower, lengths, device)
+    if not plan or not hasattr(lib, "chunk_and_pad_features"):
+        return thinker.get_audio_features(features, mask.to(device), return_dict=True, **plan).last_hidden_state
+    flat = torch.cat([features[i, :, :n] for i, n in enumerate(lengths.tolist())], dim=1)  # host lengths
+    padded, chunks = lib.chunk_and_pad_features(flat, lengths, tower.n_window)  # chunks on the host
+    chunks = chunks.pin_memory() if torch.device(device).type == "cuda" else chunks
+    out = tower(flat, feature_lens=lengths, padded_feature=padded,
+                chunk_lengths=chunks.to(device, non_blocking=True), return_dict=True, **plan)
+    return out.last_hidden_state
+
+
 def audio_plan(tower, lengths, device) -> dict:
     """The index tensors an audio tower accepts precomputed (`valid_indices`, `cu_seqlens` and, for
     Qwen2.5-Omni's, `pool_indices`: keywords its forward pops, 5.17 on), made on the host by its module's

@@ -7,8 +7,8 @@ The encoders run without cuDNN's attention (`decoder.no_cudnn_attention`): cuDNN
 thread, and each turn's engine thread is a new one, so every turn built them again for every window of
 every layer. Measured on an H200, one 5 s clip at true size: the call itself takes 18-20 ms on a thread
 that has run it before (either family, with or without cuDNN), where a turn's encoder time was 60-180 ms.
-The audio tower's window indices are made on the host (`compat.audio_plan`), so that its layers split
-their windows without reading them back from the device.
+The audio tower's inputs are laid out and its window indices made on the host (`compat.audio_features`),
+so that nothing in the encoder reads a value back from the device.
 
 It knows neither the family (the caller passes its thinker module and placeholder id) nor the prompt's
 positions (decoder.mrope_positions) nor what the talker reads of them.
@@ -27,10 +27,8 @@ def with_audio(module, input_ids: torch.Tensor, embeds: torch.Tensor, media: dic
     """(embeds with the audio encoder's outputs at the `token` positions, those positions [1, L, W])."""
     dev = embeds.device
     features = media["input_features"].to(dev, embeds.dtype)  # the processor's float32, in the model's dtype
-    mask = media["feature_attention_mask"]
-    plan = compat.audio_plan(compat.audio_tower(module), mask.sum(-1), dev)  # before the timer: host work
     with encoder_timer(media, dev), no_cudnn_attention(dev.type == "cuda"):
-        audio = module.get_audio_features(features, mask.to(dev), return_dict=True, **plan).last_hidden_state
+        audio = compat.audio_features(module, features, media["feature_attention_mask"], dev)
     return place(embeds, input_ids, token, audio)
 
 
