@@ -11,6 +11,7 @@
 #   turns3     the same, Qwen3-Omni-30B-A3B ($OUT/turns-qwen3.json)
 #   kept       tests/test_gpu.py's kept-context and lazy-graph tests only
 #   rests      tests/test_gpu.py's prompt graphs (rests over a kept context, long prompts; Qwen2.5-Omni's, off by default)
+#              and the audio encoder (no cuDNN attention, nothing read back)
 #   encoders   one audio-encoder call on a 5 s clip at true size, both families, timed and profiled
 #              (scripts/encoder_profile.py; $OUT/encoder-*.jsonl)
 #   attend     the attention kernel over spans 256..8192 beside the library's ($OUT/attend-spans.jsonl)
@@ -68,7 +69,7 @@ for step in "${@:-bench tests}"; do
       kept) timeout 420 python3 -m pytest tests/test_gpu.py -q -s -p no:cacheprovider -o addopts="" -k "kept or lazy or true_size" \
                2>&1 | grep -v DEBUG > "$out/test_gpu_kept.log"; tail -3 "$out/test_gpu_kept.log"; grep -E "kept vs|^E " "$out/test_gpu_kept.log" | head ;;
       rests) timeout 300 python3 -m pytest tests/test_gpu.py -q -s -p no:cacheprovider -o addopts="" \
-               -k "suffix_graph or prompt_graph or long_prompt or replays_its_rests or kept_cache or without_cudnn" 2>&1 | grep -v DEBUG > "$out/test_gpu_rests.log"
+               -k "suffix_graph or prompt_graph or long_prompt or replays_its_rests or kept_cache or without_cudnn or reads_nothing_back" 2>&1 | grep -v DEBUG > "$out/test_gpu_rests.log"
              tail -3 "$out/test_gpu_rests.log"; grep -E "vs eager|kept vs|^E " "$out/test_gpu_rests.log" | head ;;
       encoders) for p in qwen3-omni-30b-a3b qwen2.5-omni-7b; do
                timeout 150 python3 scripts/encoder_profile.py $p > "$out/encoder-$p.jsonl" 2> "$out/encoder-$p.err"
