@@ -223,7 +223,6 @@ class Listener:
         self._echo_kept: collections.deque = collections.deque(maxlen=200)
         self._echo_samples = 0  # the microphone's samples those were measured over, this reply
         self._last_bar = ECHO_UNSETTLED_DB  # the bar of the last block the speaker played (`_near_end`)
-        self._explained: float | None = None  # this block's EchoResemblance.explained(), once computed
         self._quiet_samples = 0  # the microphone's samples since the speaker last played, this reply
         self._new_reply = False  # set by the talk loop's thread, seen by this one: the echo's figures restart
         self._new_turn(0)
@@ -334,7 +333,7 @@ class Listener:
         """Whether this block may hold the user rather than the assistant's echo, for barge-in: its cleaned
         level is above BARGE_FLOOR_DBFS and, with a canceller, the canceller kept at least ECHO_KEPT_DB of
         the microphone's power (it takes most of a block of echo away, little of the user's voice), and
-        while the speaker plays, more than it keeps of the echo now (`_echo_bar`, over `_echo_part`s),
+        while the speaker plays, more than it keeps of the echo now (`_echo_bar`, over `echo_part`s),
         counting only the part of what it kept that the reference does not explain (the comments above
         ECHO_MARGIN_DB and ECHO_CHANCE). The VAD alone will not do: WebRTC's calls a faint harmonic residue
         of echo, 60 dB down, speech."""
@@ -349,7 +348,7 @@ class Listener:
             self._last_bar, self._quiet_samples = ECHO_UNSETTLED_DB, 0
         heard = block_dbfs(block)
         kept = level - heard
-        bar, self._explained = ECHO_KEPT_DB, None
+        bar, explained = ECHO_KEPT_DB, None  # explained: EchoResemblance.explained(), computed once a block
         playing = block_dbfs(reference) >= REFERENCE_SILENT_DBFS
         if self.speaking.is_set() and not playing:
             self._echo_samples = 0  # a pause: what follows settles again (the comment above ECHO_MARGIN_DB)
@@ -359,27 +358,18 @@ class Listener:
                 bar = self._last_bar  # the echo of what was just played is still coming in
         elif self.speaking.is_set() and heard >= BARGE_FLOOR_DBFS:
             bar = self._last_bar = self._echo_bar()
-            self._echo_kept.append(self._echo_part(kept))
+            if kept >= ECHO_KEPT_DB:  # may hold the user: only its echo-like part is echo
+                explained = self._resemblance.explained()
+            self._echo_kept.append(echo_part(kept, explained))
             self._echo_samples += block.shape[0]
         if playing:
             self._quiet_samples = 0
         counts = level >= BARGE_FLOOR_DBFS and kept >= bar
         if counts and self.speaking.is_set():  # computed once, where it may matter (1.8 ms on this CPU)
-            explained = self._resemblance.explained() if self._explained is None else self._explained
+            explained = self._resemblance.explained() if explained is None else explained
             own = 10.0 * math.log10(max(1.0 - explained, 1e-3))  # dB: the part the reference does not explain
             counts = explained < ECHO_EXPLAINED and level + own >= BARGE_FLOOR_DBFS and kept + own >= bar
         return counts
-
-    def _echo_part(self, kept: float) -> float:
-        """What the canceller kept of the echo in a block it kept `kept` dB of while the speaker played: its
-        echo-like part (the comment above ECHO_CHANCE); all of it below ECHO_KEPT_DB (such a block never
-        counts, and is not looked at)."""
-        if kept < ECHO_KEPT_DB:
-            return kept
-        assert self._resemblance is not None  # made with the canceller
-        self._explained = self._resemblance.explained()
-        share = (self._explained - ECHO_CHANCE) / (ECHO_WHOLE - ECHO_CHANCE)
-        return kept + 10.0 * math.log10(min(1.0, max(share, 1e-3)))
 
     def _echo_bar(self) -> float:
         """The share the canceller must keep of a block, while the speaker plays, for the block to count
@@ -491,3 +481,13 @@ class Listener:
 
     def reply_ended(self) -> None:
         self.speaking.clear()
+
+
+def echo_part(kept: float, explained: float | None) -> float:
+    """What the canceller kept of the echo in a block it kept `kept` dB of while the speaker played: its
+    echo-like part by the share of it the reference explains (the comment above ECHO_CHANCE); all of it
+    where that share was not looked at (`explained` None: a block kept under ECHO_KEPT_DB never counts)."""
+    if explained is None:
+        return kept
+    share = (explained - ECHO_CHANCE) / (ECHO_WHOLE - ECHO_CHANCE)
+    return kept + 10.0 * math.log10(min(1.0, max(share, 1e-3)))
