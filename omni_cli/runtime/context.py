@@ -176,13 +176,19 @@ class TalkerRows:
         """Remember the talker prompt just prefilled."""
         self.sources, self.prompt = list(sources), prompt
 
+    def shared(self) -> int:
+        """The leading rows made from thinker positions: the most the next prompt can keep."""
+        return next((i for i, s in enumerate(self.sources) if s < 0), len(self.sources))
 
-def context_figures(thinker) -> dict:
-    """A thinker's kept context as `ModelSteps.kept_context` gives it (`found`, `held`, `bytes`); a thinker
-    has `context` (a KeptContext or None), `kept_positions` and `cache` (a StaticKVCache)."""
+
+def context_figures(thinker, talker=None) -> dict:
+    """A thinker's kept context as `ModelSteps.kept_context` gives it (`found`, `held`, `bytes`), and the
+    rows of its last prompt the talker found kept (`talker_found`; 0 without a talker); a thinker has
+    `context` (a KeptContext or None), `kept_positions` and `cache` (a StaticKVCache), a talker `rows`."""
     context = thinker.context
     held = len(context.ids) if context is not None else 0
     cache = thinker.cache
     per_position = sum(t[0, :, 0].numel() * t.element_size() for t in cache.keys + cache.values)
     extra = context.nbytes() if context is not None else 0
-    return {"found": thinker.kept_positions, "held": held, "bytes": held * per_position + extra}
+    return {"found": thinker.kept_positions, "held": held, "bytes": held * per_position + extra,
+            "talker_found": talker.rows.found if talker is not None else 0}

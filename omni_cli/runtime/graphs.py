@@ -263,8 +263,7 @@ def capture_prompts(thinker, talker) -> int:
             context = thinker.context
             made += thinker.prefill_graphs.capture_rests(kept=context is not None and bool(context.ids))
         if talker is not None and talker.prefill_graphs is not None:
-            sources = talker.rows.sources
-            rows = next((i for i, s in enumerate(sources) if s < 0), len(sources))
+            rows = talker.rows.shared()
             if rows and rows <= talker.cache.length:
                 talker.cache.keep_first(rows)
                 made += talker.prefill_graphs.capture_rests(kept=True)

@@ -86,7 +86,7 @@ class Qwen3Steps:
         the cache; `held`, the positions kept for the next; `bytes`, their keys and values in the cache and
         the prompt's embeddings and hidden states kept for the talker; `talker_found`, the rows of its last
         prompt the talker found in its cache."""
-        return dict(context_figures(self.thinker), talker_found=self.talker.rows.found if self.has_talker else 0)
+        return context_figures(self.thinker, self.talker if self.has_talker else None)
 
     def reply_vector(self, out) -> torch.Tensor:
         return self.talker.reply_vector(out)
