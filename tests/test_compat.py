@@ -308,7 +308,7 @@ def test_reference_talker_prompt_has_the_codec_embeddings():
 
 
 def test_audio_features_without_a_read_back_equal_the_librarys(model):
-    """`compat.audio_features` (the clips laid end to end and chunked by lengths on the host, the tower's
+    """`compat.audio_encoder` (the clips laid end to end and chunked by lengths on the host, the tower's
     indices made there) gives `get_audio_features`' output bit for bit: three clips of other lengths, one
     of them padded in the batch, another longer than the tower's chunk of frames."""
     import numpy as np
@@ -323,5 +323,5 @@ def test_audio_features_without_a_read_back_equal_the_librarys(model):
         features[i, :, n:] = -0.8  # the batch's padding: read by neither
     with torch.inference_mode():
         library = thinker.get_audio_features(features, mask, return_dict=True).last_hidden_state
-        ours = compat.audio_features(thinker, features, mask, "cpu")
+        ours = compat.audio_encoder(thinker, features, mask, "cpu")()
     assert ours.shape == library.shape and torch.equal(ours, library)

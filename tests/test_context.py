@@ -43,7 +43,7 @@ class Spy:
 
         self.clips, self.images, self.ids = [], [], []
         thinker = model.loaded.model.thinker
-        audio, vision, stream = compat.audio_features, thinker.get_image_features, model.engine.stream
+        audio, vision, stream = compat.audio_encoder, thinker.get_image_features, model.engine.stream
 
         def heard(module, features, *args, **kwargs):
             self.clips.append(features.shape[0])
@@ -57,7 +57,7 @@ class Spy:
             self.ids.append(list(req.input_ids))
             return stream(req)
 
-        monkeypatch.setattr(compat, "audio_features", heard)
+        monkeypatch.setattr(compat, "audio_encoder", heard)
         monkeypatch.setattr(thinker, "get_image_features", seen)
         monkeypatch.setattr(model.engine, "stream", spied)
 

