@@ -87,18 +87,15 @@ class Talker:
         positions: torch.Tensor | None = None,  # [3, 1, L + 2] M-RoPE positions of an image prompt
         shift: int = 0,  # their delta for the steps after the prompt
         *,
-        prompt: int = -1,  # the thinker's prompt number (`ThinkerOut.prompt`)
-        found: int = 0,  # the positions of it the thinker kept (`ThinkerOut.found`)
+        prompt: int,  # the thinker's prompt number (`ThinkerOut.prompt`)
+        found: int,  # the positions of it the thinker kept (`ThinkerOut.found`)
     ) -> torch.Tensor:
         """Returns float32 logits [1, vocab] for code 0. The rows of the positions the thinker kept are
         in the cache from the turn before (`TalkerRows`): only the rest is prefilled."""
         length = prompt_embeds.shape[1]
         sources = list(range(length)) + [-1, -1]
         start = self.rows.reuse(sources, prompt, found)
-        if start:
-            self.cache.keep_first(start)
-        else:
-            self.cache.reset()
+        self.cache.keep_first(start)  # 0: nothing kept
         self.rope_delta = shift
         if self.fused is not None:
             self.fused.rope_shift.fill_(shift)

@@ -97,10 +97,7 @@ class Thinker:
         self.prompts += 1
         reuse = self.context.reuse(ids, media) if self.context is not None else Reuse(0, media)
         start, part = reuse.start, reuse.media or {}
-        if start:
-            self.cache.keep_first(start)
-        else:
-            self.cache.reset()
+        self.cache.keep_first(start)  # 0: nothing kept
         self.kept_positions = start
         rest = input_ids[:, start:]
         embeds = self.embed(rest)

@@ -289,10 +289,7 @@ class Talker:
         # The user rows of the positions the thinker kept are in the cache from the turn before.
         sources = self._users + [-1] * (x.shape[1] - len(self._users))
         start = self.rows.reuse(sources, prompt.prompt, prompt.found)
-        if start:
-            self.cache.keep_first(start)
-        else:
-            self.cache.reset()
+        self.cache.keep_first(start)  # 0: nothing kept
         positions, self.rope_delta = self._positions(prompt, x.device)
         if self.fused is not None:
             self.fused.rope_shift.fill_(self.rope_delta)
