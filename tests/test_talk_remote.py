@@ -787,38 +787,15 @@ def test_speech_under_a_loud_echo_the_canceller_learns_late_cuts_the_reply():
     assert all(len(t) == 1 and 2.2 < t[0] < 2.2 + 0.9 for t in cut), cut
 
 
-def _recorded_room(name: str) -> tuple[list[float], list[tuple[float, float]]]:
-    """The real listener (AEC3 and the judge) over a recorded room (tests/data/room/NAME.flac and .json: the
-    microphone and the reference as the talk client's listener got them, block by block): when it called
-    barge-in (s), and the replies' spans (s)."""
-    import soundfile as sf
-
-    from omni_cli.audio.listener import Listener, ListenOptions
-
-    pcm, rate = sf.read(REPO_ROOT / "tests" / "data" / "room" / f"{name}.flac", dtype="float32")
-    script = json.loads((REPO_ROOT / "tests" / "data" / "room" / f"{name}.json").read_text())
-    n = rate // 100
-    listener = Listener(ListenOptions(echo="webrtc"), find_turns=True)
-    fired: list[float] = []
-    listener.on_barge_in = lambda: fired.append(listener._samples / rate)
-    blocks = iter(range(0, pcm.shape[0] - n + 1, n))
-    listener._take_reference = lambda size: pcm[next(blocks):][:size, 1]
-    spans = [tuple(span) for span in script["speaking"]]
-    for j in range(pcm.shape[0] // n):
-        if j in script["reply_starts"]:
-            listener.reply_started()
-        if any(a <= j < b for a, b in spans):
-            listener.speaking.set()
-        else:
-            listener.speaking.clear()
-        listener.feed(pcm[j * n:(j + 1) * n, 0])
-    return fired, [(a / 100, b / 100) for a, b in spans]
-
-
 def test_a_recorded_room_is_cut_by_the_user_and_not_by_its_echo():
     """A room on this CPU with the tiny Qwen3-Omni's noise-like voice served: the user speaks over the second
     reply, which is cut; the third, which AEC3 leaves unevenly (kept -35 to 0 dB a block, 25-90 % of it
     like the reference), plays to its end. Scaling every block's figure of the echo by its explained share
     (not only the user-like ones) lowered the bar under that residue and cut the third reply here."""
-    fired, spans = _recorded_room("tiny-qwen3-served")
+    import runpy
+
+    # scripts/listener_record.py replays it: the real listener (AEC3 and the judge), block by block.
+    replay = runpy.run_path(str(REPO_ROOT / "scripts" / "listener_record.py"), run_name="listener_record")["replay"]
+    result = replay(str(REPO_ROOT / "tests" / "data" / "room" / "tiny-qwen3-served"))
+    fired, spans = result["barge_in_s"], result["replies_s"]
     assert len(fired) == 1 and spans[1][0] + 1.0 < fired[0] <= spans[1][1] + 0.05, (fired, spans)  # it stopped there
