@@ -128,7 +128,7 @@ class Assistant(WarmsUp):
 
     def _built(self, steps) -> RuntimeOptions:
         """`self.asked` as `steps` were built: the device and dtype they run on, graphs and compile as they are."""
-        dtype = next(self.loaded.model.thinker.parameters()).dtype  # the talker's too (token2wav runs in float32)
+        dtype = next(self.loaded.model.thinker.parameters()).dtype  # the talker's too (token2wav: float32 unless packed)
         return steps.policy.to_runtime(replace(self.asked, max_codes=steps.max_codes),
                                        str(dtype).removeprefix("torch."))
 

@@ -84,7 +84,7 @@ class RuntimeOptions:
 
     # "auto" = CUDA, then NPU, then MPS, then CPU. Resolved: the device the model runs on ("cuda:0").
     device: str = "auto"
-    # "auto" = bfloat16 on accelerators, float32 on CPU (token2wav always runs in float32). Resolved: the
+    # "auto" = bfloat16 on accelerators, float32 on CPU (token2wav runs in float32 unless packed). Resolved: the
     # thinker's dtype ("bfloat16").
     dtype: str = "auto"
     # CUDA graphs of the decode steps and the vocoder (a no-op on CPU); `--no-graphs`, or OMNI_NO_GRAPHS=1

@@ -349,7 +349,7 @@ class LoadedModel:
     """A checkpoint on its device, with what the engine needs beside the weights."""
 
     # The family's *ForConditionalGeneration in eval mode on `device`: LLMs in `dtype`, the vocoder
-    # as the family runs it (Qwen2.5-Omni's token2wav in float32).
+    # as the family runs it (Qwen2.5-Omni's token2wav in float32, in `dtype` when the model is packed).
     model: Any
     # The checkpoint's tokenizer (AutoTokenizer from the folder).
     tokenizer: Any
@@ -361,7 +361,7 @@ class LoadedModel:
     # The checkpoint folder (a hub snapshot folder for a hub id).
     path: Path
     device: "torch.device"
-    # dtype of thinker and talker (token2wav is always float32).
+    # dtype of thinker and talker (token2wav: float32, or this when the model is packed).
     dtype: "torch.dtype"
     # True for the built-in random-weight model.
     is_demo: bool
@@ -517,11 +517,11 @@ def int4_group(omni, largest: int = 128) -> int:
 def load_packed(omni, path: Path | None, device, dtype, name: str, quantize: str, group_size: int | None,
                 progress=None):
     """Pack the decoder layers of `omni` (in host memory, in `dtype`) one at a time on `device`
-    (quant/apply.quantize_model), then move the rest there (Qwen2.5-Omni's token2wav stays float32, as the
-    family placed it). Out of memory: a one-line error saying what would fit (models/weights.py)."""
+    (quant/apply.quantize_model), then move the rest there (Qwen2.5-Omni's token2wav in `dtype`: the model
+    is packed, apply.vocoder_in_model_dtype). Out of memory: a one-line error saying what would fit (models/weights.py)."""
     from .models.weights import oom_error, to_device
     from .models.weights import is_oom
-    from .quant.apply import quantize_model, spec_for
+    from .quant.apply import quantize_model, spec_for, vocoder_in_model_dtype
 
     if quantize == "int4" and group_size is None:
         group_size = int4_group(omni)
@@ -535,6 +535,7 @@ def load_packed(omni, path: Path | None, device, dtype, name: str, quantize: str
         if is_oom(exc):
             raise oom_error(name, path, device, dtype, quantize) from exc
         raise
+    vocoder_in_model_dtype(omni, dtype)
     to_device(omni, lambda m: m.to(device), device, name, path=path, dtype=dtype, quantize=quantize)
 
 

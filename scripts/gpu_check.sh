@@ -24,6 +24,8 @@
 #   qkernels   the packed decode kernels beside bf16 ($OUT/quant-kernels.json)
 #   q3 KIND    (q3int4, q3fp8, q3bf16, q25int4, q25bf16) omni-bench of a preset packed or not, the issue's unit
 #              ($OUT/q-PRESET-KIND.json)
+#   vdtype     Qwen2.5-Omni's token2wav in bfloat16 against float32 at true size (scripts/vocoder_dtype.py;
+#              $OUT/vocoder-dtype.json)
 #   room3      rt3's talk room only (omni-chat --talk --server over /v1/realtime against Qwen3-Omni)
 #   rt25, rt3  the 7B / Qwen3-Omni served at true size (scripts/serve_preset.py): /v1/realtime timed by
 #              scripts/realtime_latency.py ($OUT/realtime-*.json), then omni-chat --talk --server in the
@@ -96,6 +98,8 @@ for step in "${@:-bench tests}"; do
              timeout 400 python3 -m omni_cli.faces.bench --preset $p --runs 2 --prompt-tokens 60 --text-tokens 64 $unit \
                --json --no-compile $qflag > "$out/q-$p-$q.json" 2> "$out/q-$p-$q.err"
              echo "$s rc=$?"; grep '^\[omni-bench' "$out/q-$p-$q.err" | tail -4 ;;
+      vdtype) timeout 200 python3 scripts/vocoder_dtype.py --codes 250 > "$out/vocoder-dtype.json" 2> "$out/vocoder-dtype.err"
+             echo "vdtype rc=$?"; cat "$out/vocoder-dtype.json"; tail -2 "$out/vocoder-dtype.err" ;;
       rt25) served qwen2.5-omni-7b 250 qwen25 ;;
       rt3) served qwen3-omni-30b-a3b 63 qwen3 ;;
       room3) served qwen3-omni-30b-a3b 63 qwen3 cuda room ;;  # rt3's talk room only

@@ -12,7 +12,10 @@ What stays in the model's dtype, and why:
 - Qwen3-Omni's code predictor (`talker.code_predictor`): quantizing it is known to degrade long audio
   (mlx-vlm's 4-bit Qwen3-Omni fix), and it is small (5 layers of 1024);
 - the vocoders (token2wav, code2wav), the audio and vision encoders, the talker's input projections:
-  they run once a prompt or on the vocoder thread, off the decode loop's critical bytes.
+  they run once a prompt or on the vocoder thread, off the decode loop's critical bytes. Qwen2.5-Omni's
+  token2wav runs in float32 in a float model, as the reference runs it, but in the model's dtype once the
+  model is packed (`vocoder_in_model_dtype`): its 449 M parameters are 1.8 GB in float32, a sixth of the
+  packed 7B, and people quantize to fit a card.
 
 `quantize_model` packs one decoder layer at a time on the target device (a layer moved there in the
 model's dtype, packed, its float weights freed), so neither the float model nor a float copy of the
@@ -131,6 +134,14 @@ def quantize_model(model: nn.Module, spec: QuantSpec, device: torch.device | Non
         if progress is not None:
             progress(i + 1, len(layers))
     return done
+
+
+def vocoder_in_model_dtype(model: nn.Module, dtype: torch.dtype) -> None:
+    """A packed model's token2wav (Qwen2.5-Omni's; other families have none) in `dtype`, the model's (module
+    docstring: why). float32 stays float32: the built-in tiny models are checked in it."""
+    token2wav = getattr(model, "token2wav", None)
+    if token2wav is not None and has_packed(model):
+        token2wav.to(dtype)
 
 
 def packed_bytes(model: nn.Module) -> int:

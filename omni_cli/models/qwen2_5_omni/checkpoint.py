@@ -1,7 +1,8 @@
 """Qwen2.5-Omni checkpoints: the weights through transformers' own class, and the voices in `spk_dict.pt`.
 
 `load` reads the weights (thinker and talker in the asked dtype, token2wav in float32, as the
-reference runs it; a quantized folder through quant/checkpoint.py) and the voices (name -> {bos_token, cond, ref_mel}); `voice_names` lists the
+reference runs it; a quantized folder through quant/checkpoint.py, its token2wav in the asked dtype:
+quant/apply.py says why) and the voices (name -> {bos_token, cond, ref_mel}); `voice_names` lists the
 voices without torch, reading the pickle with a restricted unpickler that never runs code from it.
 Every failure a person can fix is a one-line ModelError / OmniError. It does not find folders or pick
 devices (loader.py), nor generate (steps.py).
@@ -28,6 +29,7 @@ def load(path: Path, device, dtype, name: str, early=None):
     weights being read already (models/weights.py's from_pretrained)."""
     from transformers import Qwen2_5OmniForConditionalGeneration
 
+    from ...quant.apply import vocoder_in_model_dtype
     from ..weights import from_pretrained, quantized_from, to_device
 
     omni = quantized_from(Qwen2_5OmniForConditionalGeneration, path, dtype, name, device)
@@ -42,6 +44,7 @@ def load(path: Path, device, dtype, name: str, early=None):
         model.to(device)
         if getattr(model, "has_talker", False):
             model.token2wav.float()
+            vocoder_in_model_dtype(model, dtype)
 
     to_device(omni, place, device, name, path=path, dtype=dtype)
     speakers = _load_speakers(path / "spk_dict.pt", name)

@@ -128,7 +128,9 @@ def _build_model(name: str, device, dtype, progress=lambda message: None, quanti
 
     model = build(lambda: Qwen2_5OmniForConditionalGeneration._from_config(config, dtype=dtype), device, dtype,
                   quantize, group_size, progress)
-    model.token2wav.float()
+    # float32, as the reference runs it; packed, the model's dtype (quant/apply.vocoder_in_model_dtype), its
+    # buffers too (BigVGAN's filters are made in float32 whatever the constructor's dtype).
+    model.token2wav.to(torch.float32 if quantize is None else dtype)
     g = torch.Generator(device=device).manual_seed(0)
     mel = config.token2wav_config.dit_config.mel_dim
     enc = config.token2wav_config.dit_config.enc_emb_dim
