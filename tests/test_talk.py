@@ -298,10 +298,14 @@ def test_the_second_reply_stops_soon_after_the_speech_starts(conversation):
     assert starts[1]["t"] < heard_from < burst2["at"]
     # Speech start -> the room's last sound of the reply: the 300 ms of speech barge-in asks for, the
     # VAD's onset, the room's own buffers both ways (~0.25 s: its microphone FIFO is kept 0.1 s full, the
-    # capture comes in 64 ms bursts, the playback FIFO holds 43 ms), on two busy cores (measured 0.53-0.78 s:
-    # scripts/measure_talk.py; 1.10 s once in CI beside the other worker). The bound is what tells a cut
-    # reply from one played whole (it had ~2.2 s left); how fast the app reacts is its own figures' test below.
-    assert burst2["at"] - heard_from < 0.3 + 1.2, burst2["at"] - heard_from
+    # capture comes in 64 ms bursts, the playback FIFO holds 43 ms), on two busy cores (measured 0.48-0.99 s
+    # in 14 runs with two other programs busy: scripts/measure_talk.py room; in CI beside the other worker
+    # 1.10 s once, and 1.83 s once with a third program busy). Cut means it ended well before a whole
+    # reply would have (this run's first and third replies give the whole length, ~3 s: ~2.2 s were left).
+    whole = min(ends[b]["at"] - starts[b]["t"] for b in (0, 2))
+    reaction = burst2["at"] - heard_from
+    assert burst2["at"] - starts[1]["t"] < whole - 0.2, (reaction, whole)
+    assert reaction < 0.3 + 1.7, reaction
     # The app's own figures: the sound off within 150 ms of the barge-in, the reply within 200 ms.
     sound_ms, stop_ms = map(int, re.search(r"barge-in: sound off (\d+) ms, reply stopped (\d+) ms", run["err"]).groups())
     assert sound_ms <= 150 and stop_ms <= 200, (sound_ms, stop_ms)
