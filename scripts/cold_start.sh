@@ -2,6 +2,7 @@
 # Start-up on a lent GPU machine, measured the way a user meets it (the device tool runs this from the
 # repository root; what lands in $OUT comes back). Steps, in the order given:
 #   folder    write a true-size random Qwen2.5-Omni-7B folder ($DIR; scripts/make_random_checkpoint.py)
+#   pack      omni-quantize $DIR $DIR-int4 --device cuda, then the steps after it use the packed folder
 #   fresh     empty omni_cli's bytecode cache (stopping a writer still filling it) and drop the page cache
 #             if allowed, then omni-say -m $DIR ... --verbose (a first start: nothing compiled yet);
 #             it loads the model in a background omni-serve (omni-say's default --keep-alive)
@@ -86,6 +87,8 @@ for step in "$@"; do
   case $step in
     folder) timed folder python3 scripts/make_random_checkpoint.py "$dir" --preset qwen2.5-omni-7b --device cuda --force
             du -sh "$dir" ;;
+    pack) timed pack python3 -c "from omni_cli.entry_points import quantize; quantize()" "$dir" "$dir-int4" --device cuda
+          dir="$dir-int4"; say[4]="$dir"; du -sh "$dir" ;;
     fresh) pkill -f "pycache_prefix=" 2>/dev/null; rm -rf "${XDG_CACHE_HOME:-$HOME/.cache}/omni_cli/pycache"
            sync; if echo 3 > /proc/sys/vm/drop_caches 2>/dev/null; then echo "page cache dropped"; else
              echo "page cache NOT dropped (not allowed here)"; fi
