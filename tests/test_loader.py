@@ -274,19 +274,24 @@ def test_load_tiny_bfloat16_keeps_token2wav_float32(tiny_model_dir):
     assert {p.dtype for p in loaded.model.token2wav.parameters()} == {torch.float32}
 
 
-def test_packed_bfloat16_runs_token2wav_in_bfloat16_within_a_stated_bound(tiny_model_dir):
-    """Packed (`--quantize`), token2wav follows the model's dtype (quant/apply.vocoder_in_model_dtype: 0.9 GB
-    of the 7B's 10.8 GiB). Measured on this tiny model, 200 codes, three seeds: whole decode in bfloat16
-    against float32 SNR 37.2 dB; bfloat16 streamed against bfloat16 whole 39.7 dB (float32: >= 85 dB,
-    test_vocoder.py). Asserted: >= 30 dB both, on 60 codes."""
+def test_packed_bfloat16_runs_token2wav_in_bfloat16_within_a_stated_bound(tiny_model_dir, tmp_path):
+    """Packed (`--quantize`, or a quantized folder), token2wav follows the model's dtype
+    (quant/apply.token2wav_dtype: 0.9 GB of the 7B's 10.8 GiB). Measured on this tiny model, 200 codes, three
+    seeds: whole decode in bfloat16 against float32 SNR 37.2 dB; bfloat16 streamed against bfloat16 whole
+    39.7 dB (float32: >= 85 dB, test_vocoder.py). Asserted: >= 30 dB both, on 60 codes."""
     import numpy as np
     import torch
 
+    from omni_cli.config import QuantizeOptions
     from omni_cli.models.qwen2_5_omni.vocoder import StreamingVocoder
+    from omni_cli.quant.writing import quantize_folder
 
     packed = load_model(str(tiny_model_dir), device="cpu", dtype="bfloat16", quantize="int4")
     plain = load_model(str(tiny_model_dir), device="cpu", dtype="bfloat16")
-    assert {p.dtype for p in packed.model.token2wav.parameters()} == {torch.bfloat16}
+    quantize_folder(str(tiny_model_dir), tmp_path / "int4", QuantizeOptions(group_size=16, device="cpu"))
+    folder = load_model(str(tmp_path / "int4"), device="cpu", dtype="bfloat16")
+    for loaded in (packed, folder):
+        assert {p.dtype for p in loaded.model.token2wav.parameters()} == {torch.bfloat16}
     voice = packed.speakers[next(iter(packed.speakers))]
     codes = np.random.default_rng(0).integers(0, 8192, 60).tolist()
 

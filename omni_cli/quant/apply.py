@@ -136,12 +136,17 @@ def quantize_model(model: nn.Module, spec: QuantSpec, device: torch.device | Non
     return done
 
 
+def token2wav_dtype(model: nn.Module, dtype: torch.dtype) -> torch.dtype:
+    """The dtype Qwen2.5-Omni's token2wav runs in, in `model` whose LLMs are in `dtype`: float32, as the
+    reference runs it, unless the model is packed (module docstring: why)."""
+    return dtype if has_packed(model) else torch.float32
+
+
 def vocoder_in_model_dtype(model: nn.Module, dtype: torch.dtype) -> None:
-    """A packed model's token2wav (Qwen2.5-Omni's; other families have none) in `dtype`, the model's (module
-    docstring: why). float32 stays float32: the built-in tiny models are checked in it."""
+    """A packed model's token2wav (Qwen2.5-Omni's; other families have none) in `dtype`, the model's."""
     token2wav = getattr(model, "token2wav", None)
-    if token2wav is not None and has_packed(model):
-        token2wav.to(dtype)
+    if token2wav is not None:
+        token2wav.to(token2wav_dtype(model, dtype))
 
 
 def packed_bytes(model: nn.Module) -> int:
