@@ -5,8 +5,9 @@
 
 `record` runs omni-chat (`omni_cli.faces.chat.main`) in this process with `Listener.feed` wrapped: every
 microphone block, the speaker's reference placed on the microphone's clock for it, and whether a reply was
-playing are kept, and written at exit as OUT.flac (two 16-bit channels: microphone, reference) and OUT.json
-(the 10 ms blocks while a reply played, and where each reply started). `scripts/measure_talk.py room` does
+playing are kept, and written at exit as OUT.flac (two 24-bit channels: microphone, reference) and OUT.json
+(the 10 ms blocks while a reply played, where each reply started, and the blocks where the live listener
+called barge-in). `scripts/measure_talk.py room` does
 this with `$TALK_RECORD=OUT`.
 
 `replay` feeds a recording to a fresh listener block by block, the reference as recorded, and prints when
@@ -33,7 +34,7 @@ BLOCK = 160  # the listener's blocks: 10 ms at 16 kHz
 def record(out: str, args: list[str]) -> None:
     from omni_cli.audio import listener as listening
 
-    blocks: list[tuple[np.ndarray, np.ndarray, bool, bool]] = []
+    blocks: list[tuple[np.ndarray, np.ndarray, bool, bool, bool]] = []
     feed, take = listening.Listener.feed, listening.Listener._take_reference
 
     def taking(self, n):
@@ -42,8 +43,9 @@ def record(out: str, args: list[str]) -> None:
 
     def feeding(self, block):
         new, playing = self._new_reply, self.speaking.is_set()  # before: a barge-in in this block clears it
+        before = len(self.barge_ins)
         feed(self, block)
-        blocks.append((block.copy(), self._recorded_reference.copy(), playing, new))
+        blocks.append((block.copy(), self._recorded_reference.copy(), playing, new, len(self.barge_ins) > before))
 
     listening.Listener._take_reference, listening.Listener.feed = taking, feeding
     atexit.register(lambda: save(out, blocks))
@@ -59,7 +61,8 @@ def save(out: str, blocks: list) -> None:
     if not blocks:
         return
     pcm = np.stack([np.concatenate([b[0] for b in blocks]), np.concatenate([b[1] for b in blocks])], axis=1)
-    sf.write(f"{out}.flac", (np.clip(pcm, -1, 1) * 32767).round().astype(np.int16), 16_000, subtype="PCM_16")
+    # 24 bits: at 16, two of eight loaded rooms replayed to other decisions than live (docs/benchmarks.md).
+    sf.write(f"{out}.flac", np.clip(pcm, -1, 1 - 2**-23), 16_000, subtype="PCM_24")
     playing = [b[2] for b in blocks]
     spans, j = [], 0
     while j < len(playing):
@@ -72,7 +75,8 @@ def save(out: str, blocks: list) -> None:
         else:
             j += 1
     starts = [j for j, b in enumerate(blocks) if b[3]]
-    Path(f"{out}.json").write_text(json.dumps({"speaking": spans, "reply_starts": starts}, indent=1))
+    live = [round((j + 1) * BLOCK / 16_000, 2) for j, b in enumerate(blocks) if b[4]]
+    Path(f"{out}.json").write_text(json.dumps({"speaking": spans, "reply_starts": starts, "barge_in_s": live}, indent=1))
 
 
 def replay(path: str) -> dict:
@@ -100,7 +104,8 @@ def replay(path: str) -> dict:
         listener.feed(pcm[j * BLOCK:(j + 1) * BLOCK, 0])
         if inside:
             peaks[inside[0]] = max(peaks[inside[0]], listener._barge_voiced * listener._frame_ms)
-    return {"barge_in_s": fired, "replies_s": [(a / 100, b / 100) for a, b in spans], "most_voiced_ms": peaks}
+    return {"barge_in_s": fired, "live_barge_in_s": script.get("barge_in_s"),
+            "replies_s": [(a / 100, b / 100) for a, b in spans], "most_voiced_ms": peaks}
 
 
 def main() -> None:
