@@ -5,7 +5,7 @@
 
 `record` runs omni-chat (`omni_cli.faces.chat.main`) in this process with `Listener.feed` wrapped: every
 microphone block, the speaker's reference placed on the microphone's clock for it, and whether a reply was
-playing are kept, and written at exit as OUT.flac (two 24-bit channels: microphone, reference) and OUT.json
+playing are kept, and written at exit as OUT.flac (two 16-bit channels, made by the echo canceller's own rounding: microphone, reference) and OUT.json
 (the 10 ms blocks while a reply played, where each reply started, and the blocks where the live listener
 called barge-in). `scripts/measure_talk.py room` does
 this with `$TALK_RECORD=OUT`.
@@ -58,11 +58,13 @@ def record(out: str, args: list[str]) -> None:
 def save(out: str, blocks: list) -> None:
     import soundfile as sf
 
+    from omni_cli.audio.format import to_int16
+
     if not blocks:
         return
     pcm = np.stack([np.concatenate([b[0] for b in blocks]), np.concatenate([b[1] for b in blocks])], axis=1)
-    # 24 bits: at 16, two of eight loaded rooms replayed to other decisions than live (docs/benchmarks.md).
-    sf.write(f"{out}.flac", np.clip(pcm, -1, 1 - 2**-23), 16_000, subtype="PCM_24")
+    # By the canceller's own rule (to_int16), so a replay hands it the very int16 samples it had live.
+    sf.write(f"{out}.flac", to_int16(pcm), 16_000, subtype="PCM_16")
     playing = [b[2] for b in blocks]
     spans, j = [], 0
     while j < len(playing):

@@ -299,7 +299,7 @@ def test_the_second_reply_stops_soon_after_the_speech_starts(conversation):
     # Speech start -> the room's last sound of the reply: the 300 ms of speech barge-in asks for, the
     # VAD's onset, the room's own buffers both ways (~0.25 s: its microphone FIFO is kept 0.1 s full, the
     # capture comes in 64 ms bursts, the playback FIFO holds 43 ms), on two busy cores (measured 0.48-0.99 s
-    # in 14 runs with two other programs busy: scripts/measure_talk.py room; in CI beside the other worker
+    # in 18 runs with two other programs busy: scripts/measure_talk.py room; in CI beside the other worker
     # 1.10 s once, and 1.83 s once with a third program busy). Cut means it ended well before a whole
     # reply would have (this run's first and third replies give the whole length, ~3 s: ~2.2 s were left).
     whole = min(ends[b]["at"] - starts[b]["t"] for b in (0, 2))
