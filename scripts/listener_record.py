@@ -5,10 +5,10 @@
 
 `record` runs omni-chat (`omni_cli.faces.chat.main`) in this process with `Listener.feed` wrapped: every
 microphone block, the speaker's reference placed on the microphone's clock for it, and whether a reply was
-playing are kept, and written at exit as OUT.flac (two 16-bit channels, made by the echo canceller's own rounding: microphone, reference) and OUT.json
-(the 10 ms blocks while a reply played, where each reply started, and the blocks where the live listener
-called barge-in). `scripts/measure_talk.py room` does
-this with `$TALK_RECORD=OUT`.
+playing are kept, and written at exit as OUT.flac (microphone and reference, 16-bit by the echo canceller's
+own rounding, so a replay gives it the very samples it had) and OUT.json (the 10 ms blocks while a reply
+played, where each reply started, and where the live listener called barge-in). `scripts/measure_talk.py
+room` does this with `$TALK_RECORD=OUT`.
 
 `replay` feeds a recording to a fresh listener block by block, the reference as recorded, and prints when
 it would call barge-in, the replies' spans, and in each reply the most voiced time the judge counted in one
