@@ -518,10 +518,10 @@ def load_packed(omni, path: Path | None, device, dtype, name: str, quantize: str
                 progress=None):
     """Pack the decoder layers of `omni` (in host memory, in `dtype`) one at a time on `device`
     (quant/apply.quantize_model), then move the rest there (Qwen2.5-Omni's token2wav in `dtype`: the model
-    is packed, apply.vocoder_in_model_dtype). Out of memory: a one-line error saying what would fit (models/weights.py)."""
+    is packed, apply.cast_token2wav). Out of memory: a one-line error saying what would fit (models/weights.py)."""
     from .models.weights import oom_error, to_device
     from .models.weights import is_oom
-    from .quant.apply import quantize_model, spec_for, vocoder_in_model_dtype
+    from .quant.apply import cast_token2wav, quantize_model, spec_for
 
     if quantize == "int4" and group_size is None:
         group_size = int4_group(omni)
@@ -535,7 +535,7 @@ def load_packed(omni, path: Path | None, device, dtype, name: str, quantize: str
         if is_oom(exc):
             raise oom_error(name, path, device, dtype, quantize) from exc
         raise
-    vocoder_in_model_dtype(omni, dtype)
+    cast_token2wav(omni, dtype)
     to_device(omni, lambda m: m.to(device), device, name, path=path, dtype=dtype, quantize=quantize)
 
 

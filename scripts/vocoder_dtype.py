@@ -1,4 +1,4 @@
-"""What Qwen2.5-Omni's token2wav in bfloat16 (a packed model's, quant/apply.vocoder_in_model_dtype) does to
+"""What Qwen2.5-Omni's token2wav in bfloat16 (a packed model's, quant/apply.cast_token2wav) does to
 its audio and its time, at true size: random weights, the same ones in float32 and in bfloat16.
 
 Prints one JSON object: whole-utterance SNR of bfloat16 against float32 (same codes, voice, noise), the

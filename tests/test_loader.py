@@ -276,7 +276,7 @@ def test_load_tiny_bfloat16_keeps_token2wav_float32(tiny_model_dir):
 
 def test_packed_bfloat16_runs_token2wav_in_bfloat16_within_a_stated_bound(tiny_model_dir, tmp_path):
     """Packed (`--quantize`, or a quantized folder), token2wav follows the model's dtype
-    (quant/apply.token2wav_dtype: 0.9 GB of the 7B's 10.8 GiB). Measured on this tiny model, 200 codes, three
+    (quant/apply.cast_token2wav: 0.9 GB of the 7B's 10.8 GiB). Measured on this tiny model, 200 codes, three
     seeds: whole decode in bfloat16 against float32 SNR 37.2 dB; bfloat16 streamed against bfloat16 whole
     39.7 dB (float32: >= 85 dB, test_vocoder.py). Asserted: >= 30 dB both, on 60 codes."""
     import numpy as np

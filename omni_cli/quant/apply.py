@@ -14,7 +14,7 @@ What stays in the model's dtype, and why:
 - the vocoders (token2wav, code2wav), the audio and vision encoders, the talker's input projections:
   they run once a prompt or on the vocoder thread, off the decode loop's critical bytes. Qwen2.5-Omni's
   token2wav runs in float32 in a float model, as the reference runs it, but in the model's dtype once the
-  model is packed (`vocoder_in_model_dtype`): its 449 M parameters are 1.8 GB in float32, a sixth of the
+  model is packed (`cast_token2wav`): its 449 M parameters are 1.8 GB in float32, a sixth of the
   packed 7B, and people quantize to fit a card.
 
 `quantize_model` packs one decoder layer at a time on the target device (a layer moved there in the
@@ -136,17 +136,13 @@ def quantize_model(model: nn.Module, spec: QuantSpec, device: torch.device | Non
     return done
 
 
-def token2wav_dtype(model: nn.Module, dtype: torch.dtype) -> torch.dtype:
-    """The dtype Qwen2.5-Omni's token2wav runs in, in `model` whose LLMs are in `dtype`: float32, as the
-    reference runs it, unless the model is packed (module docstring: why)."""
-    return dtype if has_packed(model) else torch.float32
-
-
-def vocoder_in_model_dtype(model: nn.Module, dtype: torch.dtype) -> None:
-    """A packed model's token2wav (Qwen2.5-Omni's; other families have none) in `dtype`, the model's."""
+def cast_token2wav(model: nn.Module, dtype: torch.dtype) -> None:
+    """`model`'s token2wav (Qwen2.5-Omni's; other families have none), buffers too, in the dtype it runs in
+    beside LLMs in `dtype`: float32, as the reference runs it, unless the model is packed; then `dtype`
+    (module docstring: why). One cast: a float32 copy on the way would take 1.8 GB more."""
     token2wav = getattr(model, "token2wav", None)
     if token2wav is not None:
-        token2wav.to(token2wav_dtype(model, dtype))
+        token2wav.to(dtype if has_packed(model) else torch.float32)
 
 
 def packed_bytes(model: nn.Module) -> int:

@@ -29,7 +29,7 @@ def load(path: Path, device, dtype, name: str, early=None):
     weights being read already (models/weights.py's from_pretrained)."""
     from transformers import Qwen2_5OmniForConditionalGeneration
 
-    from ...quant.apply import token2wav_dtype
+    from ...quant.apply import cast_token2wav
     from ..weights import from_pretrained, quantized_from, to_device
 
     omni = quantized_from(Qwen2_5OmniForConditionalGeneration, path, dtype, name, device)
@@ -42,8 +42,8 @@ def load(path: Path, device, dtype, name: str, early=None):
 
     def place(model):
         model.to(device)
-        if getattr(model, "has_talker", False):  # one cast: a float32 copy first would take 1.8 GB more
-            model.token2wav.to(token2wav_dtype(model, dtype))
+        if getattr(model, "has_talker", False):
+            cast_token2wav(model, dtype)
 
     to_device(omni, place, device, name, path=path, dtype=dtype)
     speakers = _load_speakers(path / "spk_dict.pt", name)

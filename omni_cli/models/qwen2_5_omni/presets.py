@@ -124,13 +124,13 @@ def _build_model(name: str, device, dtype, progress=lambda message: None, quanti
     from transformers import Qwen2_5OmniForConditionalGeneration
 
     config = build_config(name)
+    from ...quant.apply import cast_token2wav
     from ..random_packed import build
 
     model = build(lambda: Qwen2_5OmniForConditionalGeneration._from_config(config, dtype=dtype), device, dtype,
                   quantize, group_size, progress)
-    # float32, as the reference runs it; packed, the model's dtype (quant/apply.vocoder_in_model_dtype), its
-    # buffers too (BigVGAN's filters are made in float32 whatever the constructor's dtype).
-    model.token2wav.to(torch.float32 if quantize is None else dtype)
+    # BigVGAN's filters are made in float32 whatever the constructor's dtype: the cast covers buffers too.
+    cast_token2wav(model, dtype)
     g = torch.Generator(device=device).manual_seed(0)
     mel = config.token2wav_config.dit_config.mel_dim
     enc = config.token2wav_config.dit_config.enc_emb_dim
