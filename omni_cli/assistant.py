@@ -150,11 +150,13 @@ class Assistant(WarmsUp):
         """The model's bytes as `--verbose` and /show tell them: `packed` (the packed weights, 0 without
         --quantize), `float` (the parameters left in their dtype), `weights` (both), `quantize`; `peak`:
         the device's most allocated so far (torch.cuda.max_memory_allocated; None off CUDA, where only the
-        weights are known); `context`: the conversation's context kept for the next turn (`held` positions,
+        weights are known); `host`: of the weights, the bytes waiting in host memory (the vision tower until
+        the first image: runtime/vision_place.py); `context`: the conversation's context kept for the next turn (`held` positions,
         `bytes` in the thinker's cache, already reserved, and beside it)."""
         import torch
 
         from .quant.apply import packed_bytes
+        from .runtime.vision_place import host_bytes
 
         model = self.loaded.model
         packed = packed_bytes(model)
@@ -162,7 +164,7 @@ class Assistant(WarmsUp):
         device = torch.device(self.loaded.device)
         peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
         return {"packed": packed, "float": floats, "weights": packed + floats,
-                "quantize": getattr(self.loaded, "quantize", None), "peak": peak,
+                "quantize": getattr(self.loaded, "quantize", None), "peak": peak, "host": host_bytes(model),
                 "context": self.engine.steps.kept_context()}
 
     def compile_beside(self, on_ready=None, on_failure=None):

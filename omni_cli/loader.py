@@ -518,10 +518,12 @@ def load_packed(omni, path: Path | None, device, dtype, name: str, quantize: str
                 progress=None):
     """Pack the decoder layers of `omni` (in host memory, in `dtype`) one at a time on `device`
     (quant/apply.quantize_model), then move the rest there (Qwen2.5-Omni's token2wav in `dtype`: the model
-    is packed, apply.cast_token2wav). Out of memory: a one-line error saying what would fit (models/weights.py)."""
+    is packed, apply.cast_token2wav) but the vision tower, which waits in host memory for the first image
+    (runtime/vision_place.py). Out of memory: a one-line error saying what would fit (models/weights.py)."""
     from .models.weights import oom_error, to_device
     from .models.weights import is_oom
     from .quant.apply import cast_token2wav, quantize_model, spec_for
+    from .runtime import vision_place
 
     if quantize == "int4" and group_size is None:
         group_size = int4_group(omni)
@@ -536,7 +538,7 @@ def load_packed(omni, path: Path | None, device, dtype, name: str, quantize: str
             raise oom_error(name, path, device, dtype, quantize) from exc
         raise
     cast_token2wav(omni, dtype)
-    to_device(omni, lambda m: m.to(device), device, name, path=path, dtype=dtype, quantize=quantize)
+    to_device(omni, lambda m: vision_place.place(m, device), device, name, path=path, dtype=dtype, quantize=quantize)
 
 
 def _quantized(path: Path, name: str) -> bool:

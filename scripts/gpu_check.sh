@@ -17,6 +17,7 @@
 #   attend     the attention kernel over spans 256..8192 beside the library's ($OUT/attend-spans.jsonl)
 #   long3      Qwen3-Omni, a 2,500-token prompt, plain graphs ($OUT/qwen3-2500.json)
 #   long25     Qwen2.5-Omni-7B, a 2,500-token prompt, plain graphs ($OUT/qwen25-2500.json)
+#   vision     tests/test_gpu.py's vision tower in host memory until the first image (runtime/vision_place.py)
 #   packed     tests/test_gpu.py's packed-weight tests (int4 and FP8 steps = transformers on the dequantized weights)
 #   qmm        the packed prefill products beside bf16 (and an earlier quant_kernels.py, scripts/_qk_before.py,
 #              where one was copied there), with a tile sweep ($OUT/quant-mm.jsonl)
@@ -84,6 +85,8 @@ for step in "${@:-bench tests}"; do
       long25) timeout 420 python3 -m omni_cli.faces.bench --preset qwen2.5-omni-7b --runs 3 --prompt-tokens 2500 \
                --no-compile --json > "$out/qwen25-2500.json" 2> "$out/qwen25-2500.err"
              echo "long25 rc=$?"; grep '^\[omni-bench' "$out/qwen25-2500.err" | tail -4 ;;
+      vision) timeout 300 python3 -m pytest tests/test_gpu.py -q -s -p no:cacheprovider -o addopts="" -k vision_tower 2>&1 \
+               | grep -v DEBUG > "$out/test_gpu_vision.log"; tail -3 "$out/test_gpu_vision.log"; grep -E "^E " "$out/test_gpu_vision.log" | head ;;
       packed) timeout 300 python3 -m pytest tests/test_gpu.py -q -s -p no:cacheprovider -o addopts="" -k packed 2>&1 \
                | grep -v DEBUG > "$out/test_gpu_packed.log"; tail -3 "$out/test_gpu_packed.log"; grep -E "^E " "$out/test_gpu_packed.log" | head ;;
       qmm) timeout 300 python3 scripts/quant_mm_check.py sweep > "$out/quant-mm.jsonl" 2> "$out/quant-mm.err"

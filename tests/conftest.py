@@ -191,6 +191,7 @@ TIERS: dict[str, str | tuple[str, dict[str, str]]] = {
     "test_cli.py": "cli",
     "test_compat.py": "model",
     "test_early_weights.py": "model",
+    "test_vision_place.py": "model",
     "test_engine.py": "model",
     "test_families.py": ("unit", {"test_voices_come_from_each_checkpoint_without_torch": "e2e"}),
     "test_gpu.py": "model",

@@ -821,3 +821,44 @@ def test_the_audio_encoder_reads_nothing_back_from_the_device(asset):
         finally:
             torch.cuda.set_sync_debug_mode("default")
     assert torch.equal(ours, library)
+
+
+@pytest.mark.parametrize("asset", ["assets/tiny-qwen2.5-omni", "assets/tiny-qwen3-omni"])
+def test_the_vision_tower_waits_in_host_memory_until_the_first_image(asset, tmp_path):
+    """runtime/vision_place.py on CUDA. However the model came (a float folder read onto the device, packed
+    at load, an omni-quantize folder, a random preset), its vision tower is in host memory; the first image
+    brings it, and that reply equals the one of the same checkpoint with the tower on the device from the
+    start (greedy text and codes)."""
+    import omni_cli
+    from omni_cli.config import QuantizeOptions, RuntimeOptions
+    from omni_cli.models.random_packed import build
+    from omni_cli.quant.writing import quantize_folder
+    from omni_cli.runtime import vision_place
+    from test_media_input import picture
+
+    def where(model) -> set:
+        return {t.device.type for t in list(vision_place.tower(model).parameters())}
+
+    ask = dict(images=[picture(90, 120)], greedy=True, seed=0, max_text_tokens=8, max_codes=30)
+    lazy = omni_cli.load(asset, device="cuda", dtype="float32")
+    assert where(lazy.loaded.model) == {"cpu"} and lazy.memory["host"] > 0
+    first = lazy.say("What is in this picture?", **ask)
+    assert where(lazy.loaded.model) == {"cuda"} and lazy.memory["host"] == 0
+    eager = omni_cli.load(asset, device="cuda", dtype="float32")
+    vision_place.tower(eager.loaded.model).cuda()
+    second = eager.say("What is in this picture?", **ask)
+    assert (first.text_ids, first.codes) == (second.text_ids, second.codes) and first.codes
+
+    quantize_folder(asset, tmp_path / "int4", QuantizeOptions(group_size=16, device="cpu"))
+    packed = [omni_cli.load(asset, runtime=RuntimeOptions(device="cuda", dtype="float32", quantize="int4",
+                                                          group_size=16)),
+              omni_cli.load(str(tmp_path / "int4"), device="cuda", dtype="float32")]
+    for model in packed:
+        assert where(model.loaded.model) == {"cpu"}
+        assert model.say("What is in this picture?", **ask).codes
+        assert where(model.loaded.model) == {"cuda"}
+    config = type(lazy.loaded.model.config).from_pretrained(asset)
+    preset = build(lambda: type(lazy.loaded.model)._from_config(config, dtype=torch.float32), torch.device("cuda"),
+                   torch.float32, "int4", 16, lambda message: None)
+    assert where(preset) == {"cpu"}
+    assert {p.device.type for p in preset.thinker.lm_head.parameters()} == {"cuda"}

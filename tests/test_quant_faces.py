@@ -95,6 +95,9 @@ def test_memory_rows():
     rows = dict(memory_rows({"packed": 2**30, "float": 2**29, "weights": 3 * 2**29, "quantize": "fp8",
                              "peak": 5 * 2**30}))
     assert rows == {"weights": "1.50 GiB (1.00 GiB packed fp8 + 512.00 MiB float)", "device peak": "5.00 GiB"}
+    waiting = dict(memory_rows({"packed": 0, "float": 3 * 2**30, "weights": 3 * 2**30, "quantize": None,
+                                "peak": None, "host": 2**29}))
+    assert waiting["in host memory"] == "512.00 MiB (the vision encoder, until the first image)"
 
 
 # -- a quantized checkpoint, compile --------------------------------------------------------------------

@@ -491,6 +491,7 @@ def bench(
           f"prompt {prompt_tokens}, text {text_tokens}, {family.UNIT} {codes}", file=sys.stderr)
     w = meta["weights_bytes"]
     print(f"weights {w['total'] / 2**30:.2f} GiB" + (f" ({w['packed'] / 2**30:.2f} GiB packed {quantize})" if quantize else "")
+          + (f", {w['host'] / 2**30:.2f} GiB of it in host memory until an image" if w["host"] else "")
           + (f", cap {limit / 2**30:.1f} GiB" if limit else "")
           + (f", peak {meta['peak_bytes'] / 2**30:.2f} GiB" if meta["peak_bytes"] is not None else ""), file=sys.stderr)
     typer.echo(_table(ours, ref, family.LABELS))
@@ -523,13 +524,14 @@ def _conversation(subject: _Subject, turns: int, audio_seconds: float, text_toke
 
 
 def _weights_bytes(model) -> dict:
-    """{"packed", "float", "total"}: the model's packed weights' bytes (quant/apply.packed_bytes) and its
-    parameters'."""
+    """{"packed", "float", "total", "host"}: the model's packed weights' bytes (quant/apply.packed_bytes) and
+    its parameters'; `host`: of those, what waits in host memory (the vision tower: runtime/vision_place.py)."""
     from ..quant.apply import packed_bytes
+    from ..runtime.vision_place import host_bytes
 
     packed = packed_bytes(model)
     floats = sum(p.numel() * p.element_size() for p in model.parameters())
-    return {"packed": packed, "float": floats, "total": packed + floats}
+    return {"packed": packed, "float": floats, "total": packed + floats, "host": host_bytes(model)}
 
 
 def _offers(family, flag: str) -> bool:

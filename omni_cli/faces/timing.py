@@ -143,7 +143,7 @@ def size_text(n: float) -> str:
 
 def memory_rows(memory: dict | None) -> list[tuple[str, str]]:
     """(label, value) rows of a model's memory (a local `Assistant.memory`): the weights, packed and
-    float, and the device's peak where the device counts it (CUDA); [] without figures (a server's
+    float, what of them waits in host memory, and the device's peak where the device counts it (CUDA); [] without figures (a server's
     model)."""
     if not memory:
         return []
@@ -152,6 +152,8 @@ def memory_rows(memory: dict | None) -> list[tuple[str, str]]:
         weights += (f" ({size_text(memory['packed'])} packed {memory.get('quantize') or ''}".rstrip()
                     + f" + {size_text(memory['float'])} float)")
     rows = [("weights", weights)]
+    if memory.get("host"):
+        rows.append(("in host memory", f"{size_text(memory['host'])} (the vision encoder, until the first image)"))
     context = memory.get("context")
     if context and context.get("held"):
         rows.append(("kept context", f"{context['held']} tokens, {size_text(context['bytes'])}"))

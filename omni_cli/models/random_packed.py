@@ -3,7 +3,8 @@ exists on the device (omni-bench's `--quantize`: Qwen3-Omni-30B-A3B is 66 GiB in
 packed int4).
 
 How: the model is constructed on the device, except that its decoder layers' classes (those of
-quant/apply.decoder_stacks, found on a meta-device probe) are constructed on the meta device; then each
+quant/apply.decoder_stacks, found on a meta-device probe) are constructed on the meta device, and its
+vision tower's in host memory (where the loaders keep it until the first image: runtime/vision_place.py); then each
 decoder layer in turn gets random float weights on the device, is packed there (quant/apply.quantize_layer)
 and its float weights dropped before the next. At most one float layer is on the device at a time.
 
@@ -20,17 +21,17 @@ from collections.abc import Callable, Iterator
 
 
 @contextlib.contextmanager
-def _constructed_on_meta(classes) -> Iterator[None]:
-    """While inside: each class in `classes` builds its parameters on the meta device, wherever the rest
-    of the model is built."""
+def _constructed_on(where: dict) -> Iterator[None]:
+    """While inside: each class in `where` (class -> device) builds its parameters on that device, wherever
+    the rest of the model is built."""
     import torch
 
     saved = {}
-    for cls in classes:
+    for cls, device in where.items():
         saved[cls] = cls.__init__
 
-        def init(self, *args, __orig=cls.__init__, **kwargs):
-            with torch.device("meta"):
+        def init(self, *args, __orig=cls.__init__, __device=device, **kwargs):
+            with torch.device(__device):
                 __orig(self, *args, **kwargs)
 
         cls.__init__ = init
@@ -78,9 +79,10 @@ def build_packed(make: Callable[[], object], device, spec, progress: Callable[[i
 
     with torch.device("meta"):  # a probe, to learn the decoder layers' classes: no memory, a fraction of a second
         probe = make()
-    classes = {type(layer) for _, layer in decoder_layers(probe)}
+    where = {type(layer): "meta" for _, layer in decoder_layers(probe)}
+    where.update(_on_host(probe, device))
     del probe
-    with _constructed_on_meta(classes), torch.device(device):
+    with _constructed_on(where), torch.device(device):
         model = make()
     generator = torch.Generator(device=device).manual_seed(seed)
     done = Packed()
@@ -95,6 +97,17 @@ def build_packed(make: Callable[[], object], device, spec, progress: Callable[[i
     if torch.device(device).type == "cuda":
         torch.cuda.empty_cache()
     return model, done
+
+
+def _on_host(probe, device) -> dict:
+    """{the vision tower's class: "cpu"} off a CPU: the tower waits in host memory for the first image
+    (runtime/vision_place.py); {} on a CPU or for a model without one."""
+    import torch
+
+    from ..runtime.vision_place import tower_class
+
+    cls = tower_class(probe)
+    return {} if cls is None or torch.device(device).type == "cpu" else {cls: "cpu"}
 
 
 def layer_progress(progress: Callable[[str], None]) -> Callable[[int, int], None]:
@@ -128,7 +141,9 @@ def build(make: Callable[[], object], device, dtype, quantize: str | None, group
     import torch
 
     if quantize is None:
-        with torch.device(device):
+        with torch.device("meta"):
+            probe = make()
+        with _constructed_on(_on_host(probe, device)), torch.device(device):
             return make()
     from ..quant.apply import spec_for
 

@@ -18,6 +18,8 @@ Loading (`load(cls, path, dtype, device, name)`), for a folder whose config.json
 - the float tensors are read onto the device in the model's dtype and put in place of the meta parameters,
   under the names `compat.checkpoint_name` gives (transformers 5.21+ moved the thinker's text model to
   `thinker.model.language_model`); float experts stored one by one are stacked as transformers stacks them;
+  the vision tower's go to host memory as they are read (runtime/vision_place.py: it waits there for the
+  conversation's first image);
 - a module the config's `ignore` / `modules_to_not_convert` names (exact names, "re:" patterns, and for the
   GPTQ/AWQ/FP8 lists a name's part, as transformers matches those) must be stored in float: it loads as float;
 - a tensor the model has no place for, a parameter the files lack, or a shape that does not fit is a one-line
@@ -205,7 +207,7 @@ def load(cls, path: Path, dtype: torch.dtype, device: torch.device, name: str) -
     """`cls` (the family's *ForConditionalGeneration) from a quantized folder, in eval mode: packed modules on
     `device`, float tensors there in `dtype`, buffers still where the constructors made them (the caller
     moves the model, which moves only those). See the module's docstring."""
-    from ..runtime import compat
+    from ..runtime import compat, vision_place
 
     path = Path(path)
     device = torch.device(device)
@@ -293,7 +295,9 @@ def load(cls, path: Path, dtype: torch.dtype, device: torch.device, name: str) -
         _set(model, modules[bank], QuantExperts(gate_up, down, meta.act_fn))
         del gate_up, down, experts
 
-    _load_float(model, files, params, used, dtype, name)
+    # the vision tower's tensors go to host memory as they are read: it waits there for the first image
+    host = vision_place.tower_prefix(model) if device.type != "cpu" else None
+    _load_float(model, files, params, used, dtype, name, host)
     left = [n for n, p in model.named_parameters() if p.is_meta]
     if left:
         raise ModelError(f"{name}: the weights lack {compat.checkpoint_name(left[0])}")
@@ -307,9 +311,10 @@ def load(cls, path: Path, dtype: torch.dtype, device: torch.device, name: str) -
 
 
 def _load_float(model: nn.Module, files: Files, params: dict[str, str], used: set[str], dtype: torch.dtype,
-                name: str) -> None:
+                name: str, host: str | None = None) -> None:
     """The files' float tensors (those not `used` yet) in place of the model's meta parameters (and over its
-    buffers), each cast to the dtype the model made it in; per-expert float weights stacked."""
+    buffers), each cast to the dtype the model made it in; per-expert float weights stacked. Parameters
+    named under `host` (a module prefix) are put in host memory."""
     stacks: dict[str, dict[int, dict[str, str]]] = defaultdict(lambda: defaultdict(dict))
     for key in sorted(k for k in files.keys() if k not in used):
         if key not in params:
@@ -319,7 +324,10 @@ def _load_float(model: nn.Module, files: Files, params: dict[str, str], used: se
                 stacks[m["bank"]][int(m["e"])][m["part"]] = key
                 continue
             raise ModelError(f"{name}: unexpected tensor {key}: the model has no such weight")
-        _put(model, params[key], files.get(key), name, key)
+        tensor = files.get(key)
+        if host is not None and params[key].startswith(host):
+            tensor = tensor.to("cpu")
+        _put(model, params[key], tensor, name, key)
     for bank, experts in stacks.items():
         target = params[f"{bank}.gate_up_proj"]
         current = _current(model, target)

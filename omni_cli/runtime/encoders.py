@@ -8,7 +8,8 @@ thread, and each turn's engine thread is a new one, so every turn built them aga
 every layer. Measured on an H200, one 5 s clip at true size: the call itself takes 18-20 ms on a thread
 that has run it before (either family, with or without cuDNN), where a turn's encoder time was 60-180 ms.
 The audio tower's inputs are laid out and its window indices made on the host (`compat.audio_encoder`),
-so that nothing in the encoder reads a value back from the device.
+so that nothing in the encoder reads a value back from the device. The vision tower waits in host memory
+until the first image (runtime/vision_place.py); that image's turn moves it, outside the encoder's time.
 
 It knows neither the family (the caller passes its thinker module and placeholder id) nor the prompt's
 positions (decoder.mrope_positions) nor what the talker reads of them.
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from . import compat
+from . import compat, vision_place
 from .decoder import no_cudnn_attention
 from .stats import encoder_timer
 
@@ -37,6 +38,7 @@ def with_images(module, input_ids: torch.Tensor, embeds: torch.Tensor, media: di
     """(embeds with the vision encoder's outputs at the `token` positions, those positions, the encoder's
     whole output: Qwen3-Omni's deepstack features are in it)."""
     dev = embeds.device
+    vision_place.bring(module, dev)  # from host memory, before the conversation's first image (once)
     with encoder_timer(media, dev, "image"), no_cudnn_attention(dev.type == "cuda"):
         out = module.get_image_features(media["pixel_values"].to(dev), media["image_grid_thw"].to(dev),
                                         return_dict=True)

@@ -2,7 +2,8 @@
 
 `load` reads the weights (thinker and talker in the asked dtype, token2wav in float32, as the
 reference runs it; a quantized folder through quant/checkpoint.py, its token2wav in the asked dtype:
-quant/apply.py says why) and the voices (name -> {bos_token, cond, ref_mel}); `voice_names` lists the
+quant/apply.py says why; on a GPU the vision tower in host memory until the first image:
+runtime/vision_place.py) and the voices (name -> {bos_token, cond, ref_mel}); `voice_names` lists the
 voices without torch, reading the pickle with a restricted unpickler that never runs code from it.
 Every failure a person can fix is a one-line ModelError / OmniError. It does not find folders or pick
 devices (loader.py), nor generate (steps.py).
@@ -30,6 +31,7 @@ def load(path: Path, device, dtype, name: str, early=None):
     from transformers import Qwen2_5OmniForConditionalGeneration
 
     from ...quant.apply import cast_token2wav
+    from ...runtime import vision_place
     from ..weights import from_pretrained, quantized_from, to_device
 
     omni = quantized_from(Qwen2_5OmniForConditionalGeneration, path, dtype, name, device)
@@ -41,7 +43,7 @@ def load(path: Path, device, dtype, name: str, early=None):
         omni = from_pretrained(base, path, dtype, name, device, early=early)
 
     def place(model):
-        model.to(device)
+        vision_place.place(model, device)  # the vision tower to host memory until the first image
         if getattr(model, "has_talker", False):
             cast_token2wav(model, dtype)
 
