@@ -151,8 +151,8 @@ class Assistant(WarmsUp):
         --quantize), `float` (the parameters left in their dtype), `weights` (both), `quantize`; `peak`:
         the device's most allocated so far (torch.cuda.max_memory_allocated; None off CUDA, where only the
         weights are known); `host`: of the weights, the bytes waiting in host memory (the vision tower until
-        the first image: runtime/vision_place.py); `context`: the conversation's context kept for the next turn (`held` positions,
-        `bytes` in the thinker's cache, already reserved, and beside it)."""
+        the first image: runtime/vision_place.py); `context`: the conversation's context kept for the next
+        turn (`held` positions, `bytes` in the thinker's cache, already reserved, and beside it)."""
         import torch
 
         from .quant.apply import packed_bytes

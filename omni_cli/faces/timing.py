@@ -143,8 +143,8 @@ def size_text(n: float) -> str:
 
 def memory_rows(memory: dict | None) -> list[tuple[str, str]]:
     """(label, value) rows of a model's memory (a local `Assistant.memory`): the weights, packed and
-    float, what of them waits in host memory, and the device's peak where the device counts it (CUDA); [] without figures (a server's
-    model)."""
+    float, what of them waits in host memory, and the device's peak where the device counts it (CUDA);
+    [] without figures (a server's model)."""
     if not memory:
         return []
     weights = size_text(memory["weights"])

@@ -2,7 +2,8 @@
 
 Thinker, talker, code predictor and code2wav are loaded in the asked dtype, as the reference runs
 them (on a GPU, the vision tower in host memory until the first image: runtime/vision_place.py); a
-quantized folder (config.json's quantization_config) through quant/checkpoint.py. It does not find folders or pick devices (loader.py), nor generate (steps.py).
+quantized folder (config.json's quantization_config) through quant/checkpoint.py. It does not find
+folders or pick devices (loader.py), nor generate (steps.py).
 """
 
 from __future__ import annotations
