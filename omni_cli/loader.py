@@ -538,7 +538,8 @@ def load_packed(omni, path: Path | None, device, dtype, name: str, quantize: str
             raise oom_error(name, path, device, dtype, quantize) from exc
         raise
     cast_token2wav(omni, dtype)
-    to_device(omni, lambda m: vision_place.place(m, device), device, name, path=path, dtype=dtype, quantize=quantize)
+    to_device(omni, lambda m: vision_place.place(m, device), device, name, path=path, dtype=dtype,
+              quantize=quantize)
 
 
 def _quantized(path: Path, name: str) -> bool:

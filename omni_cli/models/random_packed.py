@@ -6,7 +6,8 @@ How: the model is constructed on the device, except that its decoder layers' cla
 quant/apply.decoder_stacks, found on a meta-device probe) are constructed on the meta device, and its
 vision tower's in host memory (where the loaders keep it until the first image: runtime/vision_place.py);
 then each decoder layer in turn gets random float weights on the device, is packed there
-(quant/apply.quantize_layer) and its float weights dropped before the next. At most one float layer is on the device at a time.
+(quant/apply.quantize_layer) and its float weights dropped before the next. At most one float layer is on
+the device at a time.
 
 Random weights: normal(0, 0.02) for matrices and expert banks (routers included, so routing follows the
 input), ones for 1-D weights (norms), zeros for 1-D biases. Only speed is measured with them, never quality.
