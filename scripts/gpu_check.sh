@@ -15,6 +15,8 @@
 #   encoders   one audio-encoder call on a 5 s clip at true size, both families, timed and profiled
 #              (scripts/encoder_profile.py; $OUT/encoder-*.jsonl)
 #   attend     the attention kernel over spans 256..8192 beside the library's ($OUT/attend-spans.jsonl)
+#   pprof      where Qwen3-Omni's 2,500-token prefill goes: eager prefill, top kernels, one MoE block
+#              (scripts/prefill_profile.py; $OUT/prefill-profile.json)
 #   long3      Qwen3-Omni, a 2,500-token prompt, plain graphs ($OUT/qwen3-2500.json)
 #   long25     Qwen2.5-Omni-7B, a 2,500-token prompt, plain graphs ($OUT/qwen25-2500.json)
 #   vision     tests/test_gpu.py's vision tower in host memory until the first image (runtime/vision_place.py)
@@ -79,6 +81,8 @@ for step in "${@:-bench tests}"; do
                echo "encoder $p rc=$?"; cut -c1-900 "$out/encoder-$p.jsonl"; done ;;
       attend) timeout 200 python3 scripts/attend_bench.py --spans > "$out/attend-spans.jsonl" 2> "$out/attend.err"
              echo "attend rc=$?"; cat "$out/attend-spans.jsonl"; tail -3 "$out/attend.err" ;;
+      pprof) (cd scripts && timeout 300 python3 prefill_profile.py --tokens 2500) > "$out/prefill-profile.json" 2> "$out/prefill-profile.err"
+             echo "pprof rc=$?"; cut -c1-3000 "$out/prefill-profile.json"; tail -3 "$out/prefill-profile.err" ;;
       long3) timeout 420 python3 -m omni_cli.faces.bench --preset qwen3-omni-30b-a3b --runs 3 --prompt-tokens 2500 \
                --text-tokens 64 --frames 188 --json --no-compile > "$out/qwen3-2500.json" 2> "$out/qwen3-2500.err"
              echo "long3 rc=$?"; grep '^\[omni-bench' "$out/qwen3-2500.err" | tail -4 ;;
