@@ -20,6 +20,7 @@
 #   long3      Qwen3-Omni, a 2,500-token prompt, plain graphs ($OUT/qwen3-2500.json)
 #   long25     Qwen2.5-Omni-7B, a 2,500-token prompt, plain graphs ($OUT/qwen25-2500.json)
 #   vision     tests/test_gpu.py's vision tower in host memory until the first image (runtime/vision_place.py)
+#   vbring     the true-size vision towers moved to the GPU as a first image moves them (scripts/vision_bring.py)
 #   packed     tests/test_gpu.py's packed-weight tests (int4 and FP8 steps = transformers on the dequantized weights)
 #   qmm        the packed prefill products beside bf16 (and an earlier quant_kernels.py, scripts/_qk_before.py,
 #              where one was copied there), with a tile sweep ($OUT/quant-mm.jsonl)
@@ -91,6 +92,8 @@ for step in "${@:-bench tests}"; do
              echo "long25 rc=$?"; grep '^\[omni-bench' "$out/qwen25-2500.err" | tail -4 ;;
       vision) timeout 300 python3 -m pytest tests/test_gpu.py -q -s -p no:cacheprovider -o addopts="" -k vision_tower 2>&1 \
                | grep -v DEBUG > "$out/test_gpu_vision.log"; tail -3 "$out/test_gpu_vision.log"; grep -E "^E " "$out/test_gpu_vision.log" | head ;;
+      vbring) for p in qwen2.5-omni-7b qwen3-omni-30b-a3b; do timeout 120 python3 scripts/vision_bring.py --preset $p; done \
+               > "$out/vision-bring.jsonl" 2> "$out/vision-bring.err"; cat "$out/vision-bring.jsonl"; tail -2 "$out/vision-bring.err" ;;
       packed) timeout 300 python3 -m pytest tests/test_gpu.py -q -s -p no:cacheprovider -o addopts="" -k packed 2>&1 \
                | grep -v DEBUG > "$out/test_gpu_packed.log"; tail -3 "$out/test_gpu_packed.log"; grep -E "^E " "$out/test_gpu_packed.log" | head ;;
       qmm) timeout 300 python3 scripts/quant_mm_check.py sweep > "$out/quant-mm.jsonl" 2> "$out/quant-mm.err"
