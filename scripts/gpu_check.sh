@@ -26,7 +26,8 @@
 #              where one was copied there), with a tile sweep ($OUT/quant-mm.jsonl)
 #   qsweep     the packed decode kernels' blocks swept per use ($OUT/quant-sweep.json)
 #   qkernels   the packed decode kernels beside bf16 ($OUT/quant-kernels.json)
-#   q3 KIND    (q3int4, q3fp8, q3bf16, q25int4, q25bf16) omni-bench of a preset packed or not, the issue's unit
+#   q3 KIND    (q3int4, q3fp8, q3bf16, q25int4, q25fp8, q25bf16; q25-3b-int4: Qwen2.5-Omni-3B) omni-bench of a preset
+#              packed or not, the issue's unit
 #              ($OUT/q-PRESET-KIND.json)
 #   vdtype     Qwen2.5-Omni's token2wav in bfloat16 against float32 at true size (scripts/vocoder_dtype.py;
 #              $OUT/vocoder-dtype.json)
@@ -102,9 +103,10 @@ for step in "${@:-bench tests}"; do
              echo "qsweep rc=$?"; grep '^{' "$out/quant-sweep.err" | cut -c1-600; grep -v '^{' "$out/quant-sweep.err" | tail -3 ;;
       qkernels) timeout 300 python3 scripts/quant_gpu.py kernels > "$out/quant-kernels.json" 2> "$out/quant-kernels.err"
              echo "qkernels rc=$?"; cut -c1-500 "$out/quant-kernels.err" | tail -8 ;;
-      q3int4|q3fp8|q3bf16|q25int4|q25bf16)
-             case $s in q3*) p=qwen3-omni-30b-a3b; unit="--frames 188" ;; *) p=qwen2.5-omni-7b; unit="--codes 250" ;; esac
-             q=${s#q3}; q=${q#q25}; [ "$q" = bf16 ] && qflag="" || qflag="--quantize $q"
+      q3int4|q3fp8|q3bf16|q25int4|q25fp8|q25bf16|q25-3b-int4)
+             case $s in q3*) p=qwen3-omni-30b-a3b; unit="--frames 188" ;; q25-3b*) p=qwen2.5-omni-3b; unit="--codes 250" ;;
+               *) p=qwen2.5-omni-7b; unit="--codes 250" ;; esac
+             q=${s#q3}; q=${q#q25}; q=${q#-3b-}; [ "$q" = bf16 ] && qflag="" || qflag="--quantize $q"
              timeout 400 python3 -m omni_cli.faces.bench --preset $p --runs 2 --prompt-tokens 60 --text-tokens 64 $unit \
                --json --no-compile $qflag > "$out/q-$p-$q.json" 2> "$out/q-$p-$q.err"
              echo "$s rc=$?"; grep '^\[omni-bench' "$out/q-$p-$q.err" | tail -4 ;;
