@@ -857,6 +857,10 @@ def test_the_vision_tower_waits_in_host_memory_until_the_first_image(asset, tmp_
         assert where(model.loaded.model) == {"cpu"}
         assert model.say("What is in this picture?", **ask).codes
         assert where(model.loaded.model) == {"cuda"}
+    # A capture ahead still running on another thread holds the default CUDA generator in capture mode, and
+    # the preset's random initialisation draws from it: wait for them first (a process loads one model).
+    for model in (lazy, eager, *packed):
+        model.engine.settle()
     config = type(lazy.loaded.model.config).from_pretrained(asset)
     preset = build(lambda: type(lazy.loaded.model)._from_config(config, dtype=torch.float32), torch.device("cuda"),
                    torch.float32, "int4", 16, lambda message: None)

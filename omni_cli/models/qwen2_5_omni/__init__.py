@@ -35,8 +35,9 @@ NEEDS_DEFAULT_SYSTEM = True  # the talker speaks reliably only under it
 DEFAULT_VOICE = "Chelsie"
 CODES_PER_SECOND = 50  # talker steps (codes) per second of audio
 # Prompts (thinker and talker) replayed as CUDA graphs, as Qwen3-Omni's are (runtime/graphs.py
-# `PrefillGraphs`, bfloat16 only): written and checked on a CPU (the eager parts), not yet run on a GPU,
-# so off until tests/test_gpu.py's Qwen2.5 prompt-graph tests (which turn it on) have passed there.
+# `PrefillGraphs`, bfloat16 only). tests/test_gpu.py's Qwen2.5 prompt-graph tests (which turn it on) passed
+# on an H100 (graphs equal to the eager prompts, 0.0), but what the warm-up's five buckets a stack cost the
+# 7B in start-up and memory, and what they save its prefill, is not measured yet: off until it is.
 PROMPT_GRAPHS = False
 
 
