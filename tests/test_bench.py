@@ -200,9 +200,21 @@ def test_streams_alternate_the_two_modes_on_one_engine(capsys, monkeypatch):
     assert all(row["codes"] == 50 and row["audio_s"] == 1.0 for row in table.values())
 
 
-def test_tiny_qwen3_bench_beside_transformers_at_the_forced_lengths(capsys):
+def test_tiny_qwen3_bench_beside_transformers_at_the_forced_lengths(capsys, monkeypatch):
     """Qwen3-Omni's units are 16-id frames (12.5 a second; code2wav gives 1920 * F - 555 samples): both sides
-    make exactly the asked text tokens and frames, and the reference's stage times are filled in."""
+    make exactly the asked text tokens and frames, and the reference's stage times are filled in. The
+    reference runs only once the last run's capture ahead is done (on CUDA a capture holds the default
+    generator, which the reference draws from)."""
+    from omni_cli.models.qwen3_omni import presets as qwen3_presets
+    from omni_cli.runtime import engine as engine_mod
+    from omni_cli.runtime import turn as turn_mod
+
+    order: list[str] = []
+    for owner, name in ((turn_mod.Turn, "__init__"), (engine_mod.Engine, "settle"), (qwen3_presets, "reference")):
+        def noted(*args, __original=getattr(owner, name), __name=name, **kwargs):
+            order.append(__name)
+            return __original(*args, **kwargs)
+        monkeypatch.setattr(owner, name, noted)
     code, out, err = bench(capsys, "--preset", "tiny-qwen3", "--prompt-tokens", "12", "--text-tokens", "4",
                            "--frames", "6", "--runs", "1", "--device", "cpu", "--compare-hf", "--json")
     assert code == 0, err
@@ -221,6 +233,8 @@ def test_tiny_qwen3_bench_beside_transformers_at_the_forced_lengths(capsys):
     assert ref["time_to_first_audio_ms"] == pytest.approx(1000 * ref["total_s"])
     assert 0 < ref["code_predictor_ms_per_frame"] < ref["talker_ms_per_step"]
     assert "transformers generate: " in err and "4 text tokens, 6 frames" in err
+    last_turn = len(order) - 1 - order[::-1].index("__init__")
+    assert order[-1] == "reference" and "settle" in order[last_turn:], order
 
 
 def test_tiny_qwen3_table_names_frames(capsys):

@@ -151,7 +151,11 @@ def _streams(subject: _Subject, prompt_ids, text_tokens, codes, device, runs: in
 def _measure(engine, subject: _Subject, prompt_ids, text_tokens, codes, device, runs: int) -> dict:
     """`runs` timed replies (after one warm-up reply) on a ready engine; medians of the stats."""
     # the first run warms up (graph capture, kernel selection)
-    return _summary([_reply(engine, subject, prompt_ids, text_tokens, codes, device, i) for i in range(runs + 1)])
+    results = [_reply(engine, subject, prompt_ids, text_tokens, codes, device, i) for i in range(runs + 1)]
+    # The last run's capture ahead done before anything else uses the device: a capture holds the default
+    # CUDA generator, which transformers' reference (--compare-hf) then draws its noise from.
+    engine.settle()
+    return _summary(results)
 
 
 def _summary(results: list[dict]) -> dict:
