@@ -18,8 +18,8 @@ Loading (`load(cls, path, dtype, device, name)`), for a folder whose config.json
 - the float tensors are read onto the device in the model's dtype and put in place of the meta parameters,
   under the names `compat.checkpoint_name` gives (transformers 5.21+ moved the thinker's text model to
   `thinker.model.language_model`); float experts stored one by one are stacked as transformers stacks them;
-  the vision tower's go to host memory as they are read (runtime/vision_place.py: it waits there for the
-  conversation's first image);
+  the vision tower's are read into host memory, never onto the device (runtime/vision_place.py: it waits
+  there for the conversation's first image);
 - a module the config's `ignore` / `modules_to_not_convert` names (exact names, "re:" patterns, and for the
   GPTQ/AWQ/FP8 lists a name's part, as transformers matches those) must be stored in float: it loads as float;
 - a tensor the model has no place for, a parameter the files lack, or a shape that does not fit is a one-line
@@ -102,7 +102,7 @@ def ignored(module: str, q: Quantization) -> bool:
 
 
 class Files:
-    """The folder's safetensors, by tensor name, read lazily onto one device."""
+    """The folder's safetensors, by tensor name, read lazily onto one device (or, asked, into host memory)."""
 
     def __init__(self, path: Path, device: torch.device, name: str) -> None:
         from safetensors import safe_open
@@ -122,12 +122,22 @@ class Files:
             for key in h.keys():
                 self.where[key] = h
         self.name = name
+        self._paths = {id(h): str(path / f) for h, f in zip(self.handles, files)}
+        self._host: dict[int, Any] = {}  # a file's handle reading into host memory, opened on first use
 
     def keys(self):
         return self.where.keys()
 
-    def get(self, key: str) -> torch.Tensor:
-        return self.where[key].get_tensor(key)
+    def get(self, key: str, host: bool = False) -> torch.Tensor:
+        """`key`'s tensor on the device, or with `host` read straight into host memory (not through the device)."""
+        h = self.where[key]
+        if host:
+            if id(h) not in self._host:
+                from safetensors import safe_open
+
+                self._host[id(h)] = safe_open(self._paths[id(h)], framework="pt", device="cpu")
+            h = self._host[id(h)]
+        return h.get_tensor(key)
 
     def dtype(self, key: str) -> str:
         return self.where[key].get_slice(key).get_dtype()
@@ -295,7 +305,7 @@ def load(cls, path: Path, dtype: torch.dtype, device: torch.device, name: str) -
         _set(model, modules[bank], QuantExperts(gate_up, down, meta.act_fn))
         del gate_up, down, experts
 
-    # the vision tower's tensors go to host memory as they are read: it waits there for the first image
+    # the vision tower's tensors are read into host memory: it waits there for the first image
     host = vision_place.tower_prefix(model) if device.type != "cpu" else None
     _load_float(model, files, params, used, dtype, name, host)
     left = [n for n, p in model.named_parameters() if p.is_meta]
@@ -314,7 +324,7 @@ def _load_float(model: nn.Module, files: Files, params: dict[str, str], used: se
                 name: str, host: str | None = None) -> None:
     """The files' float tensors (those not `used` yet) in place of the model's meta parameters (and over its
     buffers), each cast to the dtype the model made it in; per-expert float weights stacked. Parameters
-    named under `host` (a module prefix) are put in host memory."""
+    named under `host` (a module prefix) are read into host memory."""
     stacks: dict[str, dict[int, dict[str, str]]] = defaultdict(lambda: defaultdict(dict))
     for key in sorted(k for k in files.keys() if k not in used):
         if key not in params:
@@ -324,10 +334,7 @@ def _load_float(model: nn.Module, files: Files, params: dict[str, str], used: se
                 stacks[m["bank"]][int(m["e"])][m["part"]] = key
                 continue
             raise ModelError(f"{name}: unexpected tensor {key}: the model has no such weight")
-        tensor = files.get(key)
-        if host is not None and params[key].startswith(host):
-            tensor = tensor.to("cpu")
-        _put(model, params[key], tensor, name, key)
+        _put(model, params[key], files.get(key, host=host is not None and params[key].startswith(host)), name, key)
     for bank, experts in stacks.items():
         target = params[f"{bank}.gate_up_proj"]
         current = _current(model, target)
