@@ -30,7 +30,7 @@ from .encoder_inputs import EncoderInputs
 from .interface import ModelInfo, OmniAssistant
 from .errors import UsageError
 from .limits import DEFAULT as DEFAULT_INPUT_LIMITS, LimitError, Limits
-from .prompt import Chat, Conversation, check_length, check_prompt, fit  # noqa: F401 - Chat re-exported
+from .prompt import Chat, Conversation, MarkerError, check_length, check_prompt, fit  # noqa: F401 - Chat re-exported
 from .runtime.engine import Engine, fresh_seed
 from .runtime.events import AudioBlock, Done, Reply, TextDelta, TurnRequest
 from .warm_up import WarmsUp
@@ -348,7 +348,7 @@ class Assistant(WarmsUp):
         try:
             ids, dropped = fit(self.loaded.tokenizer, conv, user, budget, expand, self.input_limits)
         except UsageError as exc:
-            if not clips:
+            if not clips or isinstance(exc, MarkerError):  # the hint is for a prompt too long
                 raise
             seconds = sum(clip.seconds for clip in clips)
             raise UsageError(f"{exc} ({seconds:.1f} s of audio is part of it: use a shorter clip)") from None

@@ -220,15 +220,55 @@ def build_ids(tokenizer, messages: list[dict]) -> list[int]:
     """Token ids of `messages` rendered with the chat template, ending with the assistant's turn opener.
     A message's content is text, or a list of parts (`{"type": "audio"}` and `{"type": "text", ...}`)
     whose audio placeholder the caller expands (`expand_placeholders`)."""
-    for message in messages:  # the system prompt and the history too (a --system argument, a loaded file)
-        what = "the system prompt" if message["role"] == "system" else f"a {message['role']} message"
-        content = message["content"]
-        for text in ([content] if isinstance(content, str) else [p.get("text", "") for p in content]):
-            check_text(text, what)
+    markers = media_markers(tokenizer)
+    messages = [_checked(message, markers) for message in messages]
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     if isinstance(ids, dict) or hasattr(ids, "keys"):  # some tokenizers return a BatchEncoding
         ids = ids["input_ids"]
     return list(ids)
+
+
+class MarkerError(UsageError):
+    """Text holding a media marker (`_checked`)."""
+
+
+def media_markers(tokenizer) -> list[str]:
+    """The tokenizer's special tokens that mark where a clip, an image or a video goes (Qwen2.5-Omni's
+    `<|AUDIO|>`, `<|vision_bos|>`, ...; Qwen3-Omni's `<|audio_pad|>`, `<|vision_start|>`, ...): found by
+    name among its added special tokens, so neither family's list is written out here."""
+    words = ("audio", "image", "video", "vision")
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    return [t.content for t in added.values()
+            if getattr(t, "special", False) and any(w in t.content.lower() for w in words)]
+
+
+def _checked(message: dict, markers: list[str]) -> dict:
+    """`message` with its text checked (`check_text`). A media marker in the text would be tokenized as the
+    marker itself (a tokenizer reads special tokens in text): a clip's or an image's place with no clip
+    or image of its own, which the prompt's media then no longer match (the expansion ran out of clips;
+    on a GPU the placeholder scatter is a device-side assert that ends the process, a server's with it).
+    So a user's or the system's text holding one is refused; a reply's (the model may spell one out in
+    ordinary tokens, which the next prompt would read as the marker) is kept as text by a zero-width
+    space after its "<"."""
+    what = "the system prompt" if message["role"] == "system" else f"a {message['role']} message"
+    content = message["content"]
+
+    def check(text: str) -> str:
+        check_text(text, what)
+        for marker in markers:
+            if marker in text:
+                if message["role"] == "assistant":
+                    text = text.replace(marker, "<\u200b" + marker[1:])
+                    continue
+                raise MarkerError(f"{what} holds {marker}, the model's marker for a clip's or an image's place: "
+                                 "attach audio or an image as such (--audio, --image, a message part), not "
+                                 "its marker")
+        return text
+
+    if isinstance(content, str):
+        return {**message, "content": check(content)}
+    return {**message, "content": [{**part, "text": check(part["text"])} if "text" in part else part
+                                   for part in content]}
 
 
 def expand_placeholders(ids: list[int], token: int, counts: list[int]) -> list[int]:

@@ -722,6 +722,47 @@ def test_real_surrogates_are_a_usage_error_not_a_tokenizer_type_error(tiny):
 
 
 @pytest.mark.model
+def test_real_a_media_marker_in_text_is_a_usage_error_and_one_in_a_reply_stays_text(tiny):
+    # Typed, "<|AUDIO|>" is tokenized as the marker itself: with a clip, the prompt had one place more than
+    # clips ("internal error: generator raised StopIteration"; on a GPU a device-side assert).
+    from omni_cli.media import AudioClip
+
+    clip = AudioClip(np.zeros(16_000, dtype=np.float32), 16_000)
+    with pytest.raises(UsageError, match=r"^a user message holds <\|AUDIO\|>, the model's marker") as caught:
+        tiny.say("What is <|AUDIO|> here?", audio=[clip], text_only=True)
+    assert "shorter clip" not in str(caught.value)  # the too-long prompt's hint is not added
+    with pytest.raises(UsageError, match=r"^the system prompt holds <\|vision_bos\|>"):
+        tiny.conversation(system="Look: <|vision_bos|>").say("Hello", text_only=True)
+    # A reply that spelled a marker out (ordinary tokens) goes into the next prompt as text, not as the marker.
+    tokenizer = tiny.loaded.tokenizer
+    marker = tokenizer.convert_tokens_to_ids("<|AUDIO|>")
+    conv = Conversation("", [])
+    conv.add("Say the marker", "It is <|AUDIO|>.")
+    ids, _ = fit(tokenizer, conv, "Again?", 400)
+    assert marker not in ids and "It is <\u200b|AUDIO|>." in tokenizer.decode(ids)
+    assert tiny.say("Again?", conversation=conv, text_only=True, max_text_tokens=4).text_ids
+
+
+def test_media_markers_are_found_in_both_families_tokenizers():
+    from transformers import AutoTokenizer
+
+    from omni_cli.prompt import MarkerError, build_ids, media_markers
+
+    root = os.path.join(os.path.dirname(__file__), "..", "assets")
+    want = {"tiny-qwen2.5-omni": {"<|AUDIO|>", "<|IMAGE|>", "<|VIDEO|>", "<|audio_bos|>", "<|audio_eos|>",
+                                  "<|vision_bos|>", "<|vision_eos|>", "<|vision_pad|>"},
+            "tiny-qwen3-omni": {"<|audio_pad|>", "<|image_pad|>", "<|video_pad|>", "<|audio_start|>",
+                                "<|audio_end|>", "<|vision_start|>", "<|vision_end|>"}}
+    for name, markers in want.items():
+        tokenizer = AutoTokenizer.from_pretrained(os.path.join(root, name))
+        assert markers <= set(media_markers(tokenizer)), name
+        assert not {"<|im_start|>", "<|im_end|>", "<|endoftext|>"} & set(media_markers(tokenizer))
+        for marker in markers:  # a text part of a user message too
+            with pytest.raises(MarkerError):
+                build_ids(tokenizer, [{"role": "user", "content": [{"type": "audio"}, {"type": "text", "text": marker}]}])
+
+
+@pytest.mark.model
 def test_real_save_and_load_give_the_prompt_of_a_session_that_never_stopped(tiny, tmp_path):
     # Long messages in a small context, so that older exchanges were dropped from the model's history:
     # the loaded session must prompt the model with exactly what the first one would have.

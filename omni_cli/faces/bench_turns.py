@@ -36,12 +36,23 @@ def clip(seconds: float, seed: int):
     return AudioClip((0.3 * np.sin(2 * np.pi * (200 + 20 * seed) * t) + 0.05 * noise).astype(np.float32), 16_000)
 
 
+def media_ids(model) -> set[int]:
+    """The thinker's media marker ids (its config's audio, image, video and vision token ids). A reply's
+    text ids go into the next prompt without them: random weights may pick one, which the next prompt
+    would hold as a clip's place without a clip (an assistant keeps a reply as text without special
+    tokens, prompt.py). Such a marker made turn 4 of a 7B conversation end in a device-side assert."""
+    config = model.config.thinker_config.to_dict()
+    return {v for k, v in config.items() if isinstance(v, int) and not isinstance(v, bool)
+            and k.endswith(("_token_id", "_token_index")) and any(w in k for w in ("audio", "image", "video", "vision"))}
+
+
 def conversation(engine, subject, turns: int, audio_seconds: float, reply) -> dict:
     """{"kept": [turn stats], "whole": [...]}: the conversation in each mode on `engine`, each after a
     warm-up reply with a clip. `reply(prompt, media, i, label, text_ids)` times one turn (bench._reply) and
     appends the reply's text ids to `text_ids`."""
     family, model, thinker = subject.family, subject.model, engine.steps.thinker
     kept_context = thinker.context
+    markers = media_ids(model)
     out: dict = {}
     try:
         for mode, keep in MODES.items():
@@ -64,7 +75,7 @@ def conversation(engine, subject, turns: int, audio_seconds: float, reply) -> di
                 text_ids: list[int] = []
                 row = reply(prompt, media, i + 1, f"{mode}, turn {i + 1}, ", text_ids)
                 rows.append(dict(row, features_ms=features_ms))
-                prompt = prompt + text_ids + family.reply_end(model)
+                prompt = prompt + [t for t in text_ids if t not in markers] + family.reply_end(model)
             out[mode] = rows
     finally:
         thinker.context = kept_context
