@@ -40,7 +40,7 @@ def media_ids(model) -> set[int]:
     """The thinker's media marker ids (its config's audio, image, video and vision token ids). A reply's
     text ids go into the next prompt without them: random weights may pick one, which the next prompt
     would hold as a clip's place without a clip (an assistant keeps a reply as text without special
-    tokens, prompt.py). Such a marker made turn 4 of a 7B conversation end in a device-side assert."""
+    tokens, prompt.py), and its placeholder scatter would fail."""
     config = model.config.thinker_config.to_dict()
     return {v for k, v in config.items() if isinstance(v, int) and not isinstance(v, bool)
             and k.endswith(("_token_id", "_token_index")) and any(w in k for w in ("audio", "image", "video", "vision"))}
