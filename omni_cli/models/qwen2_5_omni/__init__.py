@@ -35,9 +35,12 @@ NEEDS_DEFAULT_SYSTEM = True  # the talker speaks reliably only under it
 DEFAULT_VOICE = "Chelsie"
 CODES_PER_SECOND = 50  # talker steps (codes) per second of audio
 # Prompts (thinker and talker) replayed as CUDA graphs, as Qwen3-Omni's are (runtime/graphs.py
-# `PrefillGraphs`, bfloat16 only). tests/test_gpu.py's Qwen2.5 prompt-graph tests (which turn it on) passed
-# on an H100 (graphs equal to the eager prompts, 0.0), but what the warm-up's five buckets a stack cost the
-# 7B in start-up and memory, and what they save its prefill, is not measured yet: off until it is.
+# `PrefillGraphs`, bfloat16 only). tests/test_gpu.py's Qwen2.5 prompt-graph tests (which turn it on) pass on an
+# H100 (graphs equal to the eager prompts, 0.0), and on an H100 the 7B's 60-token prefill falls from 21.9 to
+# 9.6 ms (bf16) and 41.1 to 12.6 ms (int4), its first audio from 328 to 305 ms and 310 to 252 ms, for 0.15 GiB
+# of peak (docs/benchmarks.md, nineteenth pass). Off all the same: one of three 10-turn spoken
+# conversations with it on ended at turn 4 in a device-side assert of the audio placeholders' scatter
+# (encoders.place), the other two ran through, and the cause is not found yet.
 PROMPT_GRAPHS = False
 
 
