@@ -18,6 +18,7 @@ import re
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -315,4 +316,21 @@ def test_bench_turns_times_a_spoken_conversation_kept_and_whole(capsys, preset):
     assert all(t["talker_kept_rows"] == 0 for t in whole)
     assert kept[0]["talker_kept_rows"] < kept[1]["talker_kept_rows"] < kept[2]["talker_kept_rows"]
     assert all(t["text_tokens"] == 4 and t["codes"] == 12 and t["audio_encoder_ms"] > 0 for t in kept + whole)
+    # The replies' checksums: kept and whole reply alike, turn by turn (greedy, float32), and differ between turns.
+    assert [t["reply_crc32"] for t in kept] == [t["reply_crc32"] for t in whole]
+    assert len({t["reply_crc32"] for t in kept}) == 3 and all(t["markers_dropped"] == 0 for t in kept + whole)
     assert result["meta"]["turns"] == 3 and result["meta"]["audio_seconds"] == 1
+
+
+def test_bench_turns_keeps_a_replys_media_markers_out_of_the_next_prompt():
+    """A reply's text ids go into the next prompt without the thinker's media marker ids (what an
+    assistant's text history does), which would make a clip's place without a clip."""
+    from transformers import AutoConfig
+
+    from omni_cli.faces.bench_turns import media_ids
+
+    for name, audio in (("tiny-qwen2.5-omni", 771), ("tiny-qwen3-omni", 800)):
+        config = AutoConfig.from_pretrained(Path(__file__).parent.parent / "assets" / name)
+        markers = media_ids(type("Model", (), {"config": config}))
+        assert audio in markers and 780 in markers and len(markers) >= 7, (name, markers)
+        assert not markers & {config.thinker_config.user_token_id}

@@ -318,3 +318,28 @@ def test_the_audio_towers_indices_made_on_the_host_give_the_same_features(family
         alone = thinker.get_audio_features(media["input_features"], mask, return_dict=True).last_hidden_state
         planned = thinker.get_audio_features(media["input_features"], mask, return_dict=True, **plan).last_hidden_state
     assert torch.equal(alone, planned)
+
+
+@pytest.mark.parametrize("family", ["qwen25", "qwen3"])
+def test_a_placeholder_without_encoder_rows_is_an_error_before_the_scatter(family, request):
+    """A prompt holding one audio placeholder more than its clip gives rows (what a marker in a reply's
+    ids made of a conversation) is a clear error of the turn, checked on the host: on a GPU the scatter's
+    own check is a device-side assert that ends the process. The count that matches still prefills."""
+    from omni_cli.config import ReplyOptions
+    from omni_cli.media import AudioClip
+    from omni_cli.prompt import Conversation
+
+    model = request.getfixturevalue(family)
+    steps, opts = model.engine.steps, ReplyOptions(greedy=True, seed=0, max_text_tokens=4, max_codes=4)
+    clip = AudioClip(tone(0.9, 16_000, 500.0, 7), 16_000)
+    req, *_ = model._request("Listen to this.", opts, None, Conversation(model.default_system), audio=[clip])
+    token = steps.thinker.audio_token
+    extra = list(req.input_ids)
+    extra.insert(extra.index(token), token)
+    steps.thinker.context.clear()
+    with torch.inference_mode():
+        with pytest.raises(RuntimeError, match=r"^the prompt has \d+ places for its encoder's outputs but the encoder gave \d+"):
+            steps.prefill(torch.tensor([extra], device=steps.device), req.media)
+        steps.thinker.context.clear()
+        out = steps.prefill(torch.tensor([req.input_ids], device=steps.device), req.media)
+    assert out.logits.shape[-1] > 0

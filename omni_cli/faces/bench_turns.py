@@ -19,6 +19,7 @@ It knows the families only through their presets modules (`spoken_turn`, `reply_
 from __future__ import annotations
 
 import time
+import zlib
 
 import numpy as np
 
@@ -74,8 +75,11 @@ def conversation(engine, subject, turns: int, audio_seconds: float, reply) -> di
                 prompt = prompt + family.spoken_turn(model, counts[-1], i)
                 text_ids: list[int] = []
                 row = reply(prompt, media, i + 1, f"{mode}, turn {i + 1}, ", text_ids)
-                rows.append(dict(row, features_ms=features_ms))
-                prompt = prompt + [t for t in text_ids if t not in markers] + family.reply_end(model)
+                said = [t for t in text_ids if t not in markers]
+                # The reply's ids as a checksum: runs of one preset compare (greedy replies the same?)
+                rows.append(dict(row, features_ms=features_ms, reply_crc32=zlib.crc32(str(text_ids).encode()),
+                                 markers_dropped=len(text_ids) - len(said)))
+                prompt = prompt + said + family.reply_end(model)
             out[mode] = rows
     finally:
         thinker.context = kept_context

@@ -24,30 +24,37 @@ from .decoder import no_cudnn_attention
 from .stats import encoder_timer
 
 
-def with_audio(module, input_ids: torch.Tensor, embeds: torch.Tensor, media: dict, token: int):
-    """(embeds with the audio encoder's outputs at the `token` positions, those positions [1, L, W])."""
+def with_audio(module, input_ids: torch.Tensor, embeds: torch.Tensor, media: dict, token: int, places: int):
+    """(embeds with the audio encoder's outputs at the `token` positions, those positions [1, L, W]);
+    `places`: how many `token`s `input_ids` holds, counted on the host (`place`)."""
     dev = embeds.device
     features = media["input_features"].to(dev, embeds.dtype)  # the processor's float32, in the model's dtype
     encode = compat.audio_encoder(module, features, media["feature_attention_mask"], dev)  # before the timer: host work
     with encoder_timer(media, dev), no_cudnn_attention(dev.type == "cuda"):
         audio = encode()
-    return place(embeds, input_ids, token, audio)
+    return place(embeds, input_ids, token, audio, places)
 
 
-def with_images(module, input_ids: torch.Tensor, embeds: torch.Tensor, media: dict, token: int):
+def with_images(module, input_ids: torch.Tensor, embeds: torch.Tensor, media: dict, token: int, places: int):
     """(embeds with the vision encoder's outputs at the `token` positions, those positions, the encoder's
-    whole output: Qwen3-Omni's deepstack features are in it)."""
+    whole output: Qwen3-Omni's deepstack features are in it); `places` as in `with_audio`."""
     dev = embeds.device
     vision_place.bring(module, dev)  # from host memory, before the conversation's first image (once)
     with encoder_timer(media, dev, "image"), no_cudnn_attention(dev.type == "cuda"):
         out = module.get_image_features(media["pixel_values"].to(dev), media["image_grid_thw"].to(dev),
                                         return_dict=True)
-    embeds, positions = place(embeds, input_ids, token, torch.cat(list(out.pooler_output), dim=0))
+    embeds, positions = place(embeds, input_ids, token, torch.cat(list(out.pooler_output), dim=0), places)
     return embeds, positions, out
 
 
-def place(embeds: torch.Tensor, input_ids: torch.Tensor, token: int, features: torch.Tensor):
-    """`features` ([n, W], in order) at the n positions of `token` in `input_ids` ([1, L])."""
+def place(embeds: torch.Tensor, input_ids: torch.Tensor, token: int, features: torch.Tensor, places: int):
+    """`features` ([n, W], in order) at the n positions of `token` in `input_ids` ([1, L]), of which the host
+    counted `places`. Checked on the host first: on a GPU a count that does not match is a device-side
+    assert in the scatter, which ends the process (a server's too); here it is an error of the turn (an
+    internal one: the prompt's text is checked for media markers, prompt.py `_checked`)."""
+    if places != features.shape[0]:
+        raise RuntimeError(f"the prompt has {places} places for its encoder's outputs but the encoder gave "
+                           f"{features.shape[0]}: the prompt's media and its markers disagree")
     positions = (input_ids == token).unsqueeze(-1).expand_as(embeds)
     return embeds.masked_scatter(positions, features.to(embeds.dtype)), positions
 

@@ -103,9 +103,10 @@ class Thinker:
         embeds = self.embed(rest)
         talker_embeds, positions, self.rope_delta = None, None, 0
         if part.get("input_features") is not None:
-            embeds, talker_embeds = self._with_audio(rest, embeds, part)
+            embeds, talker_embeds = self._with_audio(rest, embeds, part, ids[start:].count(self.audio_token))
         if part.get("pixel_values") is not None:
-            embeds, talker_embeds = self._with_images(rest, embeds, talker_embeds, part)
+            embeds, talker_embeds = self._with_images(rest, embeds, talker_embeds, part,
+                                                      ids[start:].count(self.image_token))
         encoders.timed_into(media, part)
         if media and media.get("pixel_values") is not None:  # the whole prompt's 3-D positions, this part's
             positions, self.rope_delta = mrope_positions(self.module, ids, media, embeds.device)
@@ -130,15 +131,15 @@ class Thinker:
                               self.rope_delta)
         return ThinkerOut(embeds, hidden, logits, talker_embeds, media or None, ids, start, self.prompts)
 
-    def _with_images(self, input_ids, embeds, talker_embeds, media):
+    def _with_images(self, input_ids, embeds, talker_embeds, media, places: int):
         """The vision encoder's outputs at the image positions (and zeros there for the talker)."""
-        embeds, positions, _ = encoders.with_images(self.module, input_ids, embeds, media, self.image_token)
+        embeds, positions, _ = encoders.with_images(self.module, input_ids, embeds, media, self.image_token, places)
         base = talker_embeds if talker_embeds is not None else embeds
         return embeds, base.masked_fill(positions, 0.0)
 
-    def _with_audio(self, input_ids, embeds, media):
+    def _with_audio(self, input_ids, embeds, media, places: int):
         """(embeds with the audio encoder's outputs at the audio positions, the same with them zeroed)."""
-        embeds, positions = encoders.with_audio(self.module, input_ids, embeds, media, self.audio_token)
+        embeds, positions = encoders.with_audio(self.module, input_ids, embeds, media, self.audio_token, places)
         return embeds, embeds.masked_fill(positions, 0.0)
 
     def decode_one(self, token: torch.Tensor) -> ThinkerOut:

@@ -131,10 +131,11 @@ class Thinker:
         rest = input_ids[:, start:]
         embeds = self.embed(rest)
         if part.get("input_features") is not None:
-            embeds, _ = encoders.with_audio(self.module, rest, embeds, part, self.audio_token)
+            embeds, _ = encoders.with_audio(self.module, rest, embeds, part, self.audio_token,
+                                            ids[start:].count(self.audio_token))
         positions, deepstack, self.rope_delta = None, None, 0
         if part.get("pixel_values") is not None:
-            embeds, deepstack = self._with_images(rest, embeds, part)
+            embeds, deepstack = self._with_images(rest, embeds, part, ids[start:].count(self.image_token))
         encoders.timed_into(media, part)
         if media and media.get("pixel_values") is not None:  # the whole prompt's 3-D positions, this part's
             positions, self.rope_delta = mrope_positions(self.module, ids, media, embeds.device)
@@ -153,10 +154,10 @@ class Thinker:
         out.media, out.prompt_ids, out.found, out.prompt = media or None, ids, start, self.prompts
         return out
 
-    def _with_images(self, input_ids, embeds, media):
+    def _with_images(self, input_ids, embeds, media, places: int):
         """(embeds with the vision encoder's outputs at the image positions, the deepstack step: its
         multiscale features added at those positions after the first layers, as the reference adds them)."""
-        embeds, positions, out = encoders.with_images(self.module, input_ids, embeds, media, self.image_token)
+        embeds, positions, out = encoders.with_images(self.module, input_ids, embeds, media, self.image_token, places)
         mask = positions[0, :, 0]
         levels = [f.to(embeds.dtype) for f in deepstack_levels(out.deepstack_features)]
 
