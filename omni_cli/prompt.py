@@ -261,8 +261,8 @@ def _checked(message: dict, markers: list[str]) -> dict:
                     text = text.replace(marker, "<\u200b" + marker[1:])
                     continue
                 raise MarkerError(f"{what} holds {marker}, the model's marker for a clip's or an image's place: "
-                                 "attach audio or an image as such (--audio, --image, a message part), not "
-                                 "its marker")
+                                  "attach audio or an image as such (--audio, --image, a message part), not "
+                                  "its marker")
         return text
 
     if isinstance(content, str):
