@@ -325,3 +325,41 @@ def test_audio_features_without_a_read_back_equal_the_librarys(model):
         library = thinker.get_audio_features(features, mask, return_dict=True).last_hidden_state
         ours = compat.audio_encoder(thinker, features, mask, "cpu")()
     assert ours.shape == library.shape and torch.equal(ours, library)
+
+
+def test_cudnn_attention_left_out_by_two_threads_at_once_comes_back():
+    """Two threads' overlapping uses of `no_cudnn_attention` (A enters, B enters, A leaves, B leaves: the
+    engine's prefill beside Qwen3-Omni's codec on the vocoder's thread) keep cuDNN's attention off while
+    either is inside and leave it as it was. torch's `sdpa_kernel`, used before, restored what each thread
+    found on entry: A turned it back on under B, and B then left it off for good."""
+    import threading
+
+    from omni_cli.runtime.decoder import no_cudnn_attention
+
+    assert torch.backends.cuda.cudnn_sdp_enabled()
+    a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
+    seen = {}
+
+    def a():
+        with no_cudnn_attention(True):
+            a_in.set()
+            b_in.wait(5)
+        a_out.set()
+
+    def b():
+        a_in.wait(5)
+        with no_cudnn_attention(True):
+            b_in.set()
+            a_out.wait(5)
+            seen["inside B, after A left"] = torch.backends.cuda.cudnn_sdp_enabled()
+
+    threads = [threading.Thread(target=f) for f in (a, b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert seen == {"inside B, after A left": False}
+    assert torch.backends.cuda.cudnn_sdp_enabled()
+    with no_cudnn_attention(True), no_cudnn_attention(True):  # re-entrant on one thread
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+    assert torch.backends.cuda.cudnn_sdp_enabled()

@@ -11,6 +11,7 @@ positions are exact (image and video prompts would need `get_rope_index` and are
 from __future__ import annotations
 
 import contextlib
+import threading
 
 import torch
 
@@ -123,14 +124,42 @@ def no_cudnn_attention(enabled: bool):
     of a new length paid that build, twice a turn (thinker and talker). Measured on an H200, 7B thinker,
     60-90 token prompts: 103-127 ms per prefill of a new length with cuDNN, 62-69 ms without it (same
     length again: 43-50 ms). Flash / memory-efficient attention need no plan. The decode steps keep the
-    default choice: their shapes are fixed and captured once. The switch is process-wide while it lasts;
-    float32 (the GPU parity tests) never picks cuDNN, so the reference's choice is the same there.
-    """
-    if not enabled:
-        return contextlib.nullcontext()
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+    default choice: their shapes are fixed and captured once. float32 (the GPU parity tests) never picks
+    cuDNN, so the reference's choice is the same there.
 
-    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+    The switch is process-wide, and threads use it at once (the engine's prefill, Qwen3-Omni's codec on the
+    vocoder's thread, a capture ahead), so it is counted (`_CudnnLeftOut`): off from the first entry to the
+    last exit, then as it was. torch's `sdpa_kernel` restores what it found on entry instead, so two
+    threads' overlapping uses could leave cuDNN off for good.
+    """
+    return _LEFT_OUT if enabled else contextlib.nullcontext()
+
+
+class _CudnnLeftOut:
+    """cuDNN's attention off while any thread is inside (re-entrant, thread-safe): the flag is set by the
+    first to enter and restored by the last to leave."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._inside = 0
+        self._was = True
+
+    def __enter__(self) -> None:
+        with self._lock:
+            if self._inside == 0:
+                self._was = torch.backends.cuda.cudnn_sdp_enabled()
+                torch.backends.cuda.enable_cudnn_sdp(False)
+            self._inside += 1
+
+    def __exit__(self, *exc) -> None:
+        with self._lock:
+            self._inside -= 1
+            if self._inside == 0:
+                torch.backends.cuda.enable_cudnn_sdp(self._was)
+
+
+_LEFT_OUT = _CudnnLeftOut()
+
 
 def mrope_positions(module, ids: list[int], media: dict, device) -> tuple[torch.Tensor, int]:
     """(the prompt's M-RoPE positions [3, 1, L] on `device`, the delta the steps after it add): the
