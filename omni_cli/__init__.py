@@ -22,13 +22,6 @@ def load(model: str | None = None, device: str = "auto", dtype: str = "auto", ru
     is then the options as built (device "cuda:0", dtype "bfloat16", graphs as they really are).
     `progress(done, total)`: called after each decoder layer packed (`runtime.quantize`).
     """
-    from . import prefetch
+    from .assistant import Assistant
 
-    ahead = prefetch.start(model)  # the weight files into the page cache while torch is imported
-    try:
-        from .assistant import Assistant
-
-        return Assistant.load(model, device=device, dtype=dtype, runtime=runtime, progress=progress)
-    finally:
-        if ahead is not None:
-            ahead.stop()
+    return Assistant.load(model, device=device, dtype=dtype, runtime=runtime, progress=progress)

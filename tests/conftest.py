@@ -183,7 +183,6 @@ TIERS: dict[str, str | tuple[str, dict[str, str]]] = {
     "test_ownership.py": "cli",
     "test_paths.py": "unit",
     "test_pcm16.py": "unit",
-    "test_prefetch.py": "unit",
     "test_quant_formats.py": "unit",
     "test_api_shapes.py": ("unit", {"test_client_side_imports_no_torch": "e2e"}),
     "test_bench.py": "model",
