@@ -371,3 +371,16 @@ def test_omni_quantize_never_writes_over_its_source(tmp_path):
         result = run_cli(str(src), dst, "--group-size", G, "--force")
         assert result.exit_code == 2 and "holds the source checkpoint" in result.output, result.output
     assert sorted(p.name for p in src.iterdir()) == before
+
+
+def test_files_read_a_tensor_into_host_memory_as_they_read_it_onto_the_device(tmp):
+    """`Files.get(key, host=True)` (the vision tower's path off a CPU: a second handle of the file, opened once,
+    reading into host memory) gives the tensor the device handle gives, for every tensor of every file."""
+    from omni_cli.quant.checkpoint import Files
+
+    folder, _ = built("ct-int4", tmp)
+    files = Files(folder, torch.device("cpu"), "test")
+    for key in files.keys():
+        on_host = files.get(key, host=True)
+        assert on_host.device.type == "cpu" and torch.equal(on_host, files.get(key)), key
+    assert len(files._host) == len(files.handles)  # one host handle a file, reused

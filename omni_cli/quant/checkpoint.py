@@ -116,13 +116,10 @@ class Files:
         else:
             raise ModelError(f"{name}: a quantized checkpoint is read from safetensors files; {path} has none")
         where = "cpu" if device.type == "cpu" else str(device)
-        self.handles = [safe_open(str(path / f), framework="pt", device=where) for f in files]
-        self.where: dict[str, Any] = {}
-        for h in self.handles:
-            for key in h.keys():
-                self.where[key] = h
+        self.paths = [str(path / f) for f in files]
+        self.handles = [safe_open(p, framework="pt", device=where) for p in self.paths]
+        self.where = {key: i for i, h in enumerate(self.handles) for key in h.keys()}  # name -> its file's index
         self.name = name
-        self._paths = {id(h): str(path / f) for h, f in zip(self.handles, files)}
         self._host: dict[int, Any] = {}  # a file's handle reading into host memory, opened on first use
 
     def keys(self):
@@ -130,17 +127,17 @@ class Files:
 
     def get(self, key: str, host: bool = False) -> torch.Tensor:
         """`key`'s tensor on the device, or with `host` read straight into host memory (not through the device)."""
-        h = self.where[key]
-        if host:
-            if id(h) not in self._host:
-                from safetensors import safe_open
+        i = self.where[key]
+        if not host:
+            return self.handles[i].get_tensor(key)
+        if i not in self._host:
+            from safetensors import safe_open
 
-                self._host[id(h)] = safe_open(self._paths[id(h)], framework="pt", device="cpu")
-            h = self._host[id(h)]
-        return h.get_tensor(key)
+            self._host[i] = safe_open(self.paths[i], framework="pt", device="cpu")
+        return self._host[i].get_tensor(key)
 
     def dtype(self, key: str) -> str:
-        return self.where[key].get_slice(key).get_dtype()
+        return self.handles[self.where[key]].get_slice(key).get_dtype()
 
 
 @contextlib.contextmanager
