@@ -9,10 +9,10 @@
 #   qwen25     Qwen2.5-Omni-7B compiled ($OUT/qwen25-compiled.json)
 #   turns25    a 10-turn spoken conversation, 7B, plain graphs, kept vs whole ($OUT/turns-qwen25.json)
 #   turns3     the same, Qwen3-Omni-30B-A3B ($OUT/turns-qwen3.json)
-#   pgturns25  turns25 twice with Qwen2.5-Omni's prompt graphs on (PROMPT_GRAPHS, off by default: one such run ended
-#              in a device-side assert, nineteenth pass): each run's replies' checksums, the markers dropped
+#   placecheck25  turns25 three times through scripts/turns_place_check.py (each placement's device ids checked
+#              against the host's); each run's replies' checksums, the markers dropped
 #   kept       tests/test_gpu.py's kept-context and lazy-graph tests only
-#   rests      tests/test_gpu.py's prompt graphs (rests over a kept context, long prompts; Qwen2.5-Omni's, off by default)
+#   rests      tests/test_gpu.py's prompt graphs (rests over a kept context, long prompts, Qwen2.5-Omni's)
 #              and the audio encoder (no cuDNN attention, nothing read back)
 #   encoders   one audio-encoder call on a 5 s clip at true size, both families, timed and profiled
 #              (scripts/encoder_profile.py; $OUT/encoder-*.jsonl)
@@ -75,15 +75,14 @@ for step in "${@:-bench tests}"; do
       turns3) timeout 480 python3 -m omni_cli.faces.bench --preset qwen3-omni-30b-a3b --turns 10 --audio-seconds 5 \
                --text-tokens 64 --frames 63 --no-compile --json > "$out/turns-qwen3.json" 2> "$out/turns-qwen3.err"
              echo "turns3 rc=$?"; grep 'turn' "$out/turns-qwen3.err" | tail -22 ;;
-      pgturns25) sed -i 's/^PROMPT_GRAPHS = False/PROMPT_GRAPHS = True/' omni_cli/models/qwen2_5_omni/__init__.py
-             for r in 1 2; do timeout 280 python3 -m omni_cli.faces.bench --preset qwen2.5-omni-7b --turns 10 --audio-seconds 5 \
-               --text-tokens 64 --codes 250 --no-compile --json > "$out/turns-qwen25-pg$r.json" 2> "$out/turns-qwen25-pg$r.err"
-               echo "pgturns25 run $r rc=$?"; grep -E 'Assertion|places for' "$out/turns-qwen25-pg$r.err" | head -3; done
+      placecheck25) for r in 1 2 3; do timeout 175 python3 scripts/turns_place_check.py --preset qwen2.5-omni-7b --turns 10 \
+               --audio-seconds 5 --text-tokens 64 --codes 250 --no-compile --json > "$out/turns-qwen25-pc$r.json" 2> "$out/turns-qwen25-pc$r.err"
+               echo "placecheck25 run $r rc=$?"; grep -E 'Assertion|places for' "$out/turns-qwen25-pc$r.err" | head -3
+               grep diag "$out/turns-qwen25-pc$r.err" | grep -vE 'places=([0-9]+) device count=\1 ' | head -5; done
              python3 -c "import json,sys; r=[json.load(open(f))['turns'] for f in sys.argv[1:]]; \
                print('replies alike across runs:', [[t['reply_crc32'] for t in x['kept']] for x in r]); \
                print('markers dropped:', [sum(t['markers_dropped'] for t in x['kept'] + x['whole']) for x in r])" \
-               "$out"/turns-qwen25-pg1.json "$out"/turns-qwen25-pg2.json 2>&1 | tail -2
-             sed -i 's/^PROMPT_GRAPHS = True/PROMPT_GRAPHS = False/' omni_cli/models/qwen2_5_omni/__init__.py ;;
+               "$out"/turns-qwen25-pc[123].json 2>&1 | tail -2 ;;
       kept) timeout 420 python3 -m pytest tests/test_gpu.py -q -s -p no:cacheprovider -o addopts="" -k "kept or lazy or true_size" \
                2>&1 | grep -v DEBUG > "$out/test_gpu_kept.log"; tail -3 "$out/test_gpu_kept.log"; grep -E "kept vs|^E " "$out/test_gpu_kept.log" | head ;;
       rests) timeout 300 python3 -m pytest tests/test_gpu.py -q -s -p no:cacheprovider -o addopts="" \

@@ -35,13 +35,13 @@ NEEDS_DEFAULT_SYSTEM = True  # the talker speaks reliably only under it
 DEFAULT_VOICE = "Chelsie"
 CODES_PER_SECOND = 50  # talker steps (codes) per second of audio
 # Prompts (thinker and talker) replayed as CUDA graphs, as Qwen3-Omni's are (runtime/graphs.py
-# `PrefillGraphs`, bfloat16 only). tests/test_gpu.py's Qwen2.5 prompt-graph tests (which turn it on) pass on an
-# H100 (graphs equal to the eager prompts, 0.0), and on an H100 the 7B's 60-token prefill falls from 21.9 to
-# 9.6 ms (bf16) and 41.1 to 12.6 ms (int4), its first audio from 328 to 305 ms and 310 to 252 ms, for 0.15 GiB
-# of peak (docs/benchmarks.md, nineteenth pass). Off all the same: one of three 10-turn spoken
-# conversations with it on ended at turn 4 in a device-side assert of the audio placeholders' scatter
-# (encoders.place), the other two ran through, and the cause is not found yet.
-PROMPT_GRAPHS = False
+# `PrefillGraphs`, bfloat16 only). On an H100 the 7B's 60-token prefill falls from 21.9 to 9.6 ms (bf16) and
+# 41.1 to 12.6 ms (int4), its first audio from 328 to 305 ms and 310 to 252 ms, for 0.15 GiB of peak
+# (docs/benchmarks.md, nineteenth pass). One 10-turn spoken conversation with them ended in a device-side
+# assert of the audio placeholders' scatter; five more ran through (three in the twentieth pass, checking
+# before every scatter that the device's ids were the host's). The likely cause, a random reply holding a
+# media marker's id, now stops on the host (prompt.py `_checked`, encoders.place's count).
+PROMPT_GRAPHS = True
 
 
 def missing_parts(folder: Path) -> list[str]:
