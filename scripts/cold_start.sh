@@ -3,10 +3,11 @@
 # repository root; what lands in $OUT comes back). Steps, in the order given:
 #   folder    write a true-size random Qwen2.5-Omni-7B folder ($DIR; scripts/make_random_checkpoint.py)
 #   pack      omni-quantize $DIR $DIR-int4 --device cuda, then the steps after it use the packed folder
-#   fresh     empty omni_cli's bytecode cache (stopping a writer still filling it) and drop the page cache
-#             if allowed, then omni-say -m $DIR ... --verbose (a first start: nothing compiled yet);
+#   fresh     empty omni_cli's bytecode cache (stopping a writer still filling it) and Triton's kernel cache,
+#             and drop the page cache if allowed, then omni-say -m $DIR ... --verbose (a first start: nothing compiled yet);
 #             it loads the model in a background omni-serve (omni-say's default --keep-alive)
 #   fresh-noahead  the same as fresh with OMNI_NO_COMPILE_AHEAD=1 (no workers compiling ahead of the imports)
+#   fresh-noread   the same as fresh with OMNI_NO_READ_AHEAD=1 (a packed folder's files not read ahead)
 #   again     the same command a second time (answered by that background server)
 #   local     omni-say --keep-alive 0 twice: the model loaded in the command itself (first with the
 #             background server still holding its copy, then after it is stopped)
@@ -90,11 +91,15 @@ for step in "$@"; do
             du -sh "$dir" ;;
     pack) timed pack python3 -c "from omni_cli.entry_points import quantize; quantize()" "$dir" "$dir-int4" --device cuda
           dir="$dir-int4"; say[4]="$dir"; du -sh "$dir" ;;
-    fresh|fresh-noahead) pkill -f "pycache_prefix=" 2>/dev/null; rm -rf "${XDG_CACHE_HOME:-$HOME/.cache}/omni_cli/pycache"
+    fresh|fresh-noahead|fresh-noread) pkill -f "pycache_prefix=" 2>/dev/null; rm -rf "${XDG_CACHE_HOME:-$HOME/.cache}/omni_cli/pycache"
+           rm -rf "${TRITON_CACHE_DIR:-$HOME/.triton/cache}"  # Triton's compiled kernels: a fresh machine has none
            sync; if echo 3 > /proc/sys/vm/drop_caches 2>/dev/null; then echo "page cache dropped"; else
              echo "page cache NOT dropped (not allowed here)"; fi
-           if [ "$step" = fresh ]; then timed fresh "${say[@]}" -o /tmp/fresh.wav
-           else OMNI_NO_COMPILE_AHEAD=1 timed fresh-noahead "${say[@]}" -o /tmp/fresh.wav; fi ;;
+           case $step in
+             fresh) timed fresh "${say[@]}" -o /tmp/fresh.wav ;;
+             fresh-noahead) OMNI_NO_COMPILE_AHEAD=1 timed fresh-noahead "${say[@]}" -o /tmp/fresh.wav ;;
+             fresh-noread) OMNI_NO_READ_AHEAD=1 timed fresh-noread "${say[@]}" -o /tmp/fresh.wav ;;
+           esac ;;
     again) timed again "${say[@]}" -o /tmp/again.wav ;;
     local) timed local1 "${say[@]}" --keep-alive 0 -o /tmp/local1.wav
            stop_background

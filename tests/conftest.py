@@ -227,6 +227,7 @@ TIERS: dict[str, str | tuple[str, dict[str, str]]] = {
     "test_qwen3_parity.py": "model",
     "test_qwen3_steps.py": "model",
     "test_random_checkpoint.py": "model",
+    "test_read_ahead.py": "unit",
     "test_realtime.py": ("e2e", {name: "unit" for name in (
         "test_the_turn_detector_finds_the_speech_its_end_and_not_a_click",
         "test_the_input_buffer_is_addressed_in_session_time",

@@ -384,3 +384,32 @@ def test_files_read_a_tensor_into_host_memory_as_they_read_it_onto_the_device(tm
         on_host = files.get(key, host=True)
         assert on_host.device.type == "cpu" and torch.equal(on_host, files.get(key)), key
     assert len(files._host) == len(files.handles)  # one host handle a file, reused
+
+
+def test_a_folder_read_ahead_loads_the_same_model_and_every_block_is_read(tmp, monkeypatch):
+    """With the read ahead on for a tiny folder (its size floor lowered, blocks of 4 KiB, 3 readers), the
+    loader gives every tensor the plain load gives, and the readers went through every block of every
+    tensor: the ranges are the files' own (safetensors' header), in the loader's order."""
+    from omni_cli import read_ahead
+
+    folder, _ = built("ct-int4", tmp)
+    plain = load_model(str(folder), device="cpu").model.state_dict()
+    made = []
+    real = read_ahead.ReadAhead.__init__
+
+    def spy(self, reads, readers=read_ahead.READERS):
+        made.append(self)
+        real(self, reads, readers=3)
+    monkeypatch.setattr(read_ahead, "MIN_BYTES", 0)
+    monkeypatch.setattr(read_ahead, "BLOCK", 4096)
+    monkeypatch.setattr(read_ahead.ReadAhead, "__init__", spy)
+    ahead = load_model(str(folder), device="cpu").model.state_dict()
+    assert len(made) == 1
+    for t in made[0].threads:
+        t.join(timeout=30)
+    assert made[0].next == len(made[0].reads) and made[0].stopped.is_set()
+    size = (folder / "model.safetensors").stat().st_size
+    assert sum(end - start for _, start, end in made[0].reads) > 0.9 * size
+    assert ahead.keys() == plain.keys()
+    for key, value in plain.items():
+        assert torch.equal(ahead[key], value), key

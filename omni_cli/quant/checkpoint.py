@@ -214,14 +214,13 @@ def load(cls, path: Path, dtype: torch.dtype, device: torch.device, name: str) -
     """`cls` (the family's *ForConditionalGeneration) from a quantized folder, in eval mode: packed modules on
     `device`, float tensors there in `dtype`, buffers still where the constructors made them (the caller
     moves the model, which moves only those). See the module's docstring."""
-    from ..runtime import compat, vision_place
+    from ..runtime import compat
 
     path = Path(path)
     device = torch.device(device)
     q = folder_quantization(path, name)
     if q is None:
         raise ModelError(f"{name}: config.json has no quantization_config")
-    want = TENSORS[(q.method, q.kind)]
     files = Files(path, device, name)
     config = _float_config(cls, path)
     with _parameters_on_meta(dtype):
@@ -235,6 +234,34 @@ def load(cls, path: Path, dtype: torch.dtype, device: torch.device, name: str) -
         prefix, _, suffix = key.rpartition(".")
         by_module[prefix].add(suffix)
     quantized = sorted(p for p, s in by_module.items() if any(m in s for m in MARKERS))
+    ahead = _read_ahead(files, quantized, by_module)
+    try:
+        return _load(model, files, q, quantized, by_module, modules, params, path, device, dtype, name)
+    finally:
+        if ahead is not None:
+            ahead.stop()
+
+
+def _read_ahead(files: Files, quantized: list[str], by_module: dict[str, set[str]]):
+    """The files read into the page cache ahead of the loader (read_ahead.py), in its order: the packed
+    modules' tensors by module name, then the float ones by name. None where it does not start."""
+    from ..read_ahead import ReadAhead, tensor_ranges
+
+    try:
+        ranges = [tensor_ranges(p) for p in files.paths]
+    except (OSError, ValueError, KeyError):
+        return None
+    order = [f"{prefix}.{suffix}" for prefix in quantized for suffix in sorted(by_module[prefix])]
+    first = set(order)
+    order += sorted(k for k in files.keys() if k not in first)
+    return ReadAhead.of([(files.paths[files.where[k]], *ranges[files.where[k]][k]) for k in order])
+
+
+def _load(model, files, q, quantized, by_module, modules, params, path, device, dtype, name) -> nn.Module:
+    """`load`'s work once the files are open and the model built on the meta device."""
+    from ..runtime import compat, vision_place
+
+    want = TENSORS[(q.method, q.kind)]
     used: set[str] = set()
 
     def reader(prefix: str):
