@@ -116,14 +116,15 @@ def cache_bytecode() -> str | None:
 
 
 def compile_ahead(prefix: str, sources: Path | None = None) -> int:
-    """Start workers that compile the sources a start imports (`sources`, in import order) into `prefix`,
-    (None: `SOURCES`), each every K-th of them, while this process imports: the imports find them compiled, where the first
-    start compiled each on its one thread (H100, page cache dropped: importing torch and transformers took
-    24 s of a 45 s start, 8 s with their bytecode; on a 2-core CPU, 8.0 s against 6.0-6.3 with two workers
-    and 3.1 with all bytecode there). The workers are detached (a start that ends first leaves them to
-    finish) and run a little below this process's priority; a file they fail on is compiled by whoever
-    imports it, as without them. Returns the workers started (one fewer than the CPUs this process may
-    use, at least one, at most MAX_WORKERS; none without a list or a folder)."""
+    """Start workers that compile the sources a start imports (`sources`, None: `SOURCES`, in import
+    order) into `prefix`, each every K-th of them, while this process imports: the imports find them
+    compiled, where a first start compiled each on its one thread. An H100 machine, nothing cached:
+    importing torch and transformers took 22.7 s of a 50 s start, 9.8 s with the workers; on a 2-core CPU
+    9.1 s against 6.1-6.5 s with one worker (docs/benchmarks.md, twentieth pass). The workers are detached
+    (a start that ends first leaves them to finish) and run a little below this process's priority; a file
+    they fail on is compiled by whoever imports it, as without them. Returns the workers started (one
+    fewer than the CPUs this process may use, at least one, at most MAX_WORKERS; none without a list or a
+    folder)."""
     import subprocess
 
     sources = SOURCES if sources is None else sources

@@ -2,12 +2,12 @@
 takes their tensors one by one.
 
 A packed folder's loader (quant/checkpoint.py) reads each tensor through safetensors' file mapping on one
-thread: on a cold disk every page it touches is a small read that waits for the disk (an H100 machine:
-10 GB in 8.3 s, 1.2 GB/s), where the same disk gives ~2 GB/s to 16 readers of large blocks (fourth pass,
-docs/benchmarks.md). `ReadAhead` reads the byte ranges of the tensors, in the order the loader will take
-them, on `READERS` threads (`os.pread` into a buffer each thread reuses: the bytes land in the page cache,
-where the loader's mapping then finds them). It starts once the imports are done: reads beside the
-imports slowed them more than they saved (fourth pass).
+thread: on a cold disk every page it touches is a small read that waits for the disk, where the same disk
+gives ~2 GB/s to 16 readers of large blocks (docs/benchmarks.md, fourth pass). An H100 machine's 10 GB:
+10.5-11.2 s that way, 8.7-9.2 s with this (twentieth pass). `ReadAhead` reads the byte ranges of the
+tensors, in the order the loader will take them, on `READERS` threads (`os.preadv` into a buffer each
+thread reuses: the bytes land in the page cache, where the loader's mapping then finds them). It starts
+once the imports are done: reads beside the imports slowed them more than they saved (fourth pass).
 
 What it knows: the safetensors header's offsets. What it does not: the tensors' meaning. It stops at
 `stop()` (the loader is done, or failed), or as soon as a large read comes at the page cache's speed
