@@ -28,7 +28,8 @@ from .config import env_flag
 
 READ_AHEAD_ENV = "OMNI_NO_READ_AHEAD"
 READERS = 16  # threads reading at once (fourth pass: 16 readers of 64 MB gave the disk's best rate)
-BLOCK = 64 << 20  # bytes a read asks for
+BLOCK = 64 << 20  # bytes a read asks for (each reader's buffer: 1 GiB for 16, held while they read)
+MEMORY_SHARE = 32  # the readers' buffers take at most 1/MEMORY_SHARE of the machine's memory
 MIN_BYTES = 1 << 30  # smaller folders are read by the loader alone (mostly from the page cache anyway)
 # A read of at least JUDGED bytes that comes faster than CACHED_RATE came from the page cache (a cold disk
 # gives 1-2 GB/s): the files were read before, and copying them again would only take memory bandwidth
@@ -59,6 +60,22 @@ def blocks(spans: Iterable[tuple[str, int, int]]) -> list[tuple[str, int, int]]:
     return [(path, at, min(at + BLOCK, end)) for path, start, end in joined for at in range(start, end, BLOCK)]
 
 
+def _memory() -> int | None:
+    """The machine's memory in bytes, where the system says (None elsewhere)."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def readers_for(memory: int | None) -> int:
+    """READERS, fewer where their buffers would take more than 1/MEMORY_SHARE of `memory` (bytes; None:
+    unknown), at least 2: 16 on a 32 GiB machine and up, 8 on 16 GiB, 4 on 8 GiB."""
+    if memory is None:
+        return READERS
+    return max(2, min(READERS, memory // (MEMORY_SHARE * BLOCK)))
+
+
 class ReadAhead:
     """Threads reading `reads` ((path, start, end), in order) into the page cache until done or stopped."""
 
@@ -76,7 +93,7 @@ class ReadAhead:
         """One over `spans` if the switch allows it and they are worth it (`MIN_BYTES`), else None."""
         if env_flag(READ_AHEAD_ENV) or sum(end - start for _, start, end in spans) < MIN_BYTES:
             return None
-        return cls(blocks(spans))
+        return cls(blocks(spans), readers=readers_for(_memory()))
 
     def _take(self) -> tuple[str, int, int] | None:
         with self.lock:

@@ -90,3 +90,9 @@ def test_reads_stop_once_one_comes_at_the_page_caches_speed(tmp_path, monkeypatc
     ahead = ReadAhead([(path, at, at + 1024) for at in range(0, 1 << 16, 1024)], readers=1)
     ahead.threads[0].join(timeout=30)
     assert ahead.stopped.is_set() and ahead.next == 1
+
+
+def test_fewer_readers_on_a_machine_with_less_memory():
+    gib = 1 << 30
+    assert [read_ahead.readers_for(m) for m in (128 * gib, 32 * gib, 16 * gib, 8 * gib, 1 * gib, None)] == \
+        [16, 16, 8, 4, 2, 16]
