@@ -4,7 +4,7 @@ transformers' sources again at every start; never beside the sources; not with O
 nothing changes when Python writes bytecode anyway. The first start writes none itself: workers compile
 the sources a start imports beside its imports (`compile_ahead`), and a background process the rest, after
 `write_bytecode_later`, which marks the folder complete; only then do starts write as they import. Each case
-runs in a fresh interpreter.""" 
+runs in a fresh interpreter."""
 
 from __future__ import annotations
 
