@@ -48,38 +48,14 @@ except OSError:
     pass
 """ % COMPLETE
 
-# A worker of `compile_ahead`: every K-th line of the list from its I-th (so that the workers together go
-# down the list in the order a start imports it), each resolved against its root on the caller's sys.path.
+# A worker of `compile_ahead`: `compile_listed` on the caller's sys.path, a little below its priority.
 _AHEAD = """
-import os, sys, py_compile, importlib.machinery
-listing, i, k = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+import os, sys
 sys.path[:] = sys.argv[4].split(os.pathsep)
 if hasattr(os, "nice"):
     os.nice(5)
-bases = {"@stdlib": os.path.dirname(os.__file__)}
-
-def base(root):
-    if root not in bases:
-        spec = importlib.machinery.PathFinder.find_spec(root[:-3] if root.endswith(".py") else root)
-        where = None
-        if spec is not None and spec.submodule_search_locations:
-            where = os.path.dirname(list(spec.submodule_search_locations)[0])
-        elif spec is not None and spec.origin:
-            where = os.path.dirname(spec.origin)
-        bases[root] = where
-    return bases[root]
-
-lines = [line for line in open(listing).read().split("\\n") if line and not line.startswith("#")]
-for line in lines[i::k]:
-    root, _, rest = line.partition("/")
-    where = base(root)
-    if where is None:
-        continue
-    path = os.path.join(bases["@stdlib"], rest) if root == "@stdlib" else os.path.join(where, line)
-    try:
-        py_compile.compile(path, doraise=True)
-    except Exception:
-        pass
+from omni_cli.bytecode import compile_listed
+compile_listed(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))
 """
 
 
@@ -147,6 +123,53 @@ def compile_ahead(prefix: str, sources: Path | None = None) -> int:
         except (OSError, ValueError):
             break
     return started
+
+
+def compile_listed(listing: str, i: int, k: int) -> None:
+    """A `compile_ahead` worker's share: every `k`-th source of the list in `listing` from its `i`-th (so that
+    the workers together go down it in the order a start imports it), compiled where this process keeps
+    bytecode; a source not found or not compiled is left to whoever imports it."""
+    import py_compile
+
+    roots: dict[str, str | None] = {}
+    for line in listed(Path(listing))[i::k]:
+        path = source_path(line, roots)
+        if path is None:
+            continue
+        try:
+            py_compile.compile(path, doraise=True)
+        except Exception:  # noqa: BLE001 - any failure: the importer compiles it, as without the list
+            pass
+
+
+def listed(listing: Path = SOURCES) -> list[str]:
+    """The sources a list names, one a line, in its order (comments and blank lines left out)."""
+    return [line for line in listing.read_text().splitlines() if line and not line.startswith("#")]
+
+
+def source_path(line: str, roots: dict[str, str | None]) -> str | None:
+    """The file a line of the list names on this sys.path (`@stdlib/...`, or a path under a top-level package
+    or module), or None where its root is not found; `roots` keeps each root's folder once found."""
+    root, _, rest = line.partition("/")
+    if root == "@stdlib":
+        return os.path.join(os.path.dirname(os.__file__), rest)
+    if root not in roots:
+        roots[root] = _root_folder(root)
+    folder = roots[root]
+    return None if folder is None else os.path.join(folder, line)
+
+
+def _root_folder(root: str) -> str | None:
+    """The folder holding the top-level package or module `root` ("torch", "typing_extensions.py") on
+    sys.path, found without importing it."""
+    import importlib.machinery
+
+    spec = importlib.machinery.PathFinder.find_spec(root[:-3] if root.endswith(".py") else root)
+    if spec is None:
+        return None
+    if spec.submodule_search_locations:
+        return os.path.dirname(list(spec.submodule_search_locations)[0])
+    return os.path.dirname(spec.origin) if spec.origin else None
 
 
 def write_bytecode_later() -> None:

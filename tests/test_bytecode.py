@@ -147,23 +147,12 @@ def test_a_first_start_compiles_the_listed_sources_on_workers_and_writes_none_it
 def test_the_shipped_list_names_sources_found_here():
     """startup_sources.txt resolves on this machine: most of its first entries (the standard library's,
     torch's) are files here, by the same rule as the workers'."""
-    import importlib.machinery
     import os
 
-    from omni_cli.bytecode import SOURCES
+    from omni_cli.bytecode import listed, source_path
 
-    lines = [line for line in SOURCES.read_text().splitlines() if line and not line.startswith("#")]
+    lines = listed()
     assert len(lines) > 1000
-    stdlib = os.path.dirname(os.__file__)
-    found = 0
-    for line in lines[:400]:
-        root, _, rest = line.partition("/")
-        if root == "@stdlib":
-            found += os.path.isfile(os.path.join(stdlib, rest))
-            continue
-        spec = importlib.machinery.PathFinder.find_spec(root[:-3] if root.endswith(".py") else root)
-        if spec is not None and spec.submodule_search_locations:
-            found += os.path.isfile(os.path.join(os.path.dirname(list(spec.submodule_search_locations)[0]), line))
-        elif spec is not None and spec.origin:
-            found += os.path.isfile(os.path.join(os.path.dirname(spec.origin), line))
+    roots: dict = {}
+    found = sum(os.path.isfile(path) for line in lines[:400] if (path := source_path(line, roots)) is not None)
     assert found >= 0.9 * 400
