@@ -37,15 +37,32 @@ MIN_BYTES = 1 << 30  # smaller folders are read by the loader alone (mostly from
 JUDGED, CACHED_RATE = 8 << 20, 5e9
 
 
-def tensor_ranges(path: str) -> dict[str, tuple[int, int]]:
-    """Each tensor's (start, end) byte offsets in the safetensors file at `path` (its header, 8-byte
-    little-endian length then JSON; data offsets counted from the header's end)."""
+HEADER_MAX = 100 << 20  # a safetensors header claiming more bytes is not read (a corrupt or hostile file)
+
+
+def safetensors_header(path) -> tuple[dict, int]:
+    """(the JSON header of the safetensors file at `path`, the offset its data starts at): an 8-byte
+    little-endian length, then the JSON. ValueError where the file is too short for it, claims a header
+    over HEADER_MAX bytes, or the header is not a JSON object; OSError where it cannot be read."""
     with open(path, "rb") as f:
-        (size,) = struct.unpack("<Q", f.read(8))
+        head = f.read(8)
+        if len(head) < 8:
+            raise ValueError(f"{path}: too short for a safetensors header")
+        (size,) = struct.unpack("<Q", head)
+        if size > HEADER_MAX:
+            raise ValueError(f"{path}: a safetensors header of {size} bytes")
         header = json.loads(f.read(size))
-    base = 8 + size
+    if not isinstance(header, dict):
+        raise ValueError(f"{path}: a safetensors header that is not an object")
+    return header, 8 + size
+
+
+def tensor_ranges(path: str) -> dict[str, tuple[int, int]]:
+    """Each tensor's (start, end) byte offsets in the safetensors file at `path` (`safetensors_header`; the
+    data offsets are counted from the header's end)."""
+    header, base = safetensors_header(path)
     return {k: (base + v["data_offsets"][0], base + v["data_offsets"][1])
-            for k, v in header.items() if k != "__metadata__"}
+            for k, v in header.items() if k != "__metadata__" and isinstance(v, dict)}
 
 
 def blocks(spans: Iterable[tuple[str, int, int]]) -> list[tuple[str, int, int]]:

@@ -96,3 +96,24 @@ def test_fewer_readers_on_a_machine_with_less_memory():
     gib = 1 << 30
     assert [read_ahead.readers_for(m) for m in (128 * gib, 32 * gib, 16 * gib, 8 * gib, 1 * gib, None)] == \
         [16, 16, 8, 4, 2, 16]
+
+
+def test_a_header_too_short_too_large_or_not_an_object_is_a_value_error(tmp_path):
+    """Read before anything large: a file shorter than the length field, a length over HEADER_MAX (never
+    read), a header that is not a JSON object."""
+    import json
+    import struct
+
+    from omni_cli.read_ahead import HEADER_MAX, safetensors_header
+
+    cases = {"short": b"\x01\x02", "huge": struct.pack("<Q", HEADER_MAX + 1) + b"{}",
+             "list": struct.pack("<Q", 2) + b"[]", "junk": struct.pack("<Q", 3) + b"{x}"}
+    for name, data in cases.items():
+        path = tmp_path / f"{name}.safetensors"
+        path.write_bytes(data)
+        with pytest.raises(ValueError):
+            safetensors_header(path)
+    good = tmp_path / "good.safetensors"
+    body = json.dumps({"__metadata__": {"format": "pt"}}).encode()
+    good.write_bytes(struct.pack("<Q", len(body)) + body)
+    assert safetensors_header(good) == ({"__metadata__": {"format": "pt"}}, 8 + len(body))

@@ -160,17 +160,15 @@ WEIGHTS_SHARE = 0.9
 def checkpoint_parameters(path: Path) -> tuple[int, int]:
     """(parameters, of which --quantize packs) of a folder's safetensors, from their headers only (a few KB
     read a file); (0, 0) where there are none (a .bin checkpoint) or a header cannot be read."""
-    import json
     import math
-    import struct
+
+    from ..read_ahead import safetensors_header
 
     total = packable = 0
     for file in sorted(Path(path).glob("*.safetensors")):
         try:
-            with open(file, "rb") as f:
-                (size,) = struct.unpack("<Q", f.read(8))
-                header = json.loads(f.read(min(size, 100 * 2**20)))
-        except (OSError, ValueError, struct.error):
+            header, _ = safetensors_header(file)
+        except (OSError, ValueError):
             return 0, 0
         for key, info in header.items():
             if key == "__metadata__" or not isinstance(info, dict):
