@@ -19,8 +19,11 @@
 #   attend     the attention kernel over spans 256..8192 beside the library's ($OUT/attend-spans.jsonl)
 #   pprof      where Qwen3-Omni's 2,500-token prefill goes: eager prefill, top kernels, one MoE block
 #              (scripts/prefill_profile.py; $OUT/prefill-profile.json)
+#   pprof60, pprofq, pprofq60   the same at 60 tokens, packed int4 at 2,500, packed int4 at 60
+#              ($OUT/prefill-profile-STEP.json)
 #   long3      Qwen3-Omni, a 2,500-token prompt, plain graphs ($OUT/qwen3-2500.json)
 #   long25     Qwen2.5-Omni-7B, a 2,500-token prompt, plain graphs ($OUT/qwen25-2500.json)
+#   moe        tests/test_gpu.py's routed experts (runtime/moe_prefill.py) and the Qwen3-Omni tests their prompts take
 #   vision     tests/test_gpu.py's vision tower in host memory until the first image (runtime/vision_place.py)
 #   vbring     the true-size vision towers moved to the GPU as a first image moves them (scripts/vision_bring.py)
 #   packed     tests/test_gpu.py's packed-weight tests (int4 and FP8 steps = transformers on the dequantized weights)
@@ -38,6 +41,7 @@
 #              scripts/realtime_latency.py ($OUT/realtime-*.json), then omni-chat --talk --server in the
 #              file-backed room (measure_talk.py room; PortAudio from .gpu_libs/ if the machine lacks it; the
 #              listener's inputs in $OUT/listener-*.flac/.json, for scripts/listener_record.py replay)
+# SUFFIX=-x names long3's and q3*'s outputs apart (an A/B on one machine: OMNI_NO_MOE_PREFILL=1 SUFFIX=-library).
 # Each step has its own time limit so a call stays under the 600 s it may take; omni-bench prints a
 # progress line per phase on stderr, so a step cut short still shows how far it got.
 #   usage: bash scripts/gpu_check.sh [STEP ...]
@@ -95,12 +99,19 @@ for step in "${@:-bench tests}"; do
              echo "attend rc=$?"; cat "$out/attend-spans.jsonl"; tail -3 "$out/attend.err" ;;
       pprof) (cd scripts && timeout 300 python3 prefill_profile.py --tokens 2500) > "$out/prefill-profile.json" 2> "$out/prefill-profile.err"
              echo "pprof rc=$?"; cut -c1-3000 "$out/prefill-profile.json"; tail -3 "$out/prefill-profile.err" ;;
+      pprof60|pprofq|pprofq60)  # bf16 at 60 tokens; int4 at 2,500; int4 at 60
+             case $s in pprof60) a="--tokens 60" ;; pprofq) a="--tokens 2500 --quantize int4" ;; *) a="--tokens 60 --quantize int4" ;; esac
+             (cd scripts && timeout 300 python3 prefill_profile.py $a) > "$out/prefill-profile-$s.json" 2> "$out/prefill-profile-$s.err"
+             echo "$s rc=$?"; cut -c1-3000 "$out/prefill-profile-$s.json"; tail -3 "$out/prefill-profile-$s.err" ;;
       long3) timeout 420 python3 -m omni_cli.faces.bench --preset qwen3-omni-30b-a3b --runs 3 --prompt-tokens 2500 \
-               --text-tokens 64 --frames 188 --json --no-compile > "$out/qwen3-2500.json" 2> "$out/qwen3-2500.err"
-             echo "long3 rc=$?"; grep '^\[omni-bench' "$out/qwen3-2500.err" | tail -4 ;;
+               --text-tokens 64 --frames 188 --json --no-compile > "$out/qwen3-2500${SUFFIX:-}.json" 2> "$out/qwen3-2500${SUFFIX:-}.err"
+             echo "long3 rc=$?"; grep '^\[omni-bench' "$out/qwen3-2500${SUFFIX:-}.err" | tail -4 ;;
       long25) timeout 420 python3 -m omni_cli.faces.bench --preset qwen2.5-omni-7b --runs 3 --prompt-tokens 2500 \
                --no-compile --json > "$out/qwen25-2500.json" 2> "$out/qwen25-2500.err"
              echo "long25 rc=$?"; grep '^\[omni-bench' "$out/qwen25-2500.err" | tail -4 ;;
+      moe) timeout 400 python3 -m pytest tests/test_gpu.py -q -s -p no:cacheprovider -o addopts="" \
+               -k "routed_experts or qwen3_loop_runs or qwen3_long_prompt or qwen3_tiny" 2>&1 \
+               | grep -v DEBUG > "$out/test_gpu_moe.log"; tail -3 "$out/test_gpu_moe.log"; grep -E "^E " "$out/test_gpu_moe.log" | head ;;
       vision) timeout 300 python3 -m pytest tests/test_gpu.py -q -s -p no:cacheprovider -o addopts="" -k vision_tower 2>&1 \
                | grep -v DEBUG > "$out/test_gpu_vision.log"; tail -3 "$out/test_gpu_vision.log"; grep -E "^E " "$out/test_gpu_vision.log" | head ;;
       vbring) for p in qwen2.5-omni-7b qwen3-omni-30b-a3b; do timeout 120 python3 scripts/vision_bring.py --preset $p; done \
@@ -118,8 +129,8 @@ for step in "${@:-bench tests}"; do
                *) p=qwen2.5-omni-7b; unit="--codes 250" ;; esac
              q=${s#q3}; q=${q#q25}; q=${q#-3b-}; [ "$q" = bf16 ] && qflag="" || qflag="--quantize $q"
              timeout 400 python3 -m omni_cli.faces.bench --preset $p --runs 2 --prompt-tokens 60 --text-tokens 64 $unit \
-               --json --no-compile $qflag > "$out/q-$p-$q.json" 2> "$out/q-$p-$q.err"
-             echo "$s rc=$?"; grep '^\[omni-bench' "$out/q-$p-$q.err" | tail -4 ;;
+               --json --no-compile $qflag > "$out/q-$p-$q${SUFFIX:-}.json" 2> "$out/q-$p-$q${SUFFIX:-}.err"
+             echo "$s rc=$?"; grep '^\[omni-bench' "$out/q-$p-$q${SUFFIX:-}.err" | tail -4 ;;
       vdtype) timeout 200 python3 scripts/vocoder_dtype.py --codes 250 > "$out/vocoder-dtype.json" 2> "$out/vocoder-dtype.err"
              echo "vdtype rc=$?"; cat "$out/vocoder-dtype.json"; tail -2 "$out/vocoder-dtype.err" ;;
       rt25) served qwen2.5-omni-7b 250 qwen25 ;;

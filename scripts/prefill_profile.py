@@ -1,8 +1,10 @@
 """Where a long prompt's prefill time goes on Qwen3-Omni's thinker: a developer's tool for the lent H200
 (random weights at true size, like omni-bench). Times the whole eager prefill of an N-token prompt through
-the library's layers (device time, CUDA events), lists its top kernels (torch.profiler), then one MoE
-block alone (the router and the library's experts) and which experts implementation the library chose.
-Prints one JSON report: `python scripts/prefill_profile.py [--preset NAME] [--tokens 2500] [--device cuda]`
+the library's layers (device time, CUDA events), with the routed experts (runtime/moe_prefill.py) and with
+the library's experts path, lists its top kernels (torch.profiler), then one MoE block alone (the router and
+the experts) both ways, and which experts implementation the library chose.
+Prints one JSON report: `python scripts/prefill_profile.py [--preset NAME] [--tokens 2500] [--device cuda]
+[--quantize int4|fp8]`
 (the tiny preset on the CPU checks that it runs: `--preset tiny-qwen3 --tokens 200 --device cpu`).
 Written in the fifteenth pass and run there only on the CPU: the lent GPU could not be had long enough.
 """
@@ -18,6 +20,7 @@ import torch
 from profile_gpu import device_ms, kernels  # scripts/ is on sys.path when this file runs
 
 from omni_cli.models.qwen3_omni import presets
+from omni_cli.runtime import moe_prefill
 from omni_cli.runtime.decoder import forward_layers_keeping
 
 
@@ -37,12 +40,13 @@ def main() -> None:
     ap.add_argument("--preset", default="qwen3-omni-30b-a3b")
     ap.add_argument("--tokens", type=int, default=2500)
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--quantize", choices=["int4", "fp8"], default=None)
     args = ap.parse_args()
     dev = torch.device(args.device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    report: dict = {"preset": args.preset, "tokens": args.tokens}
+    report: dict = {"preset": args.preset, "tokens": args.tokens, "quantize": args.quantize}
     t = time.perf_counter()
-    model, voices = presets.build_model(args.preset, dev, dtype)
+    model, voices = presets.build_model(args.preset, dev, dtype, quantize=args.quantize)
     report["build_s"] = round(time.perf_counter() - t, 1)
     steps = presets.steps(model, voices, max_context=4096, max_codes=64, graphs=True, compile=False)
     th = steps.thinker
@@ -54,14 +58,29 @@ def main() -> None:
             th.cache.reset()
             return forward_layers_keeping(th.model, embeds, th.cache, th.accept_layer)
 
-        report["prefill_ms"] = timed_ms(prefill, 3, dev)
-        if dev.type == "cuda":  # the kernels' device times (torch.profiler's CUDA events)
-            report["prefill_kernels"] = kernels(prefill, top=25)
+        # the routed experts (runtime/moe_prefill.py, the engine's default) beside the library's path
+        outs = {}
+        for name, enabled in (("library", False), ("routed", True)):
+            moe_prefill.ENABLED = enabled
+            tag = "" if enabled else "_library"
+            report[f"prefill_ms{tag}"] = timed_ms(prefill, 3, dev)
+            outs[name] = prefill()[0].float()
+            if dev.type == "cuda":  # the kernels' device times (torch.profiler's CUDA events)
+                report[f"prefill_kernels{tag}"] = kernels(prefill, top=25)
+        report["routed_vs_library_max_abs"] = (outs["routed"] - outs["library"]).abs().max().item()
+        report["library_max_abs"] = outs["library"].abs().max().item()
         layer = th.model.layers[0]
         x = torch.randn(1, args.tokens, embeds.shape[-1], device=dev, dtype=dtype) * 0.5
-        report["moe_block_ms"] = timed_ms(lambda: layer.mlp(x), 10, dev)
+
+        def routed_block():
+            with moe_prefill.inside():
+                return layer.mlp(x)
+
+        report["moe_block_ms"] = timed_ms(routed_block, 10, dev)
+        report["moe_block_ms_library"] = timed_ms(lambda: layer.mlp(x), 10, dev)
         if dev.type == "cuda":
-            report["moe_block_kernels"] = kernels(lambda: layer.mlp(x), top=15)
+            report["moe_block_kernels"] = kernels(routed_block, top=15)
+            report["moe_block_kernels_library"] = kernels(lambda: layer.mlp(x), top=15)
         report["experts_implementation"] = getattr(model.config.thinker_config.text_config,
                                                    "_experts_implementation", None)
     if dev.type == "cuda":

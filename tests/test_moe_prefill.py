@@ -1,0 +1,117 @@
+"""runtime/moe_prefill.py and runtime/moe_kernels.py on a CPU, the kernels through Triton's interpreter: the
+glue kernels against the library's torch ops, `routed` against the library's experts module, and the
+engine's stacks taking `routed` inside their forwards and only there. On a GPU, tests/test_gpu.py runs
+them in bfloat16 against transformers' generate."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from interpreted import DT, kernel_module, ulps
+from omni_cli.runtime import compat, fused, moe_prefill
+from omni_cli.runtime.decoder import forward_layers
+from omni_cli.runtime.kv_cache import StaticKVCache
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    return kernel_module("omni_cli.runtime.moe_kernels")
+
+
+def test_the_glue_kernels_are_the_librarys_ops(kernels):
+    torch.manual_seed(0)
+    T, k, H, I = 7, 3, 1100, 40  # H over one block of columns, with an edge
+    h = torch.randn(T * k, 2 * I, dtype=DT) * 3
+    assert ulps(kernels.silu_mul(h), fused.gated(h)) <= 1
+    assert ulps(kernels.silu_mul(h), h[:, I:]) > 8  # the gate is really applied
+
+    y = torch.randn(T * k, H, dtype=DT)
+    w = torch.softmax(torch.randn(T, k), -1).to(DT)
+    at = torch.randperm(T * k)
+    want = (y[at].view(T, k, H) * w.unsqueeze(-1)).sum(1)  # the library's: weighted rows, then the sum
+    assert ulps(kernels.weighted_sum(y, w, at), want) <= 1
+    assert ulps(kernels.weighted_sum(y[at], w), want) <= 1  # in pick order already
+    assert ulps(kernels.weighted_sum(y, w), want) > 8  # the rows really are looked up
+    with pytest.raises(ValueError, match="one row per pick"):
+        kernels.weighted_sum(y[:-1], w)
+
+
+def _experts(E=6, H=48, I=40, seed=1):
+    """The library's Qwen3-Omni experts module, small, random, in DT."""
+    from transformers.models.qwen3_omni_moe import modeling_qwen3_omni_moe as m
+    from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import Qwen3OmniMoeTextConfig
+
+    config = Qwen3OmniMoeTextConfig(num_experts=E, hidden_size=H, moe_intermediate_size=I, hidden_act="silu")
+    experts = m.Qwen3OmniMoeThinkerTextExperts(config)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        experts.gate_up_proj.normal_(0, 0.2)
+        experts.down_proj.normal_(0, 0.2)
+    return experts.to(DT).eval()
+
+
+def test_routed_is_the_library_experts(kernels):
+    experts = _experts()
+    torch.manual_seed(2)
+    T, k = 9, 2
+    x = torch.randn(T, 48, dtype=DT)
+    # expert 5 picked by no token, expert 0 by most
+    ids = torch.stack([torch.zeros(T, dtype=torch.long), torch.randint(1, 5, (T,))], dim=1)
+    w = torch.softmax(torch.randn(T, k), -1).to(DT)
+    with torch.no_grad():
+        want = experts(x, ids, w)
+        got = moe_prefill.routed(experts.gate_up_proj, experts.down_proj, x, ids, w, kernels)
+        assert ulps(got, want) <= 2
+        # a pick's row taken back to the wrong token is far off
+        assert ulps(moe_prefill.routed(experts.gate_up_proj, experts.down_proj, x, ids.flip(0), w, kernels),
+                    want) > 8
+
+
+def _thinker_stack():
+    import qwen3_reference as ref
+
+    model = copy.deepcopy(ref.model("tiny")).to(DT)  # shared by other tests: copied before the cast
+    return compat.thinker_text_model(model.thinker), model.config.thinker_config.text_config
+
+
+def test_the_stacks_take_routed_inside_their_forwards_only(kernels, monkeypatch):
+    """The engine's forward of the tiny thinker stack in half precision, with `routed` allowed on this CPU:
+    every MoE layer of a prompt takes it, and the hidden state is the library's to a few units of the
+    last place; the same modules called outside the engine's forwards (transformers' own generate) and
+    one-row forwards keep the library's path."""
+    stack, config = _thinker_stack()
+    calls = []
+    real = moe_prefill.routed
+
+    def spy(*args, **kwargs):
+        calls.append(args[2].shape[0])
+        return real(*args, kernels=kernels)
+
+    def run(enabled: bool, n: int = 6):
+        monkeypatch.setattr(moe_prefill, "ENABLED", enabled)
+        cache = StaticKVCache.for_config(config, 16, device="cpu", dtype=DT)
+        torch.manual_seed(3)
+        embeds = torch.randn(1, n, config.hidden_size, dtype=DT)
+        with torch.no_grad():
+            return forward_layers(stack, embeds, cache)
+
+    monkeypatch.setattr(moe_prefill, "routed", spy)
+    monkeypatch.setattr(moe_prefill, "_kernel_module", lambda: kernels)
+    monkeypatch.setattr(moe_prefill, "_runs_here", lambda hidden, weight: True)  # this CPU, float16
+    library = run(False)
+    assert calls == []
+    ours = run(True)
+    assert calls == [6] * config.num_hidden_layers
+    assert ulps(ours, library) <= 8
+    calls.clear()
+    run(True, n=1)  # one row: the library's path
+    experts = stack.layers[0].mlp.experts
+    with torch.no_grad():  # outside the engine's forwards: the library's path
+        experts(torch.randn(4, config.hidden_size, dtype=DT), torch.zeros(4, 2, dtype=torch.long),
+                torch.ones(4, 2, dtype=DT))
+    assert calls == []
+    assert "forward" in vars(experts) and copy.deepcopy(experts).forward.__self__ is not experts
+
