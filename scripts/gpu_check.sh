@@ -23,7 +23,7 @@
 #              ($OUT/prefill-profile-STEP.json)
 #   long3      Qwen3-Omni, a 2,500-token prompt, plain graphs ($OUT/qwen3-2500.json)
 #   long25     Qwen2.5-Omni-7B, a 2,500-token prompt, plain graphs ($OUT/qwen25-2500.json)
-#   moe        tests/test_gpu.py's routed experts (runtime/moe_prefill.py) and the Qwen3-Omni tests their prompts take
+#   moe        tests/test_gpu.py's prompt ops (runtime/prompt_ops.py) and the tests whose prompts take them
 #   vision     tests/test_gpu.py's vision tower in host memory until the first image (runtime/vision_place.py)
 #   vbring     the true-size vision towers moved to the GPU as a first image moves them (scripts/vision_bring.py)
 #   packed     tests/test_gpu.py's packed-weight tests (int4 and FP8 steps = transformers on the dequantized weights)
@@ -41,7 +41,7 @@
 #              scripts/realtime_latency.py ($OUT/realtime-*.json), then omni-chat --talk --server in the
 #              file-backed room (measure_talk.py room; PortAudio from .gpu_libs/ if the machine lacks it; the
 #              listener's inputs in $OUT/listener-*.flac/.json, for scripts/listener_record.py replay)
-# SUFFIX=-x names long3's and q3*'s outputs apart (an A/B on one machine: OMNI_NO_MOE_PREFILL=1 SUFFIX=-library).
+# SUFFIX=-x names long3's and q3*'s outputs apart (an A/B on one machine: OMNI_NO_PROMPT_OPS=1 SUFFIX=-library).
 # Each step has its own time limit so a call stays under the 600 s it may take; omni-bench prints a
 # progress line per phase on stderr, so a step cut short still shows how far it got.
 #   usage: bash scripts/gpu_check.sh [STEP ...]
@@ -110,7 +110,7 @@ for step in "${@:-bench tests}"; do
                --no-compile --json > "$out/qwen25-2500.json" 2> "$out/qwen25-2500.err"
              echo "long25 rc=$?"; grep '^\[omni-bench' "$out/qwen25-2500.err" | tail -4 ;;
       moe) timeout 400 python3 -m pytest tests/test_gpu.py -q -s -p no:cacheprovider -o addopts="" \
-               -k "routed_experts or qwen3_loop_runs or qwen3_long_prompt or qwen3_tiny" 2>&1 \
+               -k "routed_experts or qwen3_loop_runs or qwen3_long_prompt or qwen3_tiny or packed or suffix_graph or replays_its_rests or prompt_graph" 2>&1 \
                | grep -v DEBUG > "$out/test_gpu_moe.log"; tail -3 "$out/test_gpu_moe.log"; grep -E "^E " "$out/test_gpu_moe.log" | head ;;
       vision) timeout 300 python3 -m pytest tests/test_gpu.py -q -s -p no:cacheprovider -o addopts="" -k vision_tower 2>&1 \
                | grep -v DEBUG > "$out/test_gpu_vision.log"; tail -3 "$out/test_gpu_vision.log"; grep -E "^E " "$out/test_gpu_vision.log" | head ;;

@@ -1,7 +1,7 @@
 """Where a long prompt's prefill time goes on Qwen3-Omni's thinker: a developer's tool for the lent H200
 (random weights at true size, like omni-bench). Times the whole eager prefill of an N-token prompt through
-the library's layers (device time, CUDA events), with the routed experts (runtime/moe_prefill.py) and with
-the library's experts path, lists its top kernels (torch.profiler), then one MoE block alone (the router and
+the library's layers (device time, CUDA events), with runtime/prompt_ops.py's experts and norms, its experts alone,
+and the library's modules, lists its top kernels (torch.profiler), then one MoE block alone (the router and
 the experts) both ways, and which experts implementation the library chose.
 Prints one JSON report: `python scripts/prefill_profile.py [--preset NAME] [--tokens 2500] [--device cuda]
 [--quantize int4|fp8]`
@@ -20,7 +20,7 @@ import torch
 from profile_gpu import device_ms, kernels  # scripts/ is on sys.path when this file runs
 
 from omni_cli.models.qwen3_omni import presets
-from omni_cli.runtime import moe_prefill
+from omni_cli.runtime import prompt_ops
 from omni_cli.runtime.decoder import forward_layers_keeping
 
 
@@ -58,22 +58,22 @@ def main() -> None:
             th.cache.reset()
             return forward_layers_keeping(th.model, embeds, th.cache, th.accept_layer)
 
-        # the routed experts (runtime/moe_prefill.py, the engine's default) beside the library's path
+        # runtime/prompt_ops.py's routed experts and fused norms (the engine's default) beside the library's
         outs = {}
-        for name, enabled in (("library", False), ("routed", True)):
-            moe_prefill.ENABLED = enabled
-            tag = "" if enabled else "_library"
+        for tag, experts, norms in (("_library", False, False), ("_experts_only", True, False), ("", True, True)):
+            prompt_ops.EXPERTS, prompt_ops.NORMS = experts, norms
             report[f"prefill_ms{tag}"] = timed_ms(prefill, 3, dev)
-            outs[name] = prefill()[0].float()
+            outs[tag] = prefill()[0].float()
             if dev.type == "cuda":  # the kernels' device times (torch.profiler's CUDA events)
                 report[f"prefill_kernels{tag}"] = kernels(prefill, top=25)
-        report["routed_vs_library_max_abs"] = (outs["routed"] - outs["library"]).abs().max().item()
-        report["library_max_abs"] = outs["library"].abs().max().item()
+        report["experts_vs_library_max_abs"] = (outs["_experts_only"] - outs["_library"]).abs().max().item()
+        report["ours_vs_library_max_abs"] = (outs[""] - outs["_library"]).abs().max().item()
+        report["library_max_abs"] = outs["_library"].abs().max().item()
         layer = th.model.layers[0]
         x = torch.randn(1, args.tokens, embeds.shape[-1], device=dev, dtype=dtype) * 0.5
 
         def routed_block():
-            with moe_prefill.inside():
+            with prompt_ops.inside():
                 return layer.mlp(x)
 
         report["moe_block_ms"] = timed_ms(routed_block, 10, dev)

@@ -197,7 +197,7 @@ TIERS: dict[str, str | tuple[str, dict[str, str]]] = {
     "test_gpu.py": "model",
     "test_keep_alive.py": ("e2e", {"test_durations": "unit"}),
     "test_kernels.py": "model",
-    "test_moe_prefill.py": "model",
+    "test_prompt_ops.py": "model",
     "test_quant_kernels.py": "unit",
     "test_quant_linear.py": "unit",
     "test_quant_parity.py": "model",

@@ -455,7 +455,7 @@ def test_qwen3_loop_runs_under_sync_debug_error(monkeypatch):
 
 @pytest.mark.parametrize("rows", [60, 2500])
 def test_routed_experts_are_the_librarys_in_bfloat16(rows):
-    """runtime/moe_prefill.py at Qwen3-Omni's thinker widths (128 experts, 8 picked), bfloat16: the same
+    """runtime/prompt_ops.py at Qwen3-Omni's thinker widths (128 experts, 8 picked), bfloat16: the same
     grouped products as the library's grouped_mm path (the engine's models use it; a bare config's default
     is the eager loop, which sums the picks in bfloat16), the glue of ours; every output within one unit of
     bfloat16's last place of the library's (the k picks' float32 sum may be ordered otherwise), nearly all
@@ -463,7 +463,7 @@ def test_routed_experts_are_the_librarys_in_bfloat16(rows):
     from transformers.models.qwen3_omni_moe import modeling_qwen3_omni_moe as m
 
     from omni_cli.models.qwen3_omni import presets
-    from omni_cli.runtime import moe_prefill
+    from omni_cli.runtime import prompt_ops
 
     config = presets.build_config("qwen3-omni-30b-a3b").thinker_config.text_config
     config._experts_implementation = "grouped_mm"
@@ -476,7 +476,7 @@ def test_routed_experts_are_the_librarys_in_bfloat16(rows):
     with torch.no_grad():
         _, weights, ids = block.gate(x)
         want = block.experts(x, ids, weights)  # outside the engine's forwards: the library's path
-        got = moe_prefill.routed(block.experts.gate_up_proj, block.experts.down_proj, x, ids, weights)
+        got = prompt_ops.routed(block.experts.gate_up_proj, block.experts.down_proj, x, ids, weights)
     ulp = torch.finfo(torch.bfloat16).eps * want.float().abs().clamp(min=2**-20)
     assert ((got.float() - want.float()).abs() <= ulp).all()
     assert (got == want).float().mean().item() > 0.999

@@ -15,7 +15,7 @@ import threading
 
 import torch
 
-from . import compat, moe_prefill
+from . import compat, prompt_ops
 from .kv_cache import StaticKVCache
 
 
@@ -93,8 +93,8 @@ def _run_layers(model, embeds, cache, mask, positions, keep, after_layer=None):
     cache_kw = compat.layer_cache_kwargs(cache, layers[0])  # the same keyword for every layer of a stack
     hidden = embeds
     kept = embeds if keep == 0 else None
-    moe_prefill.install(layers)  # a prompt's routed experts: the library's products, our glue (moe_prefill.py)
-    with no_cudnn_attention(embeds.shape[1] > 1 and embeds.device.type == "cuda"), moe_prefill.inside():
+    prompt_ops.install(layers)  # the routed experts and the fused RMSNorm of ours inside (prompt_ops.py)
+    with no_cudnn_attention(embeds.shape[1] > 1 and embeds.device.type == "cuda"), prompt_ops.inside():
         for i, layer in enumerate(layers):
             hidden = layer(hidden, attention_mask=mask, position_embeddings=position_embeddings, use_cache=True,
                            **cache_kw)

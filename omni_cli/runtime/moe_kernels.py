@@ -1,4 +1,4 @@
-"""Triton kernels for what sits between a prompt's grouped expert products (runtime/moe_prefill.py): the
+"""Triton kernels for what sits between a prompt's grouped expert products (runtime/prompt_ops.py): the
 SiLU gate of the gate/up product's rows, and each token's picks weighted, taken back out of expert order
 and summed. Each is one launch reading its input once; the library's torch ops made several elementwise
 kernels of them, over strided halves and a float32 copy of every pick's row (H200/H100, Qwen3-Omni, a

@@ -1,7 +1,7 @@
-"""runtime/moe_prefill.py and runtime/moe_kernels.py on a CPU, the kernels through Triton's interpreter: the
+"""runtime/prompt_ops.py and runtime/moe_kernels.py on a CPU, the kernels through Triton's interpreter: the
 glue kernels against the library's torch ops, `routed` against the library's experts module, and the
-engine's stacks taking `routed` inside their forwards and only there. On a GPU, tests/test_gpu.py runs
-them in bfloat16 against transformers' generate."""
+engine's stacks taking our experts and norms inside their forwards and only there. On a GPU,
+tests/test_gpu.py runs them in bfloat16 against the library."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from interpreted import DT, kernel_module, ulps
-from omni_cli.runtime import compat, fused, moe_prefill
+from omni_cli.runtime import compat, fused, prompt_ops
 from omni_cli.runtime.decoder import forward_layers
 from omni_cli.runtime.kv_cache import StaticKVCache
 
@@ -63,10 +63,10 @@ def test_routed_is_the_library_experts(kernels):
     w = torch.softmax(torch.randn(T, k), -1).to(DT)
     with torch.no_grad():
         want = experts(x, ids, w)
-        got = moe_prefill.routed(experts.gate_up_proj, experts.down_proj, x, ids, w, kernels)
+        got = prompt_ops.routed(experts.gate_up_proj, experts.down_proj, x, ids, w, kernels)
         assert ulps(got, want) <= 2
         # a pick's row taken back to the wrong token is far off
-        assert ulps(moe_prefill.routed(experts.gate_up_proj, experts.down_proj, x, ids.flip(0), w, kernels),
+        assert ulps(prompt_ops.routed(experts.gate_up_proj, experts.down_proj, x, ids.flip(0), w, kernels),
                     want) > 8
 
 
@@ -77,41 +77,55 @@ def _thinker_stack():
     return compat.thinker_text_model(model.thinker), model.config.thinker_config.text_config
 
 
-def test_the_stacks_take_routed_inside_their_forwards_only(kernels, monkeypatch):
-    """The engine's forward of the tiny thinker stack in half precision, with `routed` allowed on this CPU:
-    every MoE layer of a prompt takes it, and the hidden state is the library's to a few units of the
-    last place; the same modules called outside the engine's forwards (transformers' own generate) and
-    one-row forwards keep the library's path."""
+def test_the_stacks_take_ours_inside_their_forwards_only(kernels, monkeypatch):
+    """The engine's forward of the tiny thinker stack in half precision, with ours allowed on this CPU:
+    every MoE layer of a prompt takes `routed` and every norm of the layers ours, and the hidden state is
+    the library's to a few units of the last place; the same modules called outside the engine's forwards
+    (transformers' own generate) keep the library's path, and one-row forwards the library's experts."""
     stack, config = _thinker_stack()
-    calls = []
-    real = moe_prefill.routed
+    experts_calls, norm_calls = [], []
+    real_routed, real_norm = prompt_ops.routed, prompt_ops.rms_norm
 
-    def spy(*args, **kwargs):
-        calls.append(args[2].shape[0])
-        return real(*args, kernels=kernels)
+    def routed_spy(*args, **kwargs):
+        experts_calls.append(args[2].shape[0])
+        return real_routed(*args, kernels=kernels)
 
-    def run(enabled: bool, n: int = 6):
-        monkeypatch.setattr(moe_prefill, "ENABLED", enabled)
+    def norm_spy(x, *args):
+        norm_calls.append(x.shape[-1])
+        return real_norm(x, *args)
+
+    def run(on: bool, n: int = 6):
+        monkeypatch.setattr(prompt_ops, "EXPERTS", on)
+        monkeypatch.setattr(prompt_ops, "NORMS", on)
         cache = StaticKVCache.for_config(config, 16, device="cpu", dtype=DT)
         torch.manual_seed(3)
         embeds = torch.randn(1, n, config.hidden_size, dtype=DT)
         with torch.no_grad():
             return forward_layers(stack, embeds, cache)
 
-    monkeypatch.setattr(moe_prefill, "routed", spy)
-    monkeypatch.setattr(moe_prefill, "_kernel_module", lambda: kernels)
-    monkeypatch.setattr(moe_prefill, "_runs_here", lambda hidden, weight: True)  # this CPU, float16
+    monkeypatch.setattr(prompt_ops, "routed", routed_spy)
+    monkeypatch.setattr(prompt_ops, "rms_norm", norm_spy)
+    monkeypatch.setattr(prompt_ops, "_kernel_module", lambda: kernels)
+    monkeypatch.setattr(prompt_ops, "_routed_runs_here", lambda hidden, weight: True)  # this CPU, float16
+    monkeypatch.setattr(prompt_ops, "_norm_runs_here", lambda hidden: True)
     library = run(False)
-    assert calls == []
+    assert experts_calls == [] and norm_calls == []
     ours = run(True)
-    assert calls == [6] * config.num_hidden_layers
+    layers = config.num_hidden_layers
+    assert experts_calls == [6] * layers
+    head = config.hidden_size // config.num_attention_heads if getattr(config, "head_dim", None) is None else config.head_dim
+    assert sorted(set(norm_calls)) == sorted({config.hidden_size, head})  # layer norms, per-head q and k norms
+    assert len(norm_calls) == 4 * layers
     assert ulps(ours, library) <= 8
-    calls.clear()
-    run(True, n=1)  # one row: the library's path
+    experts_calls.clear()
+    norm_calls.clear()
+    run(True, n=1)  # one row: the library's experts
+    assert experts_calls == [] and len(norm_calls) == 4 * layers
+    norm_calls.clear()
     experts = stack.layers[0].mlp.experts
-    with torch.no_grad():  # outside the engine's forwards: the library's path
+    with torch.no_grad():  # outside the engine's forwards: the library's modules
         experts(torch.randn(4, config.hidden_size, dtype=DT), torch.zeros(4, 2, dtype=torch.long),
                 torch.ones(4, 2, dtype=DT))
-    assert calls == []
+        stack.layers[0].input_layernorm(torch.randn(4, config.hidden_size, dtype=DT))
+    assert experts_calls == [] and norm_calls == []
     assert "forward" in vars(experts) and copy.deepcopy(experts).forward.__self__ is not experts
-

@@ -1,0 +1,155 @@
+"""What the engine's forwards of a prompt (runtime/decoder.py: prefills, a kept conversation's rests, their
+CUDA graphs) run in place of two of the library's modules on a GPU: a MoE layer's routed experts, and the
+RMSNorm. The decode steps have their own (runtime/fused.py); these are the same ideas for many rows.
+
+- **Routed experts** (`routed`): transformers' "grouped_mm" experts (the default on a GPU) sort the picks
+  by expert, gather their rows, run two grouped products (torch's grouped_mm), and between and after them
+  SiLU over the strided gate half, the weights applied to a copy of every pick's row, the rows put back in
+  pick order, and a reduction: on an H100, a 2,500-token Qwen3-Omni prompt, 0.56 ms of products and 0.9 ms
+  of the rest a layer. Here the products are the same calls and the rest is two launches of
+  runtime/moe_kernels.py, with the library's rounding (the hidden state came out bit-identical).
+- **RMSNorm**: the library's is seven kernels (float32 copy, square, mean, rsqrt, scale, cast, weight);
+  torch's fused `rms_norm` is one (`fused.rms_norm`, as the decode steps use it). Four norms a layer
+  (Qwen3-Omni's per-head q and k norms too): at 60 rows that is ~1,300 launches of a prompt's ~3,800. It
+  scales before casting back, so a value can differ from the library's in the last bit.
+
+`install(layers)` gives a stack's library modules of those kinds a forward that takes ours while the calling
+thread is `inside` (decoder.py runs every stack of the engine there) and the call can run it (a CUDA
+tensor; the experts also want bfloat16, more than one row, triton and torch's grouped_mm), else the
+library's own forward. transformers' `generate` on the same model (the tests' reference) runs outside, so it
+keeps the library's modules. `OMNI_NO_PROMPT_OPS=1` (or `EXPERTS` / `NORMS` = False) leaves them all to
+the library.
+
+What it does not know: the routing (the library's router runs before the experts), a shared expert (the
+sparse block adds it), packed banks (quant/experts.py has grouped kernels of its own), biased, transposed or
+interleaved expert layouts, norms other than the Qwen RMSNorm (left to the library).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import types
+
+import torch
+import torch.nn.functional as F
+
+from .fused import rms_norm
+
+_ON = os.environ.get("OMNI_NO_PROMPT_OPS", "") in ("", "0")
+EXPERTS = _ON  # the routed experts
+NORMS = _ON  # the fused RMSNorm
+
+_here = threading.local()  # .depth: how many `inside` blocks the calling thread is in
+_kernels = None  # runtime/moe_kernels.py once imported (it needs triton); False where it cannot be
+
+
+def routed(gate_up: torch.Tensor, down: torch.Tensor, hidden: torch.Tensor, top_k_index: torch.Tensor,
+           top_k_weights: torch.Tensor, kernels=None) -> torch.Tensor:
+    """Token t's output sum_j w[t, j] * down_e(SiLU(gate_e(x_t)) * up_e(x_t)) over its picks e = ids[t, j],
+    [T, H] (hidden [T, H], ids and weights [T, k]; the library's fused expert tensors gate_up [E, 2I, H],
+    down [E, H, I]), with no host sync (a prefill's CUDA graph captures it). `kernels`:
+    runtime/moe_kernels.py or a stand-in with its functions (the tests' interpreted copy)."""
+    kernels = kernels or _kernel_module()
+    E = gate_up.shape[0]
+    k = top_k_index.shape[1]
+    flat = top_k_index.reshape(-1)
+    # the picks in expert order; 16-bit keys: a radix sort of a few passes, not the int64 ids' many
+    order = torch.argsort(flat.to(torch.int16 if E <= 2**15 else torch.int32), stable=True)
+    ends = torch.zeros(E, dtype=torch.int32, device=flat.device).scatter_add_(
+        0, flat, torch.ones_like(flat, dtype=torch.int32)).cumsum(0, dtype=torch.int32)
+    rows = hidden.index_select(0, order // k)  # [P, H], each pick's token row, in expert order
+    h = _grouped_mm(rows, gate_up.transpose(1, 2), ends)  # [P, 2I]: gate | up
+    y = _grouped_mm(kernels.silu_mul(h), down.transpose(1, 2), ends)  # [P, H]
+    at = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+    return kernels.weighted_sum(y, top_k_weights, at)  # pick p's row of y is at[p]
+
+
+def _grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """x [P, K] times w [E, K, N] by runs of rows ending at offs [E] (int32): torch's grouped product."""
+    grouped = getattr(F, "grouped_mm", None) or torch._grouped_mm
+    return grouped(x, w, offs=offs)
+
+
+@contextlib.contextmanager
+def inside():
+    """The calling thread's installed modules take our forms (where a call can) until the block ends."""
+    _here.depth = getattr(_here, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _here.depth -= 1
+
+
+def install(layers) -> None:
+    """Give the library's experts and RMSNorm modules of `layers` (a decoder stack) the dispatching forward,
+    once."""
+    if getattr(layers, "_omni_prompt_ops", False):
+        return
+    for module in layers.modules():
+        if "forward" in vars(module):
+            continue
+        if _library_experts(module):
+            module.forward = types.MethodType(_experts_forward, module)
+        elif _library_norm(module):
+            module.forward = types.MethodType(_norm_forward, module)
+    layers._omni_prompt_ops = True
+
+
+def _library_experts(module) -> bool:
+    """transformers' fused experts with the layout `routed` computes: [gate; up] rows, no bias, SiLU."""
+    gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    return (isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor) and gate_up.dim() == 3
+            and down.dim() == 3 and getattr(module, "is_concatenated", True)
+            and not getattr(module, "is_transposed", False) and not getattr(module, "has_bias", False)
+            and not getattr(module, "_is_expert_parallel", False)
+            and type(getattr(module, "act_fn", None)).__name__ in ("SiLU", "SiLUActivation"))
+
+
+def _library_norm(module) -> bool:
+    """A Qwen decoder's RMSNorm (weight * normalised x, float32 statistics): the classes `fused.rms_norm`
+    reproduces."""
+    name = type(module).__name__
+    return (name.startswith("Qwen") and name.endswith("RMSNorm") and isinstance(getattr(module, "weight", None),
+            torch.Tensor) and isinstance(getattr(module, "variance_epsilon", None), float))
+
+
+def _inside() -> bool:
+    return getattr(_here, "depth", 0) > 0
+
+
+def _experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+    if EXPERTS and _inside() and hidden_states.shape[0] > 1 and _routed_runs_here(hidden_states, self.gate_up_proj):
+        return routed(self.gate_up_proj, self.down_proj, hidden_states, top_k_index, top_k_weights)
+    return type(self).forward(self, hidden_states, top_k_index, top_k_weights)
+
+
+def _norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    if NORMS and _inside() and _norm_runs_here(hidden_states):
+        return rms_norm(hidden_states, self.weight, self.variance_epsilon)
+    return type(self).forward(self, hidden_states)
+
+
+def _norm_runs_here(hidden: torch.Tensor) -> bool:
+    return hidden.is_cuda  # on a CPU `fused.rms_norm` is the library's math anyway
+
+
+def _routed_runs_here(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Where `routed` can run: NVIDIA's CUDA with triton and torch's grouped product, in bfloat16 (the
+    dtype torch's CUDA grouped_mm takes)."""
+    return (hidden.is_cuda and torch.version.hip is None and hidden.dtype == torch.bfloat16
+            and weight.dtype == hidden.dtype and (hasattr(F, "grouped_mm") or hasattr(torch, "_grouped_mm"))
+            and bool(_kernel_module()))
+
+
+def _kernel_module():
+    global _kernels
+    if _kernels is None:
+        try:
+            from . import moe_kernels
+        except ImportError:
+            _kernels = False
+        else:
+            _kernels = moe_kernels
+    return _kernels
