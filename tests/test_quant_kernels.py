@@ -477,3 +477,28 @@ def test_fp8_blocks_that_do_not_line_up_with_the_kernels_take_the_tile_path(qk):
     x = torch.randn(2, K, dtype=DT)
     assert qk._blocks(N, K, qk._fp8_args(scale, *block, block))["SCALE_BLOCK"] == -1
     assert ulps(qk.fp8_gemv(x, weight, scale, block=block), layer(x, dequantize_fp8(weight, scale, block))) <= 1
+
+
+@pytest.mark.parametrize("kind", ["int4", "fp8"])
+def test_packed_experts_grouped_path_is_their_dequantized_loop(qk, kind, monkeypatch):
+    """quant/experts.py's CUDA path (one `moe_plan` for both products, the picks weighted and summed in
+    one launch) through the interpreter: the loop over each picked expert's dequantized weights."""
+    from omni_cli.quant import experts as experts_mod
+    from omni_cli.quant.formats import QuantSpec
+
+    torch.manual_seed(13)
+    E, H, I, M, k = 5, 64, 32, 11, 2
+    spec = QuantSpec("int4", group_size=32) if kind == "int4" else QuantSpec("fp8", block=(16, 32))
+    library = type("Experts", (torch.nn.Module,), {})()
+    library.gate_up_proj = torch.nn.Parameter(torch.randn(E, 2 * I, H) * 0.2)
+    library.down_proj = torch.nn.Parameter(torch.randn(E, H, I) * 0.2)
+    library.act_fn = torch.nn.SiLU()
+    packed = experts_mod.QuantExperts.from_experts(library, spec)
+    x = torch.randn(M, H, dtype=DT)
+    ids = skewed_ids(M, k, E)
+    w = torch.softmax(torch.randn(M, k), -1).to(DT)
+    want = packed(x, ids, w)  # the CPU loop: each picked expert dequantized alone
+    monkeypatch.setattr(experts_mod, "_kernels_for", lambda x: qk)
+    got = packed(x, ids, w)
+    assert ulps(got, want) <= 4
+    assert ulps(got, packed(x, ids.flip(0), w)) > 8  # a different routing is far off

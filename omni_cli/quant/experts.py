@@ -96,17 +96,20 @@ class QuantExperts(nn.Module):
         """CUDA: every token's picked experts in two launches (gate/up, then down with the SiLU gate), the
         picks sorted by expert on the device: no host sync, so a prefill's CUDA graph captures it."""
         gate_up, down = self.bank("gate_up"), self.bank("down")
+        plan = kernels.moe_plan(top_k_index, self.num_experts)  # one sort of the picks for both products
         if gate_up.spec.kind == "int4":
             def product(x, bank, gate):
                 g = bank.shape[1] if bank.spec.group_size is None else bank.spec.group_size
                 return kernels.int4_moe_mm(x, bank.qweight, bank.scales, top_k_index, bank.zeros, group_size=g,
-                                           gate=gate)
+                                           gate=gate, plan=plan)
         else:
             def product(x, bank, gate):
-                return kernels.fp8_moe_mm(x, bank.qweight, bank.scales, top_k_index, block=bank.spec.block, gate=gate)
+                return kernels.fp8_moe_mm(x, bank.qweight, bank.scales, top_k_index, block=bank.spec.block, gate=gate,
+                                          plan=plan)
         picks = product(product(hidden, gate_up, False), down, True)  # [T*k, H] in pick order
-        t, k = top_k_index.shape
-        return (picks.view(t, k, -1) * top_k_weights.unsqueeze(-1).to(picks.dtype)).sum(1)
+        from ..runtime.moe_kernels import weighted_sum  # one launch: the weights and the sum of each token's picks
+
+        return weighted_sum(picks, top_k_weights.to(picks.dtype))
 
     def extra_repr(self) -> str:
         spec, shape = self.meta["gate_up"][:2]

@@ -17,11 +17,11 @@ Prefill:
 - `int4_mm(x, qweight, scales, zeros=, group_size=)`, `fp8_mm(x, weight, scale, block=)`: x [M, K] -> [M, N],
   by tiles dequantized in registers under `DEQUANTIZE_ROWS` rows, by the whole weight dequantized
   (`int4_dequantize`, `fp8_dequantize`: one launch) and the library's GEMM from there on.
-- `int4_moe_mm(x, qweight_bank, scales_bank, ids, zeros_bank=, group_size=, gate=)` and
-  `fp8_moe_mm(x, weight_bank, scale_bank, ids, block=, gate=)`: every token's picked experts (ids [M, k])
-  in one launch, -> [M*k, N] in pick order, unweighted. The picks are sorted by expert on the device
-  (`_moe_plan`, torch ops, no host sync) and each expert's run padded to whole row tiles, so a tile
-  reads one expert's weight; the number of tiles is bounded on the host by M*k + E*(BLOCK_M - 1) rows,
+- `int4_moe_mm(x, qweight_bank, scales_bank, ids, zeros_bank=, group_size=, gate=, plan=)` and
+  `fp8_moe_mm(x, weight_bank, scale_bank, ids, block=, gate=, plan=)`: every token's picked experts (ids
+  [M, k]) in one launch, -> [M*k, N] in pick order, unweighted. The picks are sorted by expert on the
+  device (`moe_plan`, torch ops, no host sync; a layer's two products share one) and each expert's run
+  padded to whole row tiles, so a tile reads one expert's weight; the number of tiles is bounded on the host by M*k + E*(BLOCK_M - 1) rows,
   which fixes every shape for a fixed M (CUDA graphs). The idea is vLLM's moe_align_block_size.
 
 The two formats share one kernel per product (a constexpr picks the format's code inside): int4 decode by
@@ -408,7 +408,7 @@ def _mm_blocks(rows_a_tile: int, fmt: dict) -> dict:
     prompt's weight is dequantized once, not once per 16 rows; BLOCK_N 64; BLOCK_K as wide as one group
     or block column allows up to 128, so that a row's scale is one load a tile (GROUP_TILE), else 64 with
     a scale looked up per weight. `MM_BLOCKS` (a sweep's) replaces the first three and the warps."""
-    block_m = min(64, max(16, triton.next_power_of_2(max(rows_a_tile, 1))))
+    block_m = _block_m(rows_a_tile)
     width = fmt["BK"] if fmt["FP8"] else fmt["G"]
     if fmt["FP8"] and not fmt["BLOCKED"]:
         width = 128  # one scale a row: any width lines up
@@ -421,6 +421,12 @@ def _mm_blocks(rows_a_tile: int, fmt: dict) -> dict:
         blocks["BLOCK_K"] = 128  # eight products of K = 16, tl.dot's least
     blocks["GROUP_TILE"] = width % blocks["BLOCK_K"] == 0
     return blocks
+
+
+def _block_m(rows_a_tile: int) -> int:
+    if MM_BLOCKS is not None and "BLOCK_M" in MM_BLOCKS:
+        return MM_BLOCKS["BLOCK_M"]
+    return min(64, max(16, triton.next_power_of_2(max(rows_a_tile, 1))))
 
 
 MM_BLOCKS: dict | None = None  # replaces `_mm_blocks`' choice where set (a sweep)
@@ -686,7 +692,8 @@ def _moe_plan(ids: torch.Tensor, E: int, block_m: int) -> tuple[torch.Tensor, to
     tile_end = tiles.cumsum(0)
     tile_expert = torch.searchsorted(tile_end, torch.arange(T, device=dev), right=True)
     tile_expert = torch.where(tile_expert < E, tile_expert, -1).to(torch.int32)
-    order = torch.argsort(flat, stable=True)  # the picks in expert order (stable: an expert's in pick order)
+    # the picks in expert order (stable: an expert's in pick order); 16-bit keys sort in fewer radix passes
+    order = torch.argsort(flat.to(torch.int16 if E <= 2**15 else torch.int32), stable=True)
     by_expert = flat[order]
     rank = torch.arange(P, device=dev) - (counts.cumsum(0) - counts)[by_expert]  # a pick's place in its run
     slots = torch.full((T * block_m,), P, dtype=torch.int32, device=dev)
@@ -694,8 +701,15 @@ def _moe_plan(ids: torch.Tensor, E: int, block_m: int) -> tuple[torch.Tensor, to
     return slots, tile_expert
 
 
+def moe_plan(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """The picks of ids [M, k] sorted by expert for `int4_moe_mm` / `fp8_moe_mm` (their `plan=`): a layer's
+    gate/up and down products share one (it is a dozen small launches, a sort among them)."""
+    block_m = _block_m(ids.numel() // num_experts)
+    return (*_moe_plan(ids, num_experts, block_m), block_m)
+
+
 def _moe_mm(x: torch.Tensor, bank: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
-            ids: torch.Tensor, gate: bool, N: int, K: int, fmt: dict, kind: str) -> torch.Tensor:
+            ids: torch.Tensor, gate: bool, N: int, K: int, fmt: dict, kind: str, plan=None) -> torch.Tensor:
     """The grouped product's launch, either format: one program per (tile of one expert's picks, 64 outputs)."""
     if ids.dim() != 2:
         raise ValueError(f"{kind}: ids {list(ids.shape)} is not [M, k] (each token's picked experts)")
@@ -710,7 +724,9 @@ def _moe_mm(x: torch.Tensor, bank: torch.Tensor, scales: torch.Tensor, zeros: to
     if P == 0:
         return out
     blocks = _mm_blocks(P // E, fmt)  # a tile holds one expert's picks: about P / E of them
-    slots, tile_expert = _moe_plan(ids, E, blocks["BLOCK_M"])
+    if plan is None:
+        plan = moe_plan(ids, E)
+    slots, tile_expert, blocks["BLOCK_M"] = plan
     _mm_kernel[(tile_expert.numel(), triton.cdiv(N, blocks["BLOCK_N"]))](
         x, bank, scales, zeros.contiguous() if zeros is not None else scales, slots, tile_expert, out, M=P, N=N,
         K=K, x_row=x.stride(0), x_per=top_k if x.shape[0] != P else 1, q_expert=bank.stride(0),
@@ -719,21 +735,23 @@ def _moe_mm(x: torch.Tensor, bank: torch.Tensor, scales: torch.Tensor, zeros: to
 
 
 def int4_moe_mm(x: torch.Tensor, qweight_bank: torch.Tensor, scales_bank: torch.Tensor, ids: torch.Tensor,
-                zeros_bank: torch.Tensor | None = None, *, group_size: int = 128, gate: bool = False) -> torch.Tensor:
+                zeros_bank: torch.Tensor | None = None, *, group_size: int = 128, gate: bool = False,
+                plan=None) -> torch.Tensor:
     """A prefill's experts in one launch: pick (m, j) multiplies expert ids[m, j]'s int4 weight (qweight_bank
     [E, N, K/8], scales_bank and zeros_bank [E, N, K/g]) by token m's row of x [M, K] (the gate/up
     product) or by its own row of x [M*k, K] (with `gate`, [M*k, 2K] and the input SiLU(gate) * up: the
     down product). Returns [M*k, N] in pick order (row-major over ids), unweighted: the caller weights and
-    sums. ids [M, k] stays on the device; ids out of range are not checked (a host sync)."""
+    sums. ids [M, k] stays on the device; ids out of range are not checked (a host sync). `plan`:
+    `moe_plan(ids, E)`, made once for a layer's two products."""
     N, K = _int4_sizes(x, qweight_bank, scales_bank, zeros_bank, group_size, gate)
     return _moe_mm(x, qweight_bank, scales_bank, zeros_bank, ids, gate, N, K, _int4_args(zeros_bank, group_size),
-                   "int4_moe_mm")
+                   "int4_moe_mm", plan)
 
 
 def fp8_moe_mm(x: torch.Tensor, weight_bank: torch.Tensor, scale_bank: torch.Tensor, ids: torch.Tensor, *,
-               block: tuple[int, int] | None = (128, 128), gate: bool = False) -> torch.Tensor:
+               block: tuple[int, int] | None = (128, 128), gate: bool = False, plan=None) -> torch.Tensor:
     """int4_moe_mm's FP8 twin over weight_bank [E, N, K] (e4m3) with scale_bank [E, ceil(N/bn), ceil(K/bk)]
     (`block`) or [E, N] / [E, N, 1] (block=None)."""
     N, K, bn, bk = _fp8_sizes(x, weight_bank, scale_bank, block, gate)
     return _moe_mm(x, weight_bank, scale_bank, None, ids, gate, N, K, _fp8_args(scale_bank, bn, bk, block),
-                   "fp8_moe_mm")
+                   "fp8_moe_mm", plan)
