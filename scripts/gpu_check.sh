@@ -41,7 +41,7 @@
 #              scripts/realtime_latency.py ($OUT/realtime-*.json), then omni-chat --talk --server in the
 #              file-backed room (measure_talk.py room; PortAudio from .gpu_libs/ if the machine lacks it; the
 #              listener's inputs in $OUT/listener-*.flac/.json, for scripts/listener_record.py replay)
-# SUFFIX=-x names long3's and q3*'s outputs apart (an A/B on one machine: OMNI_NO_PROMPT_OPS=1 SUFFIX=-library).
+# SUFFIX=-x names long3's and q3*'s outputs apart (an A/B on one machine: OMNI_NO_KERNELS=1 SUFFIX=-nokernels).
 # Each step has its own time limit so a call stays under the 600 s it may take; omni-bench prints a
 # progress line per phase on stderr, so a step cut short still shows how far it got.
 #   usage: bash scripts/gpu_check.sh [STEP ...]

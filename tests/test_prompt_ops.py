@@ -83,6 +83,7 @@ def test_the_stacks_take_ours_inside_their_forwards_only(kernels, monkeypatch):
     the library's to a few units of the last place; the same modules called outside the engine's forwards
     (transformers' own generate) keep the library's path, and one-row forwards the library's experts."""
     stack, config = _thinker_stack()
+    prompt_ops.install(stack.layers)  # as the engine's FusedDecoder does where the kernels are on
     experts_calls, norm_calls = [], []
     real_routed, real_norm = prompt_ops.routed, prompt_ops.rms_norm
 
@@ -129,3 +130,18 @@ def test_the_stacks_take_ours_inside_their_forwards_only(kernels, monkeypatch):
         stack.layers[0].input_layernorm(torch.randn(4, config.hidden_size, dtype=DT))
     assert experts_calls == [] and norm_calls == []
     assert "forward" in vars(experts) and copy.deepcopy(experts).forward.__self__ is not experts
+
+
+@pytest.mark.parametrize("kernels_on", [True, False])
+def test_the_engine_installs_them_where_the_kernels_are_on(kernels_on):
+    """`--no-kernels` (OMNI_NO_KERNELS=1) leaves a prompt to the library's modules too."""
+    from omni_cli.runtime.graphs import Policy
+
+    stack, config = _thinker_stack()
+    cache = StaticKVCache.for_config(config, 8, device="cpu", dtype=DT)
+    policy = Policy(torch.device("cpu"), graphs_on=False, compile_on=False, kernels_on=kernels_on,
+                    attention_kernel_on=False)
+    fused.FusedDecoder(stack, cache, policy=policy, as_sum=True)
+    layer = stack.layers[0]
+    swapped = [m for m in (layer.mlp.experts, layer.input_layernorm, layer.self_attn.q_norm) if "forward" in vars(m)]
+    assert len(swapped) == (3 if kernels_on else 0)

@@ -175,7 +175,7 @@ LocalOpt = Annotated[bool, typer.Option(
 
 
 KernelsOpt = Annotated[bool, typer.Option(
-    "--kernels/--no-kernels", help="The fused decode kernels on a GPU (Triton; a no-op on CPU); --no-kernels: the "
+    "--kernels/--no-kernels", help="The fused kernels on a GPU (decode steps; a prompt's experts and norms; a no-op on CPU); --no-kernels: the "
     "library's ops, as does OMNI_NO_KERNELS=1.")]
 AttentionKernelOpt = Annotated[bool, typer.Option(
     "--attention-kernel/--no-attention-kernel", help="One launch for each decode step's attention on a GPU "

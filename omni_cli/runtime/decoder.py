@@ -93,7 +93,7 @@ def _run_layers(model, embeds, cache, mask, positions, keep, after_layer=None):
     cache_kw = compat.layer_cache_kwargs(cache, layers[0])  # the same keyword for every layer of a stack
     hidden = embeds
     kept = embeds if keep == 0 else None
-    prompt_ops.install(layers)  # the routed experts and the fused RMSNorm of ours inside (prompt_ops.py)
+    # inside: the stack's installed modules take ours (prompt_ops.py: the routed experts, the fused RMSNorm)
     with no_cudnn_attention(embeds.shape[1] > 1 and embeds.device.type == "cuda"), prompt_ops.inside():
         for i, layer in enumerate(layers):
             hidden = layer(hidden, attention_mask=mask, position_embeddings=position_embeddings, use_cache=True,

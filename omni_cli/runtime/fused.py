@@ -416,6 +416,10 @@ class FusedDecoder:
         # `as_sum` (Qwen2.5-Omni's thinker and talker: their q/k/v bias is in the product, before it).
         self.attend = (policy.attention_kernel_on and attend_wanted(param.device)
                        and all(L.head_dim & (L.head_dim - 1) == 0 for L in self.layers))
+        if policy.kernels_on:  # the stack's prompts (the library's layers) take our experts and norms on a GPU
+            from . import prompt_ops  # it imports this module
+
+            prompt_ops.install(model.layers)
         # Added to a slot's position for its RoPE angle: the delta an image prompt's 3-D positions leave
         # for what follows (0 for text and audio); a device tensor, so one captured graph serves every turn.
         self.rope_shift = torch.zeros(1, dtype=torch.long, device=param.device)

@@ -16,9 +16,11 @@ RMSNorm. The decode steps have their own (runtime/fused.py); these are the same 
 `install(layers)` gives a stack's library modules of those kinds a forward that takes ours while the calling
 thread is `inside` (decoder.py runs every stack of the engine there) and the call can run it (a CUDA
 tensor; the experts also want bfloat16, more than one row, triton and torch's grouped_mm), else the
-library's own forward. transformers' `generate` on the same model (the tests' reference) runs outside, so it
-keeps the library's modules. `OMNI_NO_PROMPT_OPS=1` (or `EXPERTS` / `NORMS` = False) leaves them all to
-the library.
+library's own forward. `fused.FusedDecoder` installs them on its stack where the policy has the kernels on
+(`RuntimeOptions.kernels`: `--no-kernels` / OMNI_NO_KERNELS=1 leave a prompt to the library's modules
+too). transformers' `generate` on the same model (the tests' reference) runs outside, so it keeps the
+library's modules. `EXPERTS` / `NORMS` = False turn either off for a process (scripts/prefill_profile.py's
+comparisons).
 
 What it does not know: the routing (the library's router runs before the experts), a shared expert (the
 sparse block adds it), packed banks (quant/experts.py has grouped kernels of its own), biased, transposed or
@@ -28,7 +30,6 @@ interleaved expert layouts, norms other than the Qwen RMSNorm (left to the libra
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 import types
 
@@ -37,9 +38,8 @@ import torch.nn.functional as F
 
 from .fused import rms_norm
 
-_ON = os.environ.get("OMNI_NO_PROMPT_OPS", "") in ("", "0")
-EXPERTS = _ON  # the routed experts
-NORMS = _ON  # the fused RMSNorm
+EXPERTS = True  # the routed experts
+NORMS = True  # the fused RMSNorm
 
 _here = threading.local()  # .depth: how many `inside` blocks the calling thread is in
 _kernels = None  # runtime/moe_kernels.py once imported (it needs triton); False where it cannot be
