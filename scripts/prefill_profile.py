@@ -6,7 +6,7 @@ the experts) both ways, and which experts implementation the library chose.
 Prints one JSON report: `python scripts/prefill_profile.py [--preset NAME] [--tokens 2500] [--device cuda]
 [--quantize int4|fp8]`
 (the tiny preset on the CPU checks that it runs: `--preset tiny-qwen3 --tokens 200 --device cpu`).
-Written in the fifteenth pass and run there only on the CPU: the lent GPU could not be had long enough.
+Written in the fifteenth pass; first run on a GPU (an H100) in the twenty-first (docs/benchmarks.md).
 """
 
 from __future__ import annotations
