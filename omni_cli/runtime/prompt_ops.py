@@ -11,7 +11,8 @@ RMSNorm. The decode steps have their own (runtime/fused.py); these are the same 
 - **RMSNorm**: the library's is seven kernels (float32 copy, square, mean, rsqrt, scale, cast, weight);
   torch's fused `rms_norm` is one (`fused.rms_norm`, as the decode steps use it). Four norms a layer
   (Qwen3-Omni's per-head q and k norms too): at 60 rows that is ~1,300 launches of a prompt's ~3,800. It
-  scales before casting back, so a value can differ from the library's in the last bit.
+  scales before casting back, so a value can differ from the library's in the last bit. **Off** (`NORMS`)
+  until it is measured on a GPU: written when the lent GPUs were gone, tested on the CPU only.
 
 `install(layers)` gives a stack's library modules of those kinds a forward that takes ours while the calling
 thread is `inside` (decoder.py runs every stack of the engine there) and the call can run it (a CUDA
@@ -19,7 +20,7 @@ tensor; the experts also want bfloat16, more than one row, triton and torch's gr
 library's own forward. `fused.FusedDecoder` installs them on its stack where the policy has the kernels on
 (`RuntimeOptions.kernels`: `--no-kernels` / OMNI_NO_KERNELS=1 leave a prompt to the library's modules
 too). transformers' `generate` on the same model (the tests' reference) runs outside, so it keeps the
-library's modules. `EXPERTS` / `NORMS` = False turn either off for a process (scripts/prefill_profile.py's
+library's modules. `EXPERTS` / `NORMS` turn either on or off for a process (scripts/prefill_profile.py's
 comparisons).
 
 What it does not know: the routing (the library's router runs before the experts), a shared expert (the
@@ -39,7 +40,7 @@ import torch.nn.functional as F
 from .fused import rms_norm
 
 EXPERTS = True  # the routed experts
-NORMS = True  # the fused RMSNorm
+NORMS = False  # the fused RMSNorm: off until measured on a GPU (module docstring)
 
 _here = threading.local()  # .depth: how many `inside` blocks the calling thread is in
 _kernels = None  # runtime/moe_kernels.py once imported (it needs triton); False where it cannot be
