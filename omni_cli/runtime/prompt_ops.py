@@ -56,8 +56,7 @@ def routed(gate_up: torch.Tensor, down: torch.Tensor, hidden: torch.Tensor, top_
     E = gate_up.shape[0]
     k = top_k_index.shape[1]
     flat = top_k_index.reshape(-1)
-    # the picks in expert order; 16-bit keys: a radix sort of a few passes, not the int64 ids' many
-    order = torch.argsort(flat.to(torch.int16 if E <= 2**15 else torch.int32), stable=True)
+    order = torch.argsort(flat, stable=True)  # the picks in expert order
     ends = torch.zeros(E, dtype=torch.int32, device=flat.device).scatter_add_(
         0, flat, torch.ones_like(flat, dtype=torch.int32)).cumsum(0, dtype=torch.int32)
     rows = hidden.index_select(0, order // k)  # [P, H], each pick's token row, in expert order

@@ -21,8 +21,8 @@ Prefill:
   `fp8_moe_mm(x, weight_bank, scale_bank, ids, block=, gate=, plan=)`: every token's picked experts (ids
   [M, k]) in one launch, -> [M*k, N] in pick order, unweighted. The picks are sorted by expert on the
   device (`moe_plan`, torch ops, no host sync; a layer's two products share one) and each expert's run
-  padded to whole row tiles, so a tile reads one expert's weight; the number of tiles is bounded on the host by M*k + E*(BLOCK_M - 1) rows,
-  which fixes every shape for a fixed M (CUDA graphs). The idea is vLLM's moe_align_block_size.
+  padded to whole row tiles, so a tile reads one expert's weight; the number of tiles is bounded on the
+  host by M*k + E*(BLOCK_M - 1) rows, which fixes every shape for a fixed M (CUDA graphs). The idea is vLLM's moe_align_block_size.
 
 The two formats share one kernel per product (a constexpr picks the format's code inside): int4 decode by
 its packed words' nibble planes (`_int4_rows`), its prefill tiles by each word's nibbles joined in place
@@ -424,6 +424,7 @@ def _mm_blocks(rows_a_tile: int, fmt: dict) -> dict:
 
 
 def _block_m(rows_a_tile: int) -> int:
+    """A product tile's rows (`_mm_blocks`' BLOCK_M; `moe_plan` pads each expert's run to it)."""
     if MM_BLOCKS is not None and "BLOCK_M" in MM_BLOCKS:
         return MM_BLOCKS["BLOCK_M"]
     return min(64, max(16, triton.next_power_of_2(max(rows_a_tile, 1))))
@@ -692,8 +693,7 @@ def _moe_plan(ids: torch.Tensor, E: int, block_m: int) -> tuple[torch.Tensor, to
     tile_end = tiles.cumsum(0)
     tile_expert = torch.searchsorted(tile_end, torch.arange(T, device=dev), right=True)
     tile_expert = torch.where(tile_expert < E, tile_expert, -1).to(torch.int32)
-    # the picks in expert order (stable: an expert's in pick order); 16-bit keys sort in fewer radix passes
-    order = torch.argsort(flat.to(torch.int16 if E <= 2**15 else torch.int32), stable=True)
+    order = torch.argsort(flat, stable=True)  # the picks in expert order (stable: an expert's in pick order)
     by_expert = flat[order]
     rank = torch.arange(P, device=dev) - (counts.cumsum(0) - counts)[by_expert]  # a pick's place in its run
     slots = torch.full((T * block_m,), P, dtype=torch.int32, device=dev)
