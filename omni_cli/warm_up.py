@@ -4,8 +4,12 @@ A process's first reply pays one-time costs: the chat template's first use, grap
 time a reply reaches them, and on a GPU each kernel's first launch (CUDA loads kernels lazily: on an
 H200 the first sampled reply's first token took 134 ms where the next took 45). Without it omni-serve's
 first request had its first audio 0.2 s after the next ones'. The reply samples, as replies do by
-default (a greedy warm-up left the sampling kernels to the first real reply). What stays: a prompt of a
-length not seen before takes ~25 ms more to its first token.
+default (a greedy warm-up left the sampling kernels to the first real reply), and a second of quiet
+noise is said with its prompt, so that the audio encoder's first run is the warm-up's too (issue 31 found a
+first spoken turn after a text-only warm-up 2.15 s to its first audio, 824 ms of it the encoder's first run,
+against 0.53-0.76 s for the next turns; H200, 7B). What stays: a prompt of a length not seen before takes
+~25 ms more to its first token; the vision encoder is not warmed (it waits in host memory until the first
+image: runtime/vision_place.py).
 
 `WarmsUp` gives a local `Assistant` and a served model's `RemoteAssistant` the same warm-up: the remote
 one is for a server that made none before it served (a keep-alive's background server starts with
@@ -62,7 +66,7 @@ class WarmsUp:
             raise ValueError("cannot size the warm-up reply: the model does not say how many talker steps make "
                              "a second of audio")
         self.say("Hello.", seed=0, max_text_tokens=8, max_codes=max(1, round(1.5 * per_second)),
-                 text_only=not self.has_audio)
+                 text_only=not self.has_audio, audio=[warm_up_clip()])
 
     def _after_warm_up(self) -> None:
         """Wait for a background warm-up: one reply at a time (one engine, or one connection), the
@@ -71,3 +75,14 @@ class WarmsUp:
         if warming is not None and warming is not threading.current_thread():
             warming.join()
             self._warming = None
+
+
+def warm_up_clip():
+    """What the warm-up says with its prompt: one second of quiet noise at the encoders' rate (the same
+    every time: a seeded generator)."""
+    import numpy as np
+
+    from .media import ENCODER_RATE, AudioClip
+
+    pcm = (np.random.default_rng(0).standard_normal(ENCODER_RATE) * 0.01).astype(np.float32)
+    return AudioClip(pcm, ENCODER_RATE, source="warm-up")

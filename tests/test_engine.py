@@ -246,8 +246,8 @@ def test_on_a_cpu_the_engine_waits_for_the_first_chunk_instead_of_competing_with
 
 def test_warm_up_in_the_background_leaves_no_trace_in_the_next_reply(assistant, monkeypatch):
     """`warm_up(background=True)` (omni-chat's, while the person types): short, sampled as replies are,
-    heard by nobody, on its own thread; the next reply waits for it to end and is the reply it would have
-    been without it."""
+    with a second of audio said (the audio encoder's first run is the warm-up's), heard by nobody, on its
+    own thread; the next reply waits for it to end and is the reply it would have been without it."""
     before = assistant.say("Tell me about the sea.", seed=3, max_codes=60)
     calls = []
     real_say = Assistant.say
@@ -263,9 +263,10 @@ def test_warm_up_in_the_background_leaves_no_trace_in_the_next_reply(assistant, 
     monkeypatch.setattr(Assistant, "say", spy_say)
     assistant.warm_up(background=True)
     after = assistant.say("Tell me about the sea.", seed=3, max_codes=60)
-    prompt, kw, thread = calls[0]
+    prompt, kw, thread = next(call for call in calls if call[0] == "Hello.")  # the warm-up's
     assert thread == "omni-warm-up" and not kw.get("greedy") and kw["max_text_tokens"] <= 8 and kw["max_codes"] == 75
     assert "sink" not in kw
+    assert [clip.seconds for clip in kw["audio"]] == [1.0]
     assert calls.index(("done", "Hello.")) < calls.index(("done", "Tell me about the sea."))
     assert after.text_ids == before.text_ids and after.codes == before.codes
     assert np.array_equal(after.audio, before.audio)
