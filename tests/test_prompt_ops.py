@@ -106,7 +106,6 @@ def test_the_stacks_take_ours_inside_their_forwards_only(kernels, monkeypatch):
 
     monkeypatch.setattr(prompt_ops, "routed", routed_spy)
     monkeypatch.setattr(prompt_ops, "rms_norm", norm_spy)
-    monkeypatch.setattr(prompt_ops, "_kernel_module", lambda: kernels)
     monkeypatch.setattr(prompt_ops, "_routed_runs_here", lambda hidden, weight: True)  # this CPU, float16
     monkeypatch.setattr(prompt_ops, "_norm_runs_here", lambda hidden: True)
     library = run(False)

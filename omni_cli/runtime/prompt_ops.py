@@ -37,13 +37,12 @@ import types
 import torch
 import torch.nn.functional as F
 
-from .fused import rms_norm
+from .fused import kernels_wanted, rms_norm
 
 EXPERTS = True  # the routed experts
 NORMS = False  # the fused RMSNorm: off until measured on a GPU (module docstring)
 
 _here = threading.local()  # .depth: how many `inside` blocks the calling thread is in
-_kernels = None  # runtime/moe_kernels.py once imported (it needs triton); False where it cannot be
 
 
 def routed(gate_up: torch.Tensor, down: torch.Tensor, hidden: torch.Tensor, top_k_index: torch.Tensor,
@@ -52,7 +51,8 @@ def routed(gate_up: torch.Tensor, down: torch.Tensor, hidden: torch.Tensor, top_
     [T, H] (hidden [T, H], ids and weights [T, k]; the library's fused expert tensors gate_up [E, 2I, H],
     down [E, H, I]), with no host sync (a prefill's CUDA graph captures it). `kernels`:
     runtime/moe_kernels.py or a stand-in with its functions (the tests' interpreted copy)."""
-    kernels = kernels or _kernel_module()
+    if kernels is None:
+        from . import moe_kernels as kernels  # needs triton: `_routed_runs_here` found it
     E = gate_up.shape[0]
     k = top_k_index.shape[1]
     flat = top_k_index.reshape(-1)
@@ -136,20 +136,7 @@ def _norm_runs_here(hidden: torch.Tensor) -> bool:
 
 
 def _routed_runs_here(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Where `routed` can run: NVIDIA's CUDA with triton and torch's grouped product, in bfloat16 (the
-    dtype torch's CUDA grouped_mm takes)."""
-    return (hidden.is_cuda and torch.version.hip is None and hidden.dtype == torch.bfloat16
-            and weight.dtype == hidden.dtype and (hasattr(F, "grouped_mm") or hasattr(torch, "_grouped_mm"))
-            and bool(_kernel_module()))
-
-
-def _kernel_module():
-    global _kernels
-    if _kernels is None:
-        try:
-            from . import moe_kernels
-        except ImportError:
-            _kernels = False
-        else:
-            _kernels = moe_kernels
-    return _kernels
+    """Where `routed` can run: where the decode kernels can (`fused.kernels_wanted`: NVIDIA's CUDA with
+    triton), with torch's grouped product, in bfloat16 (the dtype torch's CUDA grouped_mm takes)."""
+    return (hidden.dtype == torch.bfloat16 and weight.dtype == hidden.dtype
+            and (hasattr(F, "grouped_mm") or hasattr(torch, "_grouped_mm")) and kernels_wanted(hidden.device))
