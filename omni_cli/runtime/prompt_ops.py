@@ -11,8 +11,10 @@ RMSNorm. The decode steps have their own (runtime/fused.py); these are the same 
 - **RMSNorm**: the library's is seven kernels (float32 copy, square, mean, rsqrt, scale, cast, weight);
   torch's fused `rms_norm` is one (`fused.rms_norm`, as the decode steps use it). Four norms a layer
   (Qwen3-Omni's per-head q and k norms too): at 60 rows that is ~1,300 launches of a prompt's ~3,800. It
-  scales before casting back, so a value can differ from the library's in the last bit. **Off** (`NORMS`)
-  until it is measured on a GPU: written when the lent GPUs were gone, tested on the CPU only.
+  scales before casting back, so a value can differ from the library's in the last bit (a 2,500-token
+  Qwen3-Omni prompt's hidden state: at most 0.125 on values up to 3.8, bfloat16). On an H100 it took that
+  prompt's thinker prefill from 80.7 to 65.1 ms of device time (74.4 to 61.2 ms of kernels, 4,631 to
+  3,287 launches); 60 tokens, 15.7 to 13.0 ms of kernels.
 
 `install(layers)` gives a stack's library modules of those kinds a forward that takes ours while the calling
 thread is `inside` (decoder.py runs every stack of the engine there) and the call can run it (a CUDA
@@ -40,7 +42,7 @@ import torch.nn.functional as F
 from .fused import kernels_wanted, rms_norm
 
 EXPERTS = True  # the routed experts
-NORMS = False  # the fused RMSNorm: off until measured on a GPU (module docstring)
+NORMS = True  # the fused RMSNorm (module docstring: measured on an H100)
 
 _here = threading.local()  # .depth: how many `inside` blocks the calling thread is in
 
