@@ -482,6 +482,24 @@ def test_routed_experts_are_the_librarys_in_bfloat16(rows):
     assert (got == want).float().mean().item() > 0.999
 
 
+def test_the_rope_kernel_is_the_librarys_in_bfloat16():
+    """runtime/rope_kernel.py at Qwen3-Omni's thinker widths (32 query heads, 4 key heads, 128 wide), a
+    2,500-row prompt, bfloat16, q and k as the attention hands them over: the library's values exactly."""
+    from transformers.models.qwen3_omni_moe import modeling_qwen3_omni_moe as m
+
+    from omni_cli.runtime.rope_kernel import rope
+
+    library = getattr(m.apply_rotary_pos_emb, "_omni_library", m.apply_rotary_pos_emb)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        q = (torch.randn(1, 2500, 32, 128) * 3).to(torch.bfloat16).transpose(1, 2)
+        k = (torch.randn(1, 2500, 4, 128) * 3).to(torch.bfloat16).transpose(1, 2)
+        angle = torch.arange(2500).view(1, -1, 1) * torch.rand(1, 1, 64).repeat(1, 1, 2)
+        cos, sin = angle.cos().to(torch.bfloat16), angle.sin().to(torch.bfloat16)
+    want_q, want_k = library(q, k, cos, sin)
+    assert torch.equal(rope(q, cos, sin), want_q) and torch.equal(rope(k, cos, sin), want_k)
+
+
 def _stream_code2wav(code2wav, fr, sizes):
     from omni_cli.models.qwen3_omni.code2wav import StreamingCode2Wav
 
@@ -716,24 +734,27 @@ def test_suffix_graph_replays_the_eager_rest_over_a_kept_context(asset, stack, m
 
 @pytest.mark.parametrize("asset", ["assets/tiny-qwen3-omni", "assets/tiny-qwen2.5-omni"])
 def test_conversation_replays_its_rests_from_graphs_captured_between_turns(asset, monkeypatch):
-    """Through the API (bfloat16, graphs): the second turn's rest runs eagerly and makes its bucket wanted,
-    the engine's capture ahead captures it, and the third turn's rest replays a graph; the talker's too."""
+    """Through the API (bfloat16, graphs): the second turn's rest (under 32 rows) has no graph of its own
+    bucket yet and replays the 64-row one captured ahead from the first turn on, padded, making its bucket
+    wanted; the engine's capture ahead captures it, and the third turn's rest replays that; the talker's
+    too."""
     model = _prompt_graphed(asset, monkeypatch)
     graphs, talker = model.engine.steps.thinker.prefill_graphs, model.engine.steps.talker.prefill_graphs
-    replays, talker_replays = [], []
-    over_kept, talker_over_kept = graphs.over_kept, talker.over_kept
-    monkeypatch.setattr(graphs, "over_kept", lambda embeds: _noted(replays, over_kept(embeds)))
-    monkeypatch.setattr(talker, "over_kept", lambda embeds: _noted(talker_replays, talker_over_kept(embeds)))
+    sizes, talker_sizes = [], []
+    replay, talker_replay = graphs._replay, talker._replay
+    monkeypatch.setattr(graphs, "_replay", lambda entry, embeds, size: _noted(sizes, size, replay(entry, embeds, size)))
+    monkeypatch.setattr(talker, "_replay",
+                        lambda entry, embeds, size: _noted(talker_sizes, size, talker_replay(entry, embeds, size)))
     chat = model.conversation()
     kept = []
     for text in ("Hello there.", "Tell me more.", "And then?"):
         kept.append(chat.say(text, greedy=True, seed=0, max_text_tokens=6, max_codes=8).stats["talker_kept_rows"])
         model.engine.settle()
-    # The second turn's rest (the reply's tail and a typed turn: under 32 rows) found no graph yet; so
-    # did the talker's (Qwen3: the new user turn and its 9 opener rows; Qwen2.5: the thinker's rest and its
-    # 2 rows), after the rows it kept.
-    assert replays == [False, True] and (32, 512) in graphs.rest_graphs, (replays, list(graphs.rest_graphs))
-    assert talker_replays == [False, True] and kept[0] == 0 and 0 < kept[1] < kept[2], (talker_replays, kept)
+    # Turn 1 replays a prompt bucket from an empty cache (64: the template and the turn), turns 2 and 3 a
+    # rest: 64 padded, then 32 once captured. The talker's rest (Qwen3: the new user turn and its 9 opener
+    # rows; Qwen2.5: the thinker's rest and its 2 rows) comes after the rows it kept.
+    assert sizes[1:] == [64, 32] and (32, 512) in graphs.rest_graphs, (sizes, list(graphs.rest_graphs))
+    assert talker_sizes[1:] == [64, 32] and kept[0] == 0 and 0 < kept[1] < kept[2], (talker_sizes, kept)
 
 
 @pytest.mark.parametrize("stack", ["thinker", "talker"])
@@ -760,8 +781,8 @@ def test_qwen25_prompt_graph_equals_the_eager_prompt(stack, monkeypatch):
     assert worst <= SUFFIX_BOUND and worst_cache <= SUFFIX_BOUND, (worst, worst_cache)
 
 
-def _noted(replays: list, out):
-    replays.append(out is not None)
+def _noted(seen: list, what, out):
+    seen.append(what)
     return out
 
 

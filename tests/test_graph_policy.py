@@ -177,3 +177,18 @@ def test_an_engine_on_a_cpu_captures_nothing_ahead_and_settles_at_once():
     run_turn(engine, request())
     engine.settle()
     assert engine._ahead is None
+
+
+def test_a_rest_replays_the_smallest_captured_graph_that_holds_it():
+    """A rest over kept rows whose own bucket has no graph yet takes a larger one captured for the same kept
+    span (padded rows are past the prompt), never one too small or whose key span its end leaves."""
+    sizes = [32, 64, 128, 256, 512, 1024]
+    captured = {(64, 512): "64", (256, 512): "256", (256, 1024): "256 wide"}
+    assert graphs.rest_graph(captured, sizes, 79, 4, 4096) == (256, "256")  # 128 not captured: 256 serves
+    assert graphs.rest_graph(captured, sizes, 20, 100, 4096) == (64, "64")
+    assert graphs.rest_graph(captured, sizes, 64, 100, 4096) == (64, "64")
+    assert graphs.rest_graph(captured, sizes, 65, 300, 4096) == (256, "256 wide")  # ends past 512
+    assert graphs.rest_graph(captured, sizes, 300, 4, 4096) is None  # nothing holds 300 rows
+    assert graphs.rest_graph(captured, sizes, 20, 460, 4096) == (256, "256 wide")  # 460 + 64 > 512
+    assert graphs.rest_graph(captured, sizes, 20, 900, 4096) is None  # 900 + 256 wants a 2,048 span
+    assert graphs.rest_graph(captured, sizes, 65, 300, 520) is None  # the context ends before 300 + 256
