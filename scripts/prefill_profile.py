@@ -1,8 +1,9 @@
 """Where a long prompt's prefill time goes on Qwen3-Omni's thinker: a developer's tool for the lent H200
 (random weights at true size, like omni-bench). Times the whole eager prefill of an N-token prompt through
-the library's layers (device time, CUDA events), with runtime/prompt_ops.py's experts and norms, its experts alone,
-and the library's modules, lists its top kernels (torch.profiler), then one MoE block alone (the router and
-the experts) both ways, and which experts implementation the library chose.
+the library's layers (device time, CUDA events), with runtime/prompt_ops.py's experts, norms and rotary
+embedding, without the rotary embedding, its experts alone, and the library's modules, lists its top
+kernels (torch.profiler), then the talker's prompt of as many rows (everything on), one MoE block alone
+(the router and the experts) both ways, and which experts implementation the library chose.
 Prints one JSON report: `python scripts/prefill_profile.py [--preset NAME] [--tokens 2500] [--device cuda]
 [--quantize int4|fp8]`
 (the tiny preset on the CPU checks that it runs: `--preset tiny-qwen3 --tokens 200 --device cpu`).
@@ -61,14 +62,28 @@ def main() -> None:
         # runtime/prompt_ops.py's routed experts (the engine's default), with its fused norms too (off by
         # default until measured), beside the library's modules
         outs = {}
-        for tag, experts, norms in (("_library", False, False), ("", True, False), ("_norms_too", True, True)):
-            prompt_ops.EXPERTS, prompt_ops.NORMS = experts, norms
+        for tag, experts, norms, rope in (("_library", False, False, False), ("", True, False, False),
+                                          ("_norms_too", True, True, False), ("_rope_too", True, True, True)):
+            prompt_ops.EXPERTS, prompt_ops.NORMS, prompt_ops.ROPE = experts, norms, rope
             report[f"prefill_ms{tag}"] = timed_ms(prefill, 3, dev)
             outs[tag] = prefill()[0].float()
             if dev.type == "cuda":  # the kernels' device times (torch.profiler's CUDA events)
                 report[f"prefill_kernels{tag}"] = kernels(prefill, top=25)
         report["experts_vs_library_max_abs"] = (outs[""] - outs["_library"]).abs().max().item()
         report["norms_too_vs_library_max_abs"] = (outs["_norms_too"] - outs["_library"]).abs().max().item()
+        report["rope_too_vs_norms_too_max_abs"] = (outs["_rope_too"] - outs["_norms_too"]).abs().max().item()
+        # the talker's prompt of as many rows, everything on (the engine's default)
+        tk = steps.talker
+        rows = torch.randn(1, args.tokens, tk.model.layers[0].self_attn.q_proj.in_features, device=dev,
+                           dtype=dtype) * 0.5
+
+        def talker_prefill():
+            tk.cache.reset()
+            return forward_layers_keeping(tk.model, rows, tk.cache, None)
+
+        report["talker_prefill_ms"] = timed_ms(talker_prefill, 3, dev)
+        if dev.type == "cuda":
+            report["talker_prefill_kernels"] = kernels(talker_prefill, top=25)
         report["library_max_abs"] = outs["_library"].abs().max().item()
         layer = th.model.layers[0]
         x = torch.randn(1, args.tokens, embeds.shape[-1], device=dev, dtype=dtype) * 0.5

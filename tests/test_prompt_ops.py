@@ -1,6 +1,7 @@
-"""runtime/prompt_ops.py and runtime/moe_kernels.py on a CPU, the kernels through Triton's interpreter: the
-glue kernels against the library's torch ops, `routed` against the library's experts module, and the
-engine's stacks taking our experts and norms inside their forwards and only there. On a GPU,
+"""runtime/prompt_ops.py, runtime/moe_kernels.py and runtime/rope_kernel.py on a CPU, the kernels through
+Triton's interpreter: the glue kernels and the rotary embedding against the library's torch ops, `routed`
+against the library's experts module, and the engine's stacks taking our experts, norms and rotary
+embedding inside their forwards and only there. On a GPU,
 tests/test_gpu.py runs them in bfloat16 against the library."""
 
 from __future__ import annotations
@@ -37,6 +38,29 @@ def test_the_glue_kernels_are_the_librarys_ops(kernels):
     assert ulps(kernels.weighted_sum(y, w), want) > 8  # the rows really are looked up
     with pytest.raises(ValueError, match="one row per pick"):
         kernels.weighted_sum(y[:-1], w)
+
+
+def test_the_rope_kernel_is_the_librarys_rotary_embedding():
+    """q and k as the library's attention hands them over (transposed views of [B, L, H, D]), rotated as
+    its `apply_rotary_pos_emb` rotates them: the same values in half precision and float32."""
+    from transformers.models.qwen3_omni_moe import modeling_qwen3_omni_moe as m
+
+    rope = kernel_module("omni_cli.runtime.rope_kernel").rope
+    library = getattr(m.apply_rotary_pos_emb, "_omni_library", m.apply_rotary_pos_emb)
+    torch.manual_seed(4)
+    B, L, H, Hk, D = 2, 5, 20, 3, 16  # 20 heads: over one block of 16, with an edge
+    for dt in (DT, torch.float32):
+        q = (torch.randn(B, L, H, D) * 4).to(dt).transpose(1, 2)
+        k = (torch.randn(B, L, Hk, D) * 4).to(dt).transpose(1, 2)
+        angle = torch.randn(B, L, D // 2).repeat(1, 1, 2) * 3
+        cos, sin = angle.cos().to(dt), angle.sin().to(dt)
+        want_q, want_k = library(q, k, cos, sin)
+        got_q, got_k = rope(q, cos, sin), rope(k, cos, sin)
+        assert got_q.shape == q.shape and got_k.shape == k.shape
+        assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k), dt
+        assert not torch.equal(rope(q, cos, -sin), want_q)  # the rotation's direction matters
+    with pytest.raises(ValueError, match="do not fit"):
+        rope(q, cos[:, :-1], sin)
 
 
 def _experts(E=6, H=48, I=40, seed=1):
@@ -104,30 +128,48 @@ def test_the_stacks_take_ours_inside_their_forwards_only(kernels, monkeypatch):
         with torch.no_grad():
             return forward_layers(stack, embeds, cache)
 
+    rope_kernel = kernel_module("omni_cli.runtime.rope_kernel")
+    rope_calls = []
+    real_rope = rope_kernel.rope
+
+    def rope_spy(x, cos, sin):
+        rope_calls.append(x.shape[1])
+        return real_rope(x, cos, sin)
+
     monkeypatch.setattr(prompt_ops, "routed", routed_spy)
     monkeypatch.setattr(prompt_ops, "rms_norm", norm_spy)
+    monkeypatch.setattr(rope_kernel, "rope", rope_spy)
     monkeypatch.setattr(prompt_ops, "_routed_runs_here", lambda hidden, weight: True)  # this CPU, float16
     monkeypatch.setattr(prompt_ops, "_norm_runs_here", lambda hidden: True)
+    monkeypatch.setattr(prompt_ops, "_rope_runs_here", lambda q, k, cos, sin: prompt_ops.ROPE)
+    monkeypatch.setattr(prompt_ops, "ROPE", False)
     library = run(False)
-    assert experts_calls == [] and norm_calls == []
+    assert experts_calls == [] and norm_calls == [] and rope_calls == []
+    monkeypatch.setattr(prompt_ops, "ROPE", True)
     ours = run(True)
     layers = config.num_hidden_layers
     assert experts_calls == [6] * layers
+    assert rope_calls == [config.num_attention_heads, config.num_key_value_heads] * layers  # q and k
     head = config.hidden_size // config.num_attention_heads if getattr(config, "head_dim", None) is None else config.head_dim
     assert sorted(set(norm_calls)) == sorted({config.hidden_size, head})  # layer norms, per-head q and k norms
     assert len(norm_calls) == 4 * layers
     assert ulps(ours, library) <= 8
     experts_calls.clear()
     norm_calls.clear()
+    rope_calls.clear()
     run(True, n=1)  # one row: the library's experts
-    assert experts_calls == [] and len(norm_calls) == 4 * layers
+    assert experts_calls == [] and len(norm_calls) == 4 * layers and len(rope_calls) == 2 * layers
     norm_calls.clear()
+    rope_calls.clear()
     experts = stack.layers[0].mlp.experts
     with torch.no_grad():  # outside the engine's forwards: the library's modules
         experts(torch.randn(4, config.hidden_size, dtype=DT), torch.zeros(4, 2, dtype=torch.long),
                 torch.ones(4, 2, dtype=DT))
         stack.layers[0].input_layernorm(torch.randn(4, config.hidden_size, dtype=DT))
-    assert experts_calls == [] and norm_calls == []
+        modeling = __import__(type(stack.layers[0].self_attn).__module__, fromlist=["_"])
+        x, angle = torch.randn(1, 2, 3, 8, dtype=DT), torch.randn(1, 3, 8, dtype=DT)
+        modeling.apply_rotary_pos_emb(x, x, angle.cos(), angle.sin())
+    assert experts_calls == [] and norm_calls == [] and rope_calls == []
     assert "forward" in vars(experts) and copy.deepcopy(experts).forward.__self__ is not experts
 
 

@@ -33,6 +33,8 @@ interleaved expert layouts, norms other than the Qwen RMSNorm (left to the libra
 from __future__ import annotations
 
 import contextlib
+import inspect
+import sys
 import threading
 import types
 
@@ -43,6 +45,7 @@ from .fused import kernels_wanted, rms_norm
 
 EXPERTS = True  # the routed experts
 NORMS = True  # the fused RMSNorm (module docstring: measured on an H100)
+ROPE = True  # the rotary embedding in one launch (runtime/rope_kernel.py)
 
 _here = threading.local()  # .depth: how many `inside` blocks the calling thread is in
 
@@ -96,7 +99,39 @@ def install(layers) -> None:
             module.forward = types.MethodType(_experts_forward, module)
         elif _library_norm(module):
             module.forward = types.MethodType(_norm_forward, module)
+        if hasattr(module, "q_proj"):
+            _dispatch_rope(sys.modules.get(type(module).__module__))
     layers._omni_prompt_ops = True
+
+
+def _dispatch_rope(modeling) -> None:
+    """The attention of a modeling module calls its module's `apply_rotary_pos_emb(q, k, cos, sin,
+    unsqueeze_dim=1)` (Qwen3-Omni's layers; Qwen2.5-Omni's call a multimodal form with sections, left
+    alone): that name, once, becomes a function that takes `rope_kernel.rope` inside the engine's forwards
+    where it can run and the library's function everywhere else, with the same arguments."""
+    library = getattr(modeling, "apply_rotary_pos_emb", None)
+    if library is None or getattr(library, "_omni_library", None) is not None or not _plain_rope(library):
+        return
+
+    def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+        if ROPE and unsqueeze_dim == 1 and _inside() and _rope_runs_here(q, k, cos, sin):
+            from . import rope_kernel  # needs triton: `kernels_wanted` found it
+            return rope_kernel.rope(q, cos, sin), rope_kernel.rope(k, cos, sin)
+        return library(q, k, cos, sin, unsqueeze_dim)
+
+    apply_rotary_pos_emb._omni_library = library
+    apply_rotary_pos_emb.__doc__ = library.__doc__
+    modeling.apply_rotary_pos_emb = apply_rotary_pos_emb
+
+
+def _plain_rope(fn) -> bool:
+    """The library's plain form: (q, k, cos, sin, unsqueeze_dim=1), cos and sin already per position. From
+    5.2x the name holds a module made of the function (`use_kernel_forward_from_hub`): its forward's."""
+    try:
+        params = list(inspect.signature(fn.forward if isinstance(fn, torch.nn.Module) else fn).parameters)
+    except (TypeError, ValueError):
+        return False
+    return params == ["q", "k", "cos", "sin", "unsqueeze_dim"]
 
 
 def _library_experts(module) -> bool:
@@ -131,6 +166,16 @@ def _norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
     if NORMS and _inside() and _norm_runs_here(hidden_states):
         return rms_norm(hidden_states, self.weight, self.variance_epsilon)
     return type(self).forward(self, hidden_states)
+
+
+def _rope_runs_here(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """Where `rope_kernel.rope` can run: a CUDA device with the decode kernels (`fused.kernels_wanted`), q
+    and k [B, H, L, D] with the last dimension contiguous, cos and sin [B, L, D], one dtype."""
+    if q.dim() != 4 or k.dim() != 4 or q.stride(-1) != 1 or k.stride(-1) != 1:
+        return False
+    B, _, L, D = q.shape
+    return (cos.shape == sin.shape == (B, L, D) and k.shape[0] == B and k.shape[2:] == (L, D)
+            and q.dtype == k.dtype == cos.dtype == sin.dtype and q.is_cuda and kernels_wanted(q.device))
 
 
 def _norm_runs_here(hidden: torch.Tensor) -> bool:
