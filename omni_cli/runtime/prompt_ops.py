@@ -61,7 +61,9 @@ def routed(gate_up: torch.Tensor, down: torch.Tensor, hidden: torch.Tensor, top_
     E = gate_up.shape[0]
     k = top_k_index.shape[1]
     flat = top_k_index.reshape(-1)
-    order = torch.argsort(flat, stable=True)  # the picks in expert order
+    # the picks in expert order; one-byte keys where they fit: a radix sort of one pass, not the int64 ids'
+    # eight (an H100, a 2,500-token prompt: 384 sort launches of 2.2 ms a prefill)
+    order = torch.argsort(flat.to(torch.uint8 if E <= 256 else torch.int32), stable=True)
     ends = torch.zeros(E, dtype=torch.int32, device=flat.device).scatter_add_(
         0, flat, torch.ones_like(flat, dtype=torch.int32)).cumsum(0, dtype=torch.int32)
     rows = hidden.index_select(0, order // k)  # [P, H], each pick's token row, in expert order
@@ -119,7 +121,7 @@ def _dispatch_rope(modeling) -> None:
             return rope_kernel.rope(q, cos, sin), rope_kernel.rope(k, cos, sin)
         return library(q, k, cos, sin, unsqueeze_dim)
 
-    apply_rotary_pos_emb._omni_library = library
+    setattr(apply_rotary_pos_emb, "_omni_library", library)  # the library's, for the tests and a second install
     apply_rotary_pos_emb.__doc__ = library.__doc__
     modeling.apply_rotary_pos_emb = apply_rotary_pos_emb
 
