@@ -693,7 +693,9 @@ def _moe_plan(ids: torch.Tensor, E: int, block_m: int) -> tuple[torch.Tensor, to
     tile_end = tiles.cumsum(0)
     tile_expert = torch.searchsorted(tile_end, torch.arange(T, device=dev), right=True)
     tile_expert = torch.where(tile_expert < E, tile_expert, -1).to(torch.int32)
-    order = torch.argsort(flat, stable=True)  # the picks in expert order (stable: an expert's in pick order)
+    # the picks in expert order (stable: an expert's in pick order), one-byte keys where they fit: one
+    # radix pass, not the int64 ids' eight (prompt_ops.routed sorts so too)
+    order = torch.argsort(flat.to(torch.uint8 if E <= 256 else torch.int32), stable=True)
     by_expert = flat[order]
     rank = torch.arange(P, device=dev) - (counts.cumsum(0) - counts)[by_expert]  # a pick's place in its run
     slots = torch.full((T * block_m,), P, dtype=torch.int32, device=dev)
