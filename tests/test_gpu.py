@@ -788,8 +788,9 @@ def _noted(seen: list, what, out):
 
 def test_qwen3_long_prompt_replays_a_graph_captured_between_turns():
     """A prompt over the warm-up's buckets (512 rows) runs eagerly once and makes its length wanted; the
-    capture between turns (with nothing kept) makes its graph, which the next such prompt replays: the
-    same rows and cache as the eager prefill, within bfloat16's rounding of other row counts."""
+    capture between turns makes its graph (not over a thinker's kept context; over the talker's kept rows,
+    which it puts back exactly), which the next such prompt replays: the same rows and cache as the eager
+    prefill, within bfloat16's rounding of other row counts."""
     import omni_cli
 
     model = omni_cli.load("assets/tiny-qwen3-omni", device="cuda", dtype="bfloat16")
@@ -804,8 +805,9 @@ def test_qwen3_long_prompt_replays_a_graph_captured_between_turns():
         assert graphs.wanted_long == {1024} and 1024 not in graphs.graphs
         graphs.wanted_rests = set()
         graphs.capture_rests(kept=True)
-        assert 1024 not in graphs.graphs  # a kept context is never written over
-        assert graphs.capture_rests(kept=False) == 1 and 1024 in graphs.graphs
+        assert 1024 not in graphs.graphs  # a thinker's kept context is not copied aside for it
+        assert graphs.capture_rests(kept=True, long_over_kept=True) == 1 and 1024 in graphs.graphs
+        assert cache.length == 700 and all(torch.equal(a, b[:, :, :700]) for a, b in zip(rows, cache.keys + cache.values))
         graphed = graphs(prompt)
     assert cache.length == 700
     worst = max(_relative(b, a) for a, b in zip(eager, graphed))

@@ -192,3 +192,51 @@ def test_a_rest_replays_the_smallest_captured_graph_that_holds_it():
     assert graphs.rest_graph(captured, sizes, 20, 460, 4096) == (256, "256 wide")  # 460 + 64 > 512
     assert graphs.rest_graph(captured, sizes, 20, 900, 4096) is None  # 900 + 256 wants a 2,048 span
     assert graphs.rest_graph(captured, sizes, 65, 300, 520) is None  # the context ends before 300 + 256
+
+
+def test_the_talker_captures_long_prompts_around_its_kept_rows_and_the_thinker_not():
+    """`capture_prompts`: the talker keeping rows has its long prompts captured too (around a copy of the
+    rows); a thinker with a kept context only its rests; with nothing kept, both their long prompts."""
+    from types import SimpleNamespace
+
+    from omni_cli.runtime.kv_cache import StaticKVCache
+
+    class Recorder:
+        def __init__(self):
+            self.calls = []
+
+        def capture_rests(self, kept, long_over_kept=False):
+            self.calls.append((kept, long_over_kept))
+            return 0
+
+    def stacks(kept_ids, talker_rows):
+        cache = StaticKVCache(1, 1, 4, 16, device="cpu", dtype=torch.float32)
+        cache.length = 10
+        rows = SimpleNamespace(shared=lambda: talker_rows, clear=lambda: None)
+        thinker = SimpleNamespace(prefill_graphs=Recorder(), context=SimpleNamespace(ids=kept_ids))
+        return thinker, SimpleNamespace(prefill_graphs=Recorder(), cache=cache, rows=rows)
+
+    thinker, talker = stacks([1, 2, 3], 6)
+    graphs.capture_prompts(thinker, talker)
+    assert thinker.prefill_graphs.calls == [(True, False)] and talker.prefill_graphs.calls == [(True, True)]
+    assert talker.cache.length == 6  # cut back to the rows it keeps
+    thinker, talker = stacks([], 0)
+    graphs.capture_prompts(thinker, talker)
+    assert thinker.prefill_graphs.calls == [(False, False)] and talker.prefill_graphs.calls == [(False, False)]
+
+
+def test_a_caches_first_rows_copied_aside_come_back_exactly():
+    from omni_cli.runtime.kv_cache import StaticKVCache
+
+    cache = StaticKVCache(2, 2, 4, 16, device="cpu", dtype=torch.float32)
+    for t in cache.keys + cache.values:
+        t.normal_()
+    cache.length = 5
+    before = [t.clone() for t in cache.keys + cache.values]
+    saved = cache.copy_first(5)
+    for t in cache.keys + cache.values:
+        t.zero_()  # what a capture's warm-up forwards do to them
+    cache.length = 0
+    cache.restore_first(saved)
+    assert cache.length == 5
+    assert all(torch.equal(a[:, :, :5], b[:, :, :5]) for a, b in zip(before, cache.keys + cache.values))

@@ -252,11 +252,12 @@ def capture_ahead(*stacks) -> int:
 
 def capture_prompts(thinker, talker) -> int:
     """Between turns: the prompt graphs (`PrefillGraphs.capture_rests`) the next turn wants, for the
-    thinker (its rests over the kept context) and the talker, if given: its rests after the rows it keeps
-    (runtime/context.py `TalkerRows`: the cache cut back to them, the most the next prompt keeps; the rows
-    of its own and the reply's are made again anyway), or, with none kept, its prompts from an empty cache
-    (whose captures write from the first row). Each stack has `prefill_graphs` (or None) and `cache`; the
-    thinker a `context`, the talker `rows`. Returns the graphs made."""
+    thinker (its rests over the kept context, or with none kept its long prompts from an empty cache) and
+    the talker, if given: its rests after the rows it keeps (runtime/context.py `TalkerRows`: the cache cut
+    back to them, the most the next prompt keeps; the rows of its own and the reply's are made again
+    anyway), and its long prompts from an empty cache, around a copy of those rows. Each stack has
+    `prefill_graphs` (or None) and `cache`; the thinker a `context`, the talker `rows`. Returns the graphs
+    made."""
     made = 0
     with torch.inference_mode():
         if thinker.prefill_graphs is not None:
@@ -266,7 +267,7 @@ def capture_prompts(thinker, talker) -> int:
             rows = talker.rows.shared()
             if rows and rows <= talker.cache.length:
                 talker.cache.keep_first(rows)
-                made += talker.prefill_graphs.capture_rests(kept=True)
+                made += talker.prefill_graphs.capture_rests(kept=True, long_over_kept=True)
             else:
                 talker.rows.clear()
                 made += talker.prefill_graphs.capture_rests(kept=False)
@@ -361,9 +362,9 @@ class PrefillGraphs:
     and the rests' spans grow with a conversation: they are captured between turns (`capture_rests`, the
     engine's capture ahead) for the lengths wanted: `SUFFIX_FIRST` from the start, any other once a
     prompt of its length has run (that once in a larger bucket's graph where one is captured, else
-    eagerly), and the length a growing prompt reaches next. A
-    long prompt's graph writes the cache from its first row, so it is captured only where nothing is
-    kept (the talker's cache; the thinker's before a new conversation). The rests read their keys
+    eagerly), and the length a growing prompt reaches next. A long prompt's capture writes the cache from
+    its first row: it is made where nothing is kept, or around a copy of the talker's kept rows
+    (`capture_rests`). The rests read their keys
     through a mask (memory-efficient attention), which costs more than the causal kernel of a prompt
     from an empty cache: a long prompt is not run as a rest after nothing.
     """
@@ -434,13 +435,15 @@ class PrefillGraphs:
         self.cache.advance(n)
         return hidden[:, :n], (None if kept is None else kept[:, :n])
 
-    def capture_rests(self, kept: bool) -> int:
-        """Between turns: the graphs the next turn wants. `kept`: the cache holds a context to keep (the
-        thinker's, its length now being what the next turn keeps at most): the wanted rests over it, for
-        the span the next turn needs, each capture writing only past that length (rows the next prefill
-        writes anyway). Else (the talker's cache, never kept; a thinker keeping nothing) the wanted long
-        prompts from an empty cache, whose captures write from the first row, and the length a growing
-        one (a conversation's talker prompt) reaches next. Returns the graphs made."""
+    def capture_rests(self, kept: bool, long_over_kept: bool = False) -> int:
+        """Between turns: the graphs the next turn wants. `kept`: the cache holds a context to keep (its
+        length now being what the next turn keeps at most): the wanted rests over it, for the span the next
+        turn needs, each capture writing only past that length (rows the next prefill writes anyway). Then
+        the wanted long prompts from an empty cache and the length a growing one reaches next
+        (`_capture_long`): where nothing is kept, or (`long_over_kept`: the talker, whose kept rows are a
+        few tens of MB) around a copy of the kept rows. A thinker's kept context is a conversation's whole
+        cache (an H100's 2,500-token Qwen3-Omni prompt: 245 MB), and its long prompts are compute-bound
+        (eager 57 ms against 53 ms of kernels): it is not copied for them. Returns the graphs made."""
         length, made = self.cache.length, 0
         if kept:
             for size in sorted(self.wanted_rests):
@@ -449,15 +452,29 @@ class PrefillGraphs:
                     self.start.fill_(length)
                     self.rest_graphs[key] = self._capture(size, span=key[1])  # leaves the length as it was
                     made += 1
+        if kept and not long_over_kept:
             return made
+        return made + self._capture_long(length if kept else 0)
+
+    def _capture_long(self, keep: int) -> int:
+        """The wanted prompts over `buckets` from an empty cache. Their captures' warm-up forwards write the
+        cache from the first row, so the `keep` rows a context holds are copied aside and put back (the
+        talker's cache keeps its rows between turns, and a 2,500-row talker prompt ran eagerly on every
+        fresh prompt: an H100, 21 ms against 13 ms of kernels). With nothing kept the cache is left empty."""
         long = set(self.wanted_long)
         if self.last_long:
             long.add(next((b for b in self.sizes if b >= self.last_long + LONG_STEP // 2), self.sizes[-1]))
-        for size in sorted(long - set(self.graphs)):
-            self.graphs[size] = self._capture(size)
-            made += 1
-        self.cache.reset()
-        return made
+        todo = sorted(long - set(self.graphs))
+        saved = self.cache.copy_first(keep) if keep and todo else None
+        try:
+            for size in todo:
+                self.graphs[size] = self._capture(size)
+        finally:
+            if saved is not None:
+                self.cache.restore_first(saved)
+            elif not keep:
+                self.cache.reset()
+        return len(todo)
 
     def capture_all(self) -> None:
         """Capture every bucket (the engine's warm-up, nothing else on the GPU; the cache is left empty)."""

@@ -47,6 +47,17 @@ class StaticKVCache:
             raise ValueError(f"cannot keep {n} of {self.length} cached positions")
         self.length = n
 
+    def copy_first(self, n: int) -> list[torch.Tensor]:
+        """A copy of the first `n` positions of every layer's keys and values (for `restore_first`)."""
+        return [t[:, :, :n].clone() for t in self.keys + self.values]
+
+    def restore_first(self, saved: list[torch.Tensor]) -> None:
+        """Put back what `copy_first` copied: those positions, and the length, are the cache's again."""
+        n = saved[0].shape[2]
+        for t, s in zip(self.keys + self.values, saved):
+            t[:, :, :n].copy_(s)
+        self.length = n
+
     def room(self) -> int:
         return self.max_len - self.length
 
