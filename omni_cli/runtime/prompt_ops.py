@@ -1,6 +1,7 @@
 """What the engine's forwards of a prompt (runtime/decoder.py: prefills, a kept conversation's rests, their
-CUDA graphs) run in place of two of the library's modules on a GPU: a MoE layer's routed experts, and the
-RMSNorm. The decode steps have their own (runtime/fused.py); these are the same ideas for many rows.
+CUDA graphs) run in place of three of the library's pieces on a GPU: a MoE layer's routed experts, the
+RMSNorm, and the rotary embedding. The decode steps have their own (runtime/fused.py); these are the same
+ideas for many rows.
 
 - **Routed experts** (`routed`): transformers' "grouped_mm" experts (the default on a GPU) sort the picks
   by expert, gather their rows, run two grouped products (torch's grouped_mm), and between and after them
@@ -16,18 +17,24 @@ RMSNorm. The decode steps have their own (runtime/fused.py); these are the same 
   prompt's thinker prefill from 80.7 to 65.1 ms of device time (74.4 to 61.2 ms of kernels, 4,631 to
   3,287 launches); 60 tokens, 15.7 to 13.0 ms of kernels.
 
+- **Rotary embedding**: the library's q * cos + rotate_half(q) * sin is five kernels for q and
+  five for k; runtime/rope_kernel.py is one launch each, with the library's roundings (the same values).
+  On that H100 prompt, 65.0 to 56.8 ms of device time. The attention calls its modeling module's
+  `apply_rotary_pos_emb`, so that name is what `install` wraps (once per module, for every caller).
+
 `install(layers)` gives a stack's library modules of those kinds a forward that takes ours while the calling
 thread is `inside` (decoder.py runs every stack of the engine there) and the call can run it (a CUDA
 tensor; the experts also want bfloat16, more than one row, triton and torch's grouped_mm), else the
 library's own forward. `fused.FusedDecoder` installs them on its stack where the policy has the kernels on
 (`RuntimeOptions.kernels`: `--no-kernels` / OMNI_NO_KERNELS=1 leave a prompt to the library's modules
 too). transformers' `generate` on the same model (the tests' reference) runs outside, so it keeps the
-library's modules. `EXPERTS` / `NORMS` turn either on or off for a process (scripts/prefill_profile.py's
-comparisons).
+library's modules. `EXPERTS` / `NORMS` / `ROPE` turn each on or off for a process
+(scripts/prefill_profile.py's comparisons).
 
 What it does not know: the routing (the library's router runs before the experts), a shared expert (the
 sparse block adds it), packed banks (quant/experts.py has grouped kernels of its own), biased, transposed or
-interleaved expert layouts, norms other than the Qwen RMSNorm (left to the library).
+interleaved expert layouts, norms other than the Qwen RMSNorm, Qwen2.5-Omni's multimodal rotary form (cos
+and sin cut in sections inside it): those are left to the library.
 """
 
 from __future__ import annotations
