@@ -484,7 +484,11 @@ def test_routed_experts_are_the_librarys_in_bfloat16(rows):
 
 def test_the_rope_kernel_is_the_librarys_in_bfloat16():
     """runtime/rope_kernel.py at Qwen3-Omni's thinker widths (32 query heads, 4 key heads, 128 wide), a
-    2,500-row prompt, bfloat16, q and k as the attention hands them over: the library's values exactly."""
+    2,500-row prompt, bfloat16, q and k as the attention hands them over, against the library's: through
+    Triton's interpreter the same values; compiled for an H100 not all of them (the first run of this test
+    there failed on exact equality), so here each value is within one rounding of each of the two products
+    and of the result (bfloat16's eps times |x cos| + |rotate_half(x) sin| + |result|), and the share
+    equal is printed."""
     from transformers.models.qwen3_omni_moe import modeling_qwen3_omni_moe as m
 
     from omni_cli.runtime.rope_kernel import rope
@@ -496,8 +500,18 @@ def test_the_rope_kernel_is_the_librarys_in_bfloat16():
         k = (torch.randn(1, 2500, 4, 128) * 3).to(torch.bfloat16).transpose(1, 2)
         angle = torch.arange(2500).view(1, -1, 1) * torch.rand(1, 1, 64).repeat(1, 1, 2)
         cos, sin = angle.cos().to(torch.bfloat16), angle.sin().to(torch.bfloat16)
-    want_q, want_k = library(q, k, cos, sin)
-    assert torch.equal(rope(q, cos, sin), want_q) and torch.equal(rope(k, cos, sin), want_k)
+    eps = torch.finfo(torch.bfloat16).eps
+    for x, want in zip((q, k), library(q, k, cos, sin)):
+        got = rope(x, cos, sin).float()
+        c, s_ = cos.float().unsqueeze(1), sin.float().unsqueeze(1)
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1).float()
+        bound = eps * ((x.float() * c).abs() + (rotated * s_).abs() + want.float().abs())
+        worst = ((got - want.float()).abs() / bound.clamp(min=1e-30)).max().item()
+        print(f"rope vs the library: {(got == want.float()).float().mean().item():.6f} equal, worst "
+              f"{worst:.3f} of the bound")
+        assert ((got - want.float()).abs() <= bound).all()
+        assert not torch.equal(got, x.float())  # rotated
 
 
 def _stream_code2wav(code2wav, fr, sizes):

@@ -18,7 +18,8 @@ ideas for many rows.
   3,287 launches); 60 tokens, 15.7 to 13.0 ms of kernels.
 
 - **Rotary embedding**: the library's q * cos + rotate_half(q) * sin is five kernels for q and
-  five for k; runtime/rope_kernel.py is one launch each, with the library's roundings (the same values).
+  five for k; runtime/rope_kernel.py is one launch each, written with the library's roundings (the same
+  values through Triton's interpreter; on an H100 not all equal, the last bits: rope_kernel.py).
   On that H100 prompt, 65.0 to 56.8 ms of device time. The attention calls its modeling module's
   `apply_rotary_pos_emb`, so that name is what `install` wraps (once per module, for every caller).
 
