@@ -59,8 +59,8 @@ def main() -> None:
             th.cache.reset()
             return forward_layers_keeping(th.model, embeds, th.cache, th.accept_layer)
 
-        # runtime/prompt_ops.py's routed experts (the engine's default), with its fused norms too (off by
-        # default until measured), beside the library's modules
+        # the library's modules; runtime/prompt_ops.py's routed experts; with its fused norms too; with its
+        # rotary embedding too (the engine's default)
         outs = {}
         for tag, experts, norms, rope in (("_library", False, False, False), ("", True, False, False),
                                           ("_norms_too", True, True, False), ("_rope_too", True, True, True)):
