@@ -34,8 +34,8 @@ library's modules. `EXPERTS` / `NORMS` / `ROPE` turn each on or off for a proces
 
 What it does not know: the routing (the library's router runs before the experts), a shared expert (the
 sparse block adds it), packed banks (quant/experts.py has grouped kernels of its own), biased, transposed or
-interleaved expert layouts, norms other than the Qwen RMSNorm, Qwen2.5-Omni's multimodal rotary form (cos
-and sin cut in sections inside it): those are left to the library.
+interleaved expert layouts, norms other than the Qwen RMSNorm, rotary forms other than the plain one (cos
+and sin cut in sections inside it, as older library versions did): those are left to the library.
 """
 
 from __future__ import annotations
@@ -116,9 +116,10 @@ def install(layers) -> None:
 
 def _dispatch_rope(modeling) -> None:
     """The attention of a modeling module calls its module's `apply_rotary_pos_emb(q, k, cos, sin,
-    unsqueeze_dim=1)` (Qwen3-Omni's layers; Qwen2.5-Omni's call a multimodal form with sections, left
-    alone): that name, once, becomes a function that takes `rope_kernel.rope` inside the engine's forwards
-    where it can run and the library's function everywhere else, with the same arguments."""
+    unsqueeze_dim=1)` (both families' thinker and talker layers in transformers 5.17 and 5.25: their
+    M-RoPE sections are merged into cos and sin before the layers): that name, once, becomes a function
+    that takes `rope_kernel.rope` inside the engine's forwards where it can run and the library's function
+    everywhere else (Qwen2.5-Omni's DiT calls it too, on the vocoder's thread), with the same arguments."""
     library = getattr(modeling, "apply_rotary_pos_emb", None)
     if library is None or getattr(library, "_omni_library", None) is not None or not _plain_rope(library):
         return
