@@ -63,6 +63,39 @@ def test_the_rope_kernel_is_the_librarys_rotary_embedding():
         rope(q, cos[:, :-1], sin)
 
 
+_PTX = """
+import triton
+from triton.backends.compiler import GPUTarget
+from omni_cli.runtime import rope_kernel as rk
+sig = dict.fromkeys(["x_ptr", "cos_ptr", "sin_ptr", "out_ptr"], "*bf16")
+sig.update(dict.fromkeys(["H", "L", "sxb", "sxh", "sxl"], "i32"), HALF="constexpr", BLOCK_H="constexpr",
+           BLOCK_D="constexpr")
+src = triton.compiler.ASTSource(fn=rk._rope_kernel, signature=sig, constexprs={"HALF": 64, "BLOCK_H": 16,
+                                                                               "BLOCK_D": 64})
+print(triton.compile(src, target=GPUTarget("cuda", 90, 32), options=rk.LAUNCH).asm["ptx"])
+"""
+
+
+def test_the_rope_kernel_compiled_for_an_h100_rounds_each_product_and_sum():
+    """The rotary kernel compiled for an H100 (sm_90: Triton's backend and its ptxas, no GPU needed), at
+    Qwen3-Omni's head width, with the options it is launched with: each product and each sum one rounded
+    bfloat16 operation, as torch's element-wise ops round them. With Triton's default fp fusion a product
+    went into the sum as one fused multiply-add (fma.rn.bf16), and on an H100 the kernel gave values the
+    library's ops do not (the twenty-second pass)."""
+    import os
+    import subprocess
+    import sys
+
+    kernel_module("omni_cli.runtime.rope_kernel")  # skips (fails in CI) without triton
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compiled, not interpreted
+    out = subprocess.run([sys.executable, "-c", _PTX], capture_output=True, text=True, env=env, timeout=300)
+    if out.returncode and os.environ.get("OMNI_CI", "") in ("", "0"):
+        pytest.skip(f"Triton cannot compile for sm_90 here: {out.stderr.strip()[-200:]}")
+    assert out.returncode == 0, out.stderr[-2000:]
+    ptx = out.stdout
+    assert "mul.rn.bf16" in ptx and "fma." not in ptx, [line for line in ptx.splitlines() if "fma." in line][:4]
+
+
 def _experts(E=6, H=48, I=40, seed=1):
     """The library's Qwen3-Omni experts module, small, random, in DT."""
     from transformers.models.qwen3_omni_moe import modeling_qwen3_omni_moe as m

@@ -7,13 +7,14 @@ Qwen3-Omni, a 2,500-token prompt: ~8.6 ms of the thinker prefill's ~61 ms of ker
   are transposed views), cos and sin [B, L, D] -> x * cos + rotate_half(x) * sin, [B, H, L, D] laid out as
   [B, L, H, D] in memory (the layout of the transposed view the library's element-wise ops keep).
 
-Rounding is written as the library's in bfloat16 and float16: each product rounded to the dtype, then their
-sum rounded (in float32 the same arithmetic). Through Triton's interpreter (the CPU tests) that gives the
-library's values exactly; compiled for an H100 some values differ from the library's (an exact-equality
-test failed there, twenty-second pass; why is not known yet. The suspect is the compiler contracting a
-product and the sum into one fused multiply-add across the casts: the launch now turns that off
-(`enable_fp_fusion=False`), written after the last GPU call, not yet run there). tests/test_gpu.py bounds
-the difference by one rounding of each term.
+Rounding is the library's in bfloat16 and float16: each product rounded to the dtype, then their sum
+rounded (in float32 the same arithmetic). Through Triton's interpreter (the CPU tests) that gives the
+library's values exactly. Compiled for an H100 with Triton's default options it did not (an exact-equality
+test failed there, twenty-second pass): the compiler turned the float32 arithmetic and its casts into
+bfloat16 instructions and fused a product into the sum (`fma.rn.bf16`). `LAUNCH` turns fusion off; the
+compiled code then has one rounded bfloat16 product and one rounded sum each, as torch's ops (read on
+this CPU by tests/test_prompt_ops.py; not yet run on a GPU: tests/test_gpu.py bounds the difference by
+one rounding of each term and prints the share equal).
 Arithmetic is written in float32 with explicit casts (Triton's CPU interpreter computes half-precision
 products wrongly). It knows nothing of models
 or of how cos and sin were made (Qwen3-Omni's interleaved M-RoPE makes them before the layers); importing it
@@ -25,6 +26,12 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+# No product fused into a sum: with Triton's default, compiled for an H100, a product and the sum became one
+# fused multiply-add (fma.rn.bf16, one rounding where torch's ops make two), and the values differed from
+# the library's. Without it each is one rounded bfloat16 operation, as torch's (tests/test_prompt_ops.py
+# reads the compiled code).
+LAUNCH = {"enable_fp_fusion": False}
 
 
 @triton.jit
@@ -65,5 +72,5 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         block_h = min(triton.next_power_of_2(H), 16)
         _rope_kernel[(B * L, triton.cdiv(H, block_h))](
             x, cos, sin, out, H, L, x.stride(0), x.stride(1), x.stride(2), HALF=D // 2, BLOCK_H=block_h,
-            BLOCK_D=triton.next_power_of_2(D // 2), enable_fp_fusion=False)  # no product fused into the sum
+            BLOCK_D=triton.next_power_of_2(D // 2), **LAUNCH)
     return out.transpose(1, 2)
