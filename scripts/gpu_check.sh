@@ -24,6 +24,9 @@
 #   long3      Qwen3-Omni, a 2,500-token prompt, plain graphs ($OUT/qwen3-2500.json)
 #   long25     Qwen2.5-Omni-7B, a 2,500-token prompt, plain graphs ($OUT/qwen25-2500.json)
 #   moe        tests/test_gpu.py's prompt ops (runtime/prompt_ops.py) and the tests whose prompts take them
+#   rope       tests/test_gpu.py's rotary kernel against the library's (prints the share of values equal)
+#   first      a true-size random 7B folder in /tmp/q7, then scripts/first_replies.py on it with the
+#              warm-up as it was (text only) and as it is (with a clip) ($OUT/first-replies-*.txt)
 #   vision     tests/test_gpu.py's vision tower in host memory until the first image (runtime/vision_place.py)
 #   vbring     the true-size vision towers moved to the GPU as a first image moves them (scripts/vision_bring.py)
 #   packed     tests/test_gpu.py's packed-weight tests (int4 and FP8 steps = transformers on the dequantized weights)
@@ -112,6 +115,13 @@ for step in "${@:-bench tests}"; do
       moe) timeout 400 python3 -m pytest tests/test_gpu.py -q -s -p no:cacheprovider -o addopts="" \
                -k "routed_experts or qwen3_loop_runs or qwen3_long_prompt or qwen3_tiny or packed or suffix_graph or replays_its_rests or prompt_graph" 2>&1 \
                | grep -v DEBUG > "$out/test_gpu_moe.log"; tail -3 "$out/test_gpu_moe.log"; grep -E "^E " "$out/test_gpu_moe.log" | head ;;
+      rope) timeout 120 python3 -m pytest tests/test_gpu.py -q -s -p no:cacheprovider -o addopts="" -k rope_kernel 2>&1 \
+               | grep -E "rope vs|passed|failed|^E " | head -8 ;;
+      first) timeout 100 python3 scripts/make_random_checkpoint.py /tmp/q7 --preset qwen2.5-omni-7b --device cuda --force \
+               > /dev/null 2>&1; echo "folder rc=$?"
+             for w in text clip; do [ $w = text ] && a=--text-warm-up || a=""
+               timeout 90 python3 scripts/first_replies.py /tmp/q7 $a 2>&1 | grep -E "#[12]:|Error" > "$out/first-replies-$w.txt"
+               echo "first_replies ($w warm-up)"; cat "$out/first-replies-$w.txt"; done ;;
       vision) timeout 300 python3 -m pytest tests/test_gpu.py -q -s -p no:cacheprovider -o addopts="" -k vision_tower 2>&1 \
                | grep -v DEBUG > "$out/test_gpu_vision.log"; tail -3 "$out/test_gpu_vision.log"; grep -E "^E " "$out/test_gpu_vision.log" | head ;;
       vbring) for p in qwen2.5-omni-7b qwen3-omni-30b-a3b; do timeout 120 python3 scripts/vision_bring.py --preset $p; done \
