@@ -98,7 +98,7 @@ class RuntimeOptions:
     # (`from_env`) turns it off.
     compile: bool = False
     # runtime/kernels.py's one-launch matrix-vector products for the small projections (CUDA with triton,
-    # uncompiled steps), and a prompt's routed experts and fused norms (runtime/prompt_ops.py);
+    # uncompiled steps), and a prompt's routed experts, fused norms and rotary embedding (runtime/prompt_ops.py);
     # OMNI_NO_KERNELS=1 (`from_env`) turns them off.
     kernels: bool = True
     # kernels.attend, the one-launch attention block of a one-token step (where the kernels may run);

@@ -175,8 +175,8 @@ LocalOpt = Annotated[bool, typer.Option(
 
 
 KernelsOpt = Annotated[bool, typer.Option(
-    "--kernels/--no-kernels", help="Our fused kernels on a GPU (the decode steps, a prompt's experts; a no-op "
-    "on CPU); --no-kernels: the library's ops, as does OMNI_NO_KERNELS=1.")]
+    "--kernels/--no-kernels", help="Our fused kernels on a GPU (the decode steps; a prompt's experts, norms and "
+    "rotary embedding; a no-op on CPU); --no-kernels: the library's ops, as does OMNI_NO_KERNELS=1.")]
 AttentionKernelOpt = Annotated[bool, typer.Option(
     "--attention-kernel/--no-attention-kernel", help="One launch for each decode step's attention on a GPU "
     "(Qwen3-Omni; a no-op elsewhere); --no-attention-kernel: the library's attention, as does OMNI_NO_ATTEND=1.")]

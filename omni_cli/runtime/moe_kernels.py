@@ -7,6 +7,8 @@ prompt: ~0.9 ms a layer beside 0.56 ms of grouped products; ~0.2 ms with these a
 - `silu_mul(h)`: rows h [P, 2I] = [gate | up] -> SiLU(gate) * up [P, I].
 - `weighted_sum(y, weights, rows=None)`: out[t] = sum_j weights[t, j] * y[rows[t*k + j]] ([T, H], y [P, H],
   weights [T, k]; rows None: y in pick order, row t*k + j).
+- `expert_order(ids, num_experts)`: the picks sorted by expert (torch's stable sort, no kernel of ours),
+  which both prompt_ops.routed and quant_kernels' packed plan start from.
 
 Rounding is the library's: SiLU rounded to the activations' dtype before the product with up; each pick's
 weighted row rounded to that dtype, the k of a token summed in float32 in pick order and rounded once.
@@ -62,6 +64,13 @@ def silu_mul(h: torch.Tensor) -> torch.Tensor:
     if P:
         _silu_mul_kernel[(P, triton.cdiv(I, BLOCK))](h, out, I, BLOCK=BLOCK)
     return out
+
+
+def expert_order(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """The flat picks `ids` [P] (expert ids) in expert order, an expert's own in pick order (a stable sort).
+    Sorted as one-byte keys where the experts number 256 or fewer: a radix sort of one pass, not the int64
+    ids' eight (an H100, a 2,500-token Qwen3-Omni prompt: 384 sort launches, 2.2 ms); the same order."""
+    return torch.argsort(ids.to(torch.uint8 if num_experts <= 256 else torch.int32), stable=True)
 
 
 def weighted_sum(y: torch.Tensor, weights: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:

@@ -64,6 +64,7 @@ import triton
 import triton.language as tl
 
 from .kernels import GATE, NONE, NORM, rms_rstd, store_rows, prologue_input
+from .moe_kernels import expert_order
 
 MAGIC: tl.constexpr = tl.constexpr(8388608.0)  # 2**23: a float32 whose mantissa's low bits are an integer
 MAGIC_BITS: tl.constexpr = tl.constexpr(0x4B000000)  # its bits
@@ -693,9 +694,7 @@ def _moe_plan(ids: torch.Tensor, E: int, block_m: int) -> tuple[torch.Tensor, to
     tile_end = tiles.cumsum(0)
     tile_expert = torch.searchsorted(tile_end, torch.arange(T, device=dev), right=True)
     tile_expert = torch.where(tile_expert < E, tile_expert, -1).to(torch.int32)
-    # the picks in expert order (stable: an expert's in pick order), one-byte keys where they fit: one
-    # radix pass, not the int64 ids' eight (prompt_ops.routed sorts so too)
-    order = torch.argsort(flat.to(torch.uint8 if E <= 256 else torch.int32), stable=True)
+    order = expert_order(flat, E)  # the picks in expert order (stable: an expert's in pick order)
     by_expert = flat[order]
     rank = torch.arange(P, device=dev) - (counts.cumsum(0) - counts)[by_expert]  # a pick's place in its run
     slots = torch.full((T * block_m,), P, dtype=torch.int32, device=dev)
