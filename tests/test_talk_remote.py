@@ -584,8 +584,11 @@ def test_with_headphones_nothing_is_gated_and_the_servers_vad_barges_in(headphon
     try:
         repl, _out, _err, sinks, _sd = make_repl(speed=1.0)
         mode = talk(repl, server, listener=room_listener(voice, quiet), echo="off" if headphones else "webrtc")
-        run_until(mode, lambda: bool(server.vad_heard) or mode.listener.track_done.is_set() and len(
-            appended(server)) >= round(at_ms(mode.listener.track_from + voice.shape[0]) * RATE / 1000), timeout=6.0)
+        # The server's VAD hearing it is not yet the reply cut here (its speech_started still on the way):
+        # wait for the cut too, or a loaded machine leaves talk mode first and the reply is cut by "leaving".
+        run_until(mode, lambda: bool(server.vad_heard) and bool(mode.replies) and mode.replies[0].cut
+                  or mode.listener.track_done.is_set() and len(appended(server))
+                  >= round(at_ms(mode.listener.track_from + voice.shape[0]) * RATE / 1000), timeout=6.0)
         assert mode.listener.barge_ins == []  # no judge of this side's cut anything
         track = sent_between(server, at_ms(mode.listener.track_from), at_ms(mode.listener.track_from + voice.shape[0]))
         if headphones:
