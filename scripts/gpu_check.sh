@@ -44,7 +44,9 @@
 #              scripts/realtime_latency.py ($OUT/realtime-*.json), then omni-chat --talk --server in the
 #              file-backed room (measure_talk.py room; PortAudio from .gpu_libs/ if the machine lacks it; the
 #              listener's inputs in $OUT/listener-*.flac/.json, for scripts/listener_record.py replay)
-# SUFFIX=-x names long3's and q3*'s outputs apart (an A/B on one machine: OMNI_NO_KERNELS=1 SUFFIX=-nokernels).
+# SUFFIX=-x names long3's and q3*'s outputs apart (an A/B on one machine: OMNI_NO_KERNELS=1 SUFFIX=-nokernels);
+# WITH="pkg.module.NAME=VALUE" runs their omni-bench with that constant changed (scripts/with_setting.py), e.g.
+# WITH=omni_cli.models.qwen3_omni.code2wav.FIRST_CHUNK=4 SUFFIX=-first4.
 # Each step has its own time limit so a call stays under the 600 s it may take; omni-bench prints a
 # progress line per phase on stderr, so a step cut short still shows how far it got.
 #   usage: bash scripts/gpu_check.sh [STEP ...]
@@ -53,6 +55,8 @@ out=${OUT:-/tmp/omni-gpu-check}
 mkdir -p "$out"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 bench="python3 -m omni_cli.faces.bench --preset qwen2.5-omni-7b --runs 2 --json"
+omni_bench="python3 -m omni_cli.faces.bench"
+[ -n "${WITH:-}" ] && omni_bench="python3 scripts/with_setting.py $WITH -- omni_cli.faces.bench"
 served() {  # served PRESET MAX_CODES TAG [DEVICE [ROOM_ONLY]]: serve it, time /v1/realtime and talk mode against it
   python3 scripts/serve_preset.py "$1" --port 8484 --max-codes "$2" --device "${4:-cuda}" > "$out/serve-$3.out" 2> "$out/serve-$3.err" &
   local pid=$!
@@ -106,9 +110,10 @@ for step in "${@:-bench tests}"; do
              case $s in pprof60) a="--tokens 60" ;; pprofq) a="--tokens 2500 --quantize int4" ;; *) a="--tokens 60 --quantize int4" ;; esac
              (cd scripts && timeout 300 python3 prefill_profile.py $a) > "$out/prefill-profile-$s.json" 2> "$out/prefill-profile-$s.err"
              echo "$s rc=$?"; cut -c1-3000 "$out/prefill-profile-$s.json"; tail -3 "$out/prefill-profile-$s.err" ;;
-      long3) timeout 420 python3 -m omni_cli.faces.bench --preset qwen3-omni-30b-a3b --runs 3 --prompt-tokens 2500 \
+      long3) timeout 420 $omni_bench --preset qwen3-omni-30b-a3b --runs 3 --prompt-tokens 2500 \
                --text-tokens 64 --frames 188 --json --no-compile > "$out/qwen3-2500${SUFFIX:-}.json" 2> "$out/qwen3-2500${SUFFIX:-}.err"
-             echo "long3 rc=$?"; grep '^\[omni-bench' "$out/qwen3-2500${SUFFIX:-}.err" | tail -4 ;;
+             echo "long3 rc=$?"; grep '^\[omni-bench' "$out/qwen3-2500${SUFFIX:-}.err" | tail -4
+             python3 scripts/bench_fields.py "$out/qwen3-2500${SUFFIX:-}.json" ;;
       long25) timeout 420 python3 -m omni_cli.faces.bench --preset qwen2.5-omni-7b --runs 3 --prompt-tokens 2500 \
                --no-compile --json > "$out/qwen25-2500.json" 2> "$out/qwen25-2500.err"
              echo "long25 rc=$?"; grep '^\[omni-bench' "$out/qwen25-2500.err" | tail -4 ;;
@@ -138,9 +143,10 @@ for step in "${@:-bench tests}"; do
              case $s in q3*) p=qwen3-omni-30b-a3b; unit="--frames 188" ;; q25-3b*) p=qwen2.5-omni-3b; unit="--codes 250" ;;
                *) p=qwen2.5-omni-7b; unit="--codes 250" ;; esac
              q=${s#q3}; q=${q#q25}; q=${q#-3b-}; [ "$q" = bf16 ] && qflag="" || qflag="--quantize $q"
-             timeout 400 python3 -m omni_cli.faces.bench --preset $p --runs 2 --prompt-tokens 60 --text-tokens 64 $unit \
+             timeout 400 $omni_bench --preset $p --runs 2 --prompt-tokens 60 --text-tokens 64 $unit \
                --json --no-compile $qflag > "$out/q-$p-$q${SUFFIX:-}.json" 2> "$out/q-$p-$q${SUFFIX:-}.err"
-             echo "$s rc=$?"; grep '^\[omni-bench' "$out/q-$p-$q${SUFFIX:-}.err" | tail -4 ;;
+             echo "$s rc=$?"; grep '^\[omni-bench' "$out/q-$p-$q${SUFFIX:-}.err" | tail -4
+             python3 scripts/bench_fields.py "$out/q-$p-$q${SUFFIX:-}.json" ;;
       vdtype) timeout 200 python3 scripts/vocoder_dtype.py --codes 250 > "$out/vocoder-dtype.json" 2> "$out/vocoder-dtype.err"
              echo "vdtype rc=$?"; cat "$out/vocoder-dtype.json"; tail -2 "$out/vocoder-dtype.err" ;;
       rt25) served qwen2.5-omni-7b 250 qwen25 ;;

@@ -532,7 +532,7 @@ def test_qwen3_first_chunk_graph_equals_eager_stream(size, request):
     behind for the next utterance), and the stream with the graph still equals the whole decode."""
     import qwen3_reference as ref
 
-    from omni_cli.models.qwen3_omni.code2wav import FirstChunkGraph
+    from omni_cli.models.qwen3_omni.code2wav import FIRST_CHUNK, FirstChunkGraph
 
     # cuDNN's default TF32 convolutions round the whole decode itself by ~3e-3 (code2wav.py's docstring)
     torch.backends.cudnn.allow_tf32 = False
@@ -544,7 +544,7 @@ def test_qwen3_first_chunk_graph_equals_eager_stream(size, request):
     utterances = [rng.integers(0, 2048, size=(n, 16)) for n in (4, 60, 3, 90)]
     patterns = ([1], [4], [3, 1, 7, 2, 11], [10**6])
     eager = [_stream_code2wav(code2wav, fr, p)[0] for fr in utterances for p in patterns]
-    assert FirstChunkGraph.capture(code2wav, 4) is not None
+    assert FirstChunkGraph.capture(code2wav, FIRST_CHUNK) is not None
     try:
         for _round in range(2):
             graphed = [_stream_code2wav(code2wav, fr, p)[0] for fr in utterances for p in patterns]

@@ -217,6 +217,7 @@ def _reply(engine, subject: _Subject, prompt_ids, text_tokens, codes, device, i:
         "vocoder_first_chunk_ms": s.get("vocoder_first_chunk_ms"),
         "vocoder_s_per_audio_s": s.get("vocoder_s_per_audio_s"),
         "sink_block_interval_ms": sink.ms_per_chunk(),
+        "audio_min_lead_ms": sink.min_lead_ms(),  # < 0: a speaker started at the first block runs dry
         "real_time_factor": wall / s["audio_seconds"],
         "total_s": wall,
         "audio_s": s["audio_seconds"],
@@ -231,16 +232,31 @@ def _reply(engine, subject: _Subject, prompt_ids, text_tokens, codes, device, i:
 
 
 class _TimedSink:
-    """A null sink that notes when each block arrives (the vocoder's chunk cadence)."""
+    """A null sink that notes when each block arrives (the vocoder's chunk cadence) and how far ahead of
+    its play-out it came, for a speaker that starts at the first block."""
 
     def __init__(self) -> None:
         self.times: list[float] = []
+        self.starts: list[int] = []  # the sample each block starts at
+        self.rate, self.samples = 24000, 0
 
     def start(self, sample_rate):
         self.times.clear()
+        self.starts.clear()
+        self.rate, self.samples = sample_rate, 0
 
     def write(self, block):
         self.times.append(time.perf_counter())
+        self.starts.append(self.samples)
+        self.samples += len(block)
+
+    def min_lead_ms(self):
+        """The least time a block came before a speaker started at the first block would need it
+        (negative: it would have run dry that long); None for one block."""
+        if len(self.times) < 2:
+            return None
+        t0 = self.times[0]
+        return 1000 * min(t0 + s / self.rate - t for t, s in zip(self.times[1:], self.starts[1:]))
 
     def close(self):
         pass
@@ -284,6 +300,7 @@ ROWS = [
     ("vocoder ms/chunk (steady chunk)", "vocoder_ms_per_chunk", "{:.1f}"),
     ("vocoder s per s of audio", "vocoder_s_per_audio_s", "{:.3f}"),
     ("real-time factor", "real_time_factor", "{:.3f}"),
+    ("least lead of a block on play-out (ms)", "audio_min_lead_ms", "{:.0f}"),
     ("total (s)", "total_s", "{:.2f}"),
     ("audio (s)", "audio_s", "{:.2f}"),
     ("peak GPU memory (GiB)", "peak_gib", "{:.1f}"),

@@ -49,6 +49,9 @@ from transformers.cache_utils import DynamicCache
 from ...runtime import compat
 from ...runtime.decoder import no_cudnn_attention
 
+# Frames in an utterance's first chunk: the first sound waits for them (each a talker frame).
+FIRST_CHUNK = 2
+
 
 def decoded_lag(config) -> int:
     """Samples the whole decode falls short of 1920 * F: one input step per transposed conv with look-ahead."""
@@ -76,19 +79,21 @@ class StreamingCode2Wav:
     """Chunked code2wav over one utterance; `push` frames, get back PCM blocks that are final."""
 
     def __init__(
-        self, code2wav, *, max_frames: int, first_chunk: int = 4, chunk: int = 25, left_context: int = 25,
-        graphs: bool = True,
+        self, code2wav, *, max_frames: int, first_chunk: int | None = None, chunk: int = 25,
+        left_context: int = 25, graphs: bool = True,
     ) -> None:
         """
         code2wav: a `Qwen3OmniMoeCode2Wav` (put in eval mode here), on any device and dtype.
         max_frames: the longest utterance, in frames; more is a ValueError.
-        first_chunk, chunk: frames decoded by the first call, and the most by any later one (sizes double).
+        first_chunk, chunk: frames decoded by the first call (default `FIRST_CHUNK`), and the most by any
+            later one (sizes double).
         left_context: frames of hidden states before a chunk that its convolutions see: `conv_reach`
             (10) makes the stream equal the whole decode, more only costs; 25 is the serving framework's
             figure. At least 1: the samples held back at the last seam lie in the last chunk's last frame.
         graphs: replay the first chunk's CUDA graph where the warm-up captured one (the steps' policy says:
             `policy.graphs_on`); False: every chunk eager.
         """
+        first_chunk = FIRST_CHUNK if first_chunk is None else first_chunk
         if min(first_chunk, chunk, left_context, max_frames) < 1:
             raise ValueError("max_frames, first_chunk, chunk and left_context must be positive")
         self.model = code2wav.eval()
@@ -239,7 +244,7 @@ class FirstChunkGraph:
         torch.cuda.current_stream(self.device).wait_stream(side)
 
     @classmethod
-    def capture(cls, code2wav, frames: int = 4) -> "FirstChunkGraph | None":
+    def capture(cls, code2wav, frames: int) -> "FirstChunkGraph | None":
         """Capture the graph for `code2wav`'s first chunks of `frames` frames; on failure warn and keep
         the eager path (the audio is only later without it, so a capture problem must not stop a reply)."""
         try:
