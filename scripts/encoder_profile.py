@@ -4,7 +4,8 @@ weights, bfloat16, the library's own encoder and SDPA) on a clip of S seconds, t
 Issue 31 measured 60-180 ms of encoder time a turn for one 5 s clip on an H200 (Qwen3-Omni and
 Qwen2.5-Omni-7B alike) where the arithmetic is a few milliseconds. This prints, as JSON lines: the
 wall time of a call (median of 10, synchronised), the same with cuDNN off and with the window indices
-made on the host (`compat.audio_plan`, checked equal), and the profile of that last call: its top host
+made on the host (`compat.audio_plan`, checked equal), as a CUDA graph (runtime/audio_graphs.py: time,
+error against the library's call, the warm-up's capture time), and the profile of the library's call: its top host
 and device ops and its synchronising calls. It builds the audio tower only, not the thinker.
 
     python scripts/encoder_profile.py qwen3-omni-30b-a3b [--seconds 5]
@@ -91,6 +92,23 @@ def main() -> None:
     torch.backends.cudnn.enabled = True
     out["call_ms_planned"] = _timed(lambda: call(True))  # compat.audio_plan: the indices made on the host
     out["planned_equal"] = bool(torch.equal(call(), call(True)))
+    # The tower as a CUDA graph for this clip's chunk count (runtime/audio_graphs.py), its host work included
+    from omni_cli.runtime import audio_graphs
+
+    t = time.perf_counter()
+    graphs = audio_graphs.TowerGraphs.install(tower) if args.device == "cuda" else None
+    out["graphs_install_s"] = time.perf_counter() - t
+    out["graphs"] = len(graphs.by_chunks) if graphs else 0
+
+    def replayed():
+        with torch.inference_mode():
+            replay = audio_graphs.replay_call(tower, features, host_mask)
+            return replay() if replay else None
+
+    if replayed() is not None:
+        out["call_ms_graph"] = _timed(replayed)
+        lib = call(True).float()
+        out["graph_rel_err"] = ((replayed().float() - lib).abs().max() / lib.abs().max()).item()
     print(json.dumps(out), flush=True)
 
     from torch.profiler import ProfilerActivity, profile

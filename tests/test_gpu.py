@@ -853,6 +853,9 @@ def test_the_audio_encoder_runs_without_cudnn_attention(asset, monkeypatch):
         return encoding
 
     monkeypatch.setattr(compat, "audio_encoder", spied)
+    from omni_cli.runtime import audio_graphs
+
+    monkeypatch.setattr(audio_graphs, "ENABLED", False)  # the library's call, not the warm-up's graphs
     before = torch.backends.cuda.cudnn_sdp_enabled()
     model.say("Listen.", audio=[AudioClip(tone(0.9, 16_000, 500.0, 7), 16_000)], greedy=True, max_text_tokens=2,
               max_codes=4)
@@ -887,6 +890,113 @@ def test_the_audio_encoder_reads_nothing_back_from_the_device(asset):
         finally:
             torch.cuda.set_sync_debug_mode("default")
     assert torch.equal(ours, library)
+
+
+def _audio_tower(family: str, size: str, dtype):
+    """The audio tower alone: the tiny asset's or at the preset's true size (random weights)."""
+    if family == "qwen3":
+        from transformers.models.qwen3_omni_moe import modeling_qwen3_omni_moe as m
+
+        from omni_cli.models.qwen3_omni import presets
+        encoder, preset, asset = m.Qwen3OmniMoeAudioEncoder, "qwen3-omni-30b-a3b", "assets/tiny-qwen3-omni"
+    else:
+        from transformers.models.qwen2_5_omni import modeling_qwen2_5_omni as m
+
+        from omni_cli.models.qwen2_5_omni import presets
+        encoder, preset, asset = m.Qwen2_5OmniAudioEncoder, "qwen2.5-omni-7b", "assets/tiny-qwen2.5-omni"
+    if size == "true":
+        config = presets.build_config(preset).thinker_config.audio_config
+    else:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(asset).thinker_config.audio_config
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        return encoder(config).to(dtype).eval()
+
+
+@pytest.mark.parametrize("family", ["qwen2.5", "qwen3"])
+@pytest.mark.parametrize("size", ["tiny", "true"])
+def test_the_audio_tower_as_graphs_equals_the_librarys_call(family, size):
+    """runtime/audio_graphs.py: the tower replayed from its graph per chunk count gives the library's
+    output for clips of many lengths (one and several clips, a partial last chunk, more than one attention
+    window), twice over, without a host sync; a bucket with no graph says None and is captured between
+    turns. float32 within 1e-5 of the values' scale, bfloat16 within its rounding."""
+    import numpy as np
+
+    from omni_cli.runtime import audio_graphs, compat
+
+    dtype = torch.float32 if size == "tiny" else torch.bfloat16
+    tower = _audio_tower(family, size, dtype)
+    assert audio_graphs.TowerGraphs.install(tower, upto=6) is not None
+    rng = np.random.default_rng(0)
+    cases = [[57], [100], [130, 357, 41], [500], [1000, 20]]  # 1000 frames: past one 800-frame window
+    worst = 0.0
+    for frames in cases * 2:
+        features = torch.tensor(rng.standard_normal((len(frames), 128, max(frames))), dtype=dtype).cuda()
+        mask = torch.zeros(len(frames), max(frames), dtype=torch.long)
+        for i, n in enumerate(frames):
+            mask[i, :n] = 1
+        chunks = sum(-(-n // (2 * tower.n_window)) for n in frames)
+        with torch.inference_mode():
+            library = compat.audio_encoder(_AsThinker(tower), features, mask, torch.device("cuda"))()
+            call = audio_graphs.replay_call(tower, features, mask)
+            if chunks > 6:
+                assert call is None and chunks in audio_graphs.TowerGraphs.of(tower).wanted
+                assert audio_graphs.TowerGraphs.of(tower).capture_wanted() == 1
+                call = audio_graphs.replay_call(tower, features, mask)
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                ours = call()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        assert ours.shape == library.shape
+        worst = max(worst, ((ours.float() - library.float()).abs().max() / library.float().abs().max()).item())
+    print(f"audio tower graphs vs library ({family}, {size}): {worst:.2e} of the largest value")
+    assert worst <= (1e-5 if dtype == torch.float32 else 2e-2), worst
+
+
+class _AsThinker(torch.nn.Module):
+    """A thinker stand-in holding `tower` where `compat.audio_tower` looks for it."""
+
+    def __init__(self, tower) -> None:
+        super().__init__()
+        self.audio_tower = tower
+
+    def get_audio_features(self, *args, **kwargs):
+        raise AssertionError("compat.audio_encoder should call the tower directly")
+
+
+@pytest.mark.parametrize("asset", ["assets/tiny-qwen2.5-omni", "assets/tiny-qwen3-omni"])
+def test_a_spoken_reply_with_the_audio_tower_graphs_is_the_one_without(asset, monkeypatch):
+    """The engine's warm-up captures the tower's graphs and a spoken turn replays one: greedy text and codes
+    equal those of the same turn with the library's call (float32)."""
+    import omni_cli
+    from omni_cli.media import AudioClip
+    from omni_cli.runtime import audio_graphs
+    from test_media_input import tone
+
+    model = omni_cli.load(asset, device="cuda", dtype="float32")
+    graphs = audio_graphs.TowerGraphs.of(compat_tower(model))
+    assert graphs is not None and sorted(graphs.by_chunks) == list(range(1, audio_graphs.WARM_CHUNKS + 1))
+    replays = []
+    monkeypatch.setattr(audio_graphs.TowerGraph, "__call__",
+                        lambda self, layout, call=audio_graphs.TowerGraph.__call__: replays.append(1) or call(self, layout))
+    clip = AudioClip(tone(3.3, 16_000, 500.0, 7), 16_000)
+    replies = []
+    for enabled in (True, False):
+        monkeypatch.setattr(audio_graphs, "ENABLED", enabled)
+        r = model.say("Listen.", audio=[clip], greedy=True, max_text_tokens=6, max_codes=40)
+        replies.append((r.text_ids, r.codes))
+    assert replays == [1] and replies[0] == replies[1]
+
+
+def compat_tower(model):
+    from omni_cli.runtime import compat
+
+    return compat.audio_tower(model.loaded.model.thinker)
 
 
 @pytest.mark.parametrize("asset", ["assets/tiny-qwen2.5-omni", "assets/tiny-qwen3-omni"])

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from ...config import RuntimeOptions
+from ...runtime import audio_graphs
 from ...runtime.context import context_figures
 from ...runtime.engine import enable_fast_steps
 from ...runtime.graphs import Policy
@@ -118,6 +119,7 @@ class Qwen25Steps:
         thinker = self.thinker.fused.graphs if self.thinker.fused is not None else None
         talker = (self.talker.graphs if self.has_talker and self.talker.fused is not None else None)
         made = capture_ahead((thinker, self.thinker.cache), (talker, self.talker.cache if talker else None))
+        made += audio_graphs.capture_wanted(self.thinker.module)  # clips longer than the warm-up's buckets
         return made + capture_prompts(self.thinker, self.talker if self.has_talker else None)
 
     def warmup(self) -> dict | None:
@@ -131,6 +133,8 @@ class Qwen25Steps:
 
         how = "compile and capture" if self.compile else "capture"
         phases = [(f"{how} the thinker's steps", self.thinker.capture_graphs)]
+        if self.policy.graphs_on:  # the audio tower per number of feature chunks (runtime/audio_graphs.py)
+            phases.append(("capture the audio tower", lambda: audio_graphs.install(self.thinker.module)))
         if self.has_talker:
             phases += [(f"{how} the talker's steps", self.talker.capture_graphs),
                        (f"{how} the vocoder's windows", self.warmup_vocoder)]

@@ -1,0 +1,252 @@
+"""The thinker's audio tower replayed as a CUDA graph, one graph per number of feature chunks.
+
+A spoken turn's clip goes through the audio tower before the prefill can be issued. The tower is small
+work for a GPU (a 5 s clip: 32 layers over a few dozen to a few hundred rows) but about 500 kernels issued
+one by one from the library's Python layers: 15-22 ms of a turn on an H100, most of the time between a
+turn's start and its prefill. A graph issues them at once.
+
+A graph has fixed shapes, and a clip's shapes follow its length. So the inputs are padded to a bucket: the
+clips' feature chunks (the tower's own split: `n_window * 2` frames, the last of a clip shorter), B of
+them, laid out as [B, mel, chunk frames] with zero chunks after the real ones; the token rows the layers
+run on, B times the rows one chunk gives, the real ones first; the window boundaries (`cu_seqlens`) with
+one more window for the padding rows. The layers' attention runs within windows, so padding rows never
+reach a real one: here the windows are a mask made on the device from `cu_seqlens` (`windowed_attention`,
+registered under a name with "flash" in it, which makes the library's layers hand it `cu_seqlens`
+instead of splitting the windows by values read on the host). What the library's call computes and what
+a replay computes are the same sums over the same rows; the rounding may differ where a kernel is chosen
+for another shape (tests/test_audio_graphs.py bounds it on the CPU, tests/test_gpu.py on the GPU).
+
+Graphs are captured by the engine's warm-up for clips up to `WARM_CHUNKS` chunks and, for a longer clip,
+in the pause after the turn that first needed one (`capture_wanted`); that turn runs the tower eagerly.
+All of a tower's graphs share one memory pool (a replay's output is copied out at once).
+
+It knows the two families' towers only through the library's functions their modules define (the same
+`compat.audio_plan` uses); a tower whose module lacks them keeps the library's call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+
+import torch
+import torch.nn.functional as F
+
+ENABLED = True  # False: the library's call always (an A/B on a GPU: scripts/with_setting.py)
+ATTENTION = "omni_flash_windows"  # "flash" in the name: the layers pass cu_seqlens, not host splits
+WARM_CHUNKS = 12  # Qwen3-Omni: 12 s of audio, Qwen2.5-Omni: 24 s (chunks of 100 / 200 frames of 10 ms)
+
+
+def windowed_attention(module, query, key, value, attention_mask=None, scaling=None, dropout=0.0,
+                       cu_seq_lens_q=None, **_kwargs):
+    """Attention within the windows `cu_seq_lens_q` bounds ([1, H, T, D] each; an attention interface's
+    signature): every row's window found on the device, so nothing is read back and the shapes are fixed."""
+    rows = torch.arange(query.shape[2], device=query.device, dtype=cu_seq_lens_q.dtype)
+    window = torch.searchsorted(cu_seq_lens_q[1:].contiguous(), rows, right=True)
+    mask = window[:, None] == window[None, :]
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _register() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION, windowed_attention)
+
+
+@contextlib.contextmanager
+def _windowed(tower):
+    """The tower's layers on `windowed_attention` for the duration (its config is theirs)."""
+    _register()
+    config = tower.config
+    before = config._attn_implementation
+    config._attn_implementation = ATTENTION
+    try:
+        yield
+    finally:
+        config._attn_implementation = before
+
+
+class Layout:
+    """A call's inputs laid out for a bucket of `chunks` chunks, on the host (but the features): what the
+    graph's buffers take, and how many output rows are real."""
+
+    def __init__(self, tower, features: torch.Tensor, lengths: torch.Tensor) -> None:
+        """features: [mel, frames] of the clips end to end (on the device); lengths: their frame counts (host)."""
+        lib = sys.modules[type(tower).__module__]
+        self.qwen3 = hasattr(tower, "n_window_infer")
+        size = 2 * tower.n_window  # frames a chunk
+        padded, chunks = lib.chunk_and_pad_features(features, lengths, tower.n_window)
+        self.chunks = len(chunks)
+        self.padded = F.pad(padded, (0, size - padded.shape[-1]))  # every chunk `size` frames wide
+        self.chunk_lengths = chunks
+        full = torch.cat([chunks, torch.tensor([size])])  # a full chunk sets the grid's row stride
+        if self.qwen3:
+            valid = lib.get_valid_indices(full, tower.n_window)
+            cu = lib.get_audio_cu_seqlens(chunks, lengths, tower.n_window_infer, tower.n_window)
+        else:
+            valid = lib.get_valid_indices(full)
+            cu = lib.get_audio_cu_seqlens(chunks)
+        self.rows = int(cu[-1])  # the real rows: the full chunk's come after them
+        self.valid = valid[: self.rows]
+        self.cu = cu
+        self.pool = lib.get_pool_indices(lengths) if not self.qwen3 else None
+        self.out_rows = len(self.pool) if self.pool is not None else self.rows
+        self.per_chunk = len(valid) - self.rows  # rows a full chunk gives
+
+
+class TowerGraph:
+    """One bucket's graph: static inputs, the captured tower call, its output buffer. `graphed=False`
+    keeps the same buffers and runs the call each time (the CPU's tests of the layout)."""
+
+    def __init__(self, tower, chunks: int, graphed: bool = True, pool=None, stream=None) -> None:
+        from .graphs import capture_anywhere
+
+        lib = sys.modules[type(tower).__module__]
+        param = next(tower.parameters())
+        dev, self.qwen3 = param.device, hasattr(tower, "n_window_infer")
+        size = 2 * tower.n_window
+        full = torch.tensor([size])
+        per_chunk = len(lib.get_valid_indices(full, tower.n_window) if self.qwen3 else lib.get_valid_indices(full))
+        self.tower, self.chunks, self.rows = tower, chunks, chunks * per_chunk
+        self.padded = torch.zeros(chunks, tower.config.num_mel_bins, size, device=dev, dtype=param.dtype)
+        self.chunk_lengths = torch.zeros(chunks, dtype=torch.long, device=dev)
+        self.valid = torch.zeros(self.rows, dtype=torch.long, device=dev)
+        self.cu = torch.full((chunks + 2,), self.rows, dtype=torch.int32, device=dev)  # one window: a valid call
+        self.pool = None if self.qwen3 else torch.zeros(self.rows // 2, dtype=torch.long, device=dev)
+        self.graph = None
+        if not graphed:
+            return
+        stream.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(stream):
+            self._call()  # warm-up: kernels chosen and workspaces made outside the capture
+        torch.cuda.current_stream(dev).wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with capture_anywhere(self.graph, pool, stream):
+            self.out = self._call()
+        torch.cuda.current_stream(dev).wait_stream(stream)
+
+    def _call(self) -> torch.Tensor:
+        kwargs = dict(feature_lens=None, padded_feature=self.padded, chunk_lengths=self.chunk_lengths,
+                      valid_indices=self.valid, cu_seqlens=self.cu, max_seqlen=self.rows)
+        if self.pool is not None:
+            kwargs["pool_indices"] = self.pool
+        with _windowed(self.tower):
+            return self.tower(self.padded, return_dict=True, **kwargs).last_hidden_state
+
+    def __call__(self, layout: Layout) -> torch.Tensor:
+        """Fill the buffers from `layout` (padding rows: copies of row 0, in a window of their own), run."""
+        n, pin = layout.chunks, self.padded.device.type == "cuda"
+        self.padded[:n].copy_(layout.padded)
+        self.padded[n:].zero_()
+        self.chunk_lengths.copy_(_host_pad(layout.chunk_lengths, self.chunks, 0, pin), non_blocking=pin)
+        self.valid.copy_(_host_pad(layout.valid, self.rows, 0, pin), non_blocking=pin)
+        cu = torch.cat([layout.cu.to(torch.int32), torch.tensor([self.rows], dtype=torch.int32)])
+        self.cu.copy_(_host_pad(cu, self.chunks + 2, self.rows, pin), non_blocking=pin)
+        if self.pool is not None:
+            self.pool.copy_(_host_pad(layout.pool, self.rows // 2, 0, pin), non_blocking=pin)
+        if self.graph is None:
+            out = self._call()
+        else:
+            self.graph.replay()
+            out = self.out
+        return out[: layout.out_rows].clone()
+
+
+def _host_pad(values: torch.Tensor, size: int, fill: int, pin: bool) -> torch.Tensor:
+    """`values` (host) extended with `fill` to `size`; pinned for a CUDA copy that does not wait."""
+    out = torch.full((size,), fill, dtype=values.dtype)
+    out[: len(values)] = values
+    return out.pin_memory() if pin else out
+
+
+class TowerGraphs:
+    """A tower's graphs by bucket (chunk count), kept on the tower module: `run` replays or says None."""
+
+    def __init__(self, tower) -> None:
+        from .graphs import capture_stream
+
+        self.tower = tower
+        self.device = next(tower.parameters()).device
+        self.by_chunks: dict[int, TowerGraph] = {}
+        self.wanted: set[int] = set()
+        self.pool = torch.cuda.graph_pool_handle()
+        self.stream = capture_stream(self.device)
+        self.failed = False
+
+    @staticmethod
+    def of(tower) -> "TowerGraphs | None":
+        return getattr(tower, "_omni_audio_graphs", None)
+
+    @classmethod
+    def install(cls, tower, upto: int = WARM_CHUNKS) -> "TowerGraphs | None":
+        """Capture buckets 1..`upto` for `tower` and keep them on it (the engine's warm-up, CUDA, graphs on);
+        on failure warn and keep the library's call (later audio, never a failed reply)."""
+        lib = sys.modules[type(tower).__module__]
+        if not all(hasattr(lib, n) for n in ("chunk_and_pad_features", "get_valid_indices", "get_audio_cu_seqlens")):
+            return None
+        graphs = cls(tower)
+        tower._omni_audio_graphs = graphs
+        for chunks in range(1, upto + 1):
+            graphs.capture(chunks)
+        return None if graphs.failed else graphs
+
+    def capture(self, chunks: int) -> bool:
+        from ..runtime.decoder import no_cudnn_attention
+
+        if self.failed or chunks in self.by_chunks:
+            return not self.failed
+        try:
+            with torch.inference_mode(), no_cudnn_attention(True):
+                self.by_chunks[chunks] = TowerGraph(self.tower, chunks, pool=self.pool, stream=self.stream)
+        except Exception as exc:  # noqa: BLE001 - any capture failure: the library's call stays
+            import warnings
+
+            warnings.warn(f"the audio tower could not be captured as a CUDA graph, it runs eagerly: {exc!r:.300}")
+            self.failed = True
+            self.tower._omni_audio_graphs = None
+        return not self.failed
+
+    def capture_wanted(self) -> int:
+        """Between turns: the buckets turns ran eagerly for. Returns the graphs made."""
+        made = 0
+        for chunks in sorted(self.wanted):
+            made += int(chunks not in self.by_chunks and self.capture(chunks))
+        self.wanted.clear()
+        return made
+
+
+def install(thinker) -> int:
+    """The engine's warm-up (CUDA, graphs on): capture `thinker`'s audio tower for buckets 1..`WARM_CHUNKS`.
+    Returns the graphs made."""
+    from . import compat
+
+    if not ENABLED:
+        return 0
+    graphs = TowerGraphs.install(compat.audio_tower(thinker))
+    return len(graphs.by_chunks) if graphs is not None else 0
+
+
+def capture_wanted(thinker) -> int:
+    """Between turns: the buckets turns since the last call ran eagerly (none without graphs)."""
+    from . import compat
+
+    graphs = TowerGraphs.of(compat.audio_tower(thinker))
+    return graphs.capture_wanted() if graphs is not None else 0
+
+
+def replay_call(tower, features: torch.Tensor, mask: torch.Tensor):
+    """A call that gives the audio tower's output for the clips (`features` [clips, mel, frames] on the
+    device, `mask` [clips, frames] on the host) from a graph, its host work done here; None where there are
+    no graphs or none for this bucket (the caller takes the library's call: `compat.audio_encoder`)."""
+    graphs = TowerGraphs.of(tower) if ENABLED else None
+    if graphs is None:
+        return None
+    lengths = mask.sum(-1).to("cpu", torch.long)
+    flat = torch.cat([features[i, :, :n] for i, n in enumerate(lengths.tolist())], dim=1)
+    layout = Layout(tower, flat, lengths)
+    graph = graphs.by_chunks.get(layout.chunks)
+    if graph is None:
+        graphs.wanted.add(layout.chunks)
+        return None
+    return lambda: graph(layout)
