@@ -190,6 +190,7 @@ TIERS: dict[str, str | tuple[str, dict[str, str]]] = {
     "test_chat.py": "cli",
     "test_cli.py": "cli",
     "test_compat.py": "model",
+    "test_audio_graphs.py": "model",
     "test_early_weights.py": "model",
     "test_vision_place.py": "model",
     "test_engine.py": "model",
