@@ -16,8 +16,9 @@ instead of splitting the windows by values read on the host). What the library's
 a replay computes are the same sums over the same rows; the rounding may differ where a kernel is chosen
 for another shape (tests/test_audio_graphs.py bounds it on the CPU, tests/test_gpu.py on the GPU).
 
-Graphs are captured by the engine's warm-up for clips up to `WARM_CHUNKS` chunks and, for a longer clip,
-in the pause after the turn that first needed one (`capture_wanted`); that turn runs the tower eagerly.
+Graphs are captured by the engine's warm-up for clips up to `WARM_CHUNKS` chunks and, for a longer clip
+(up to `MAX_CHUNKS`), in the pause after the turn that first needed one (`capture_wanted`); that turn runs
+the library's call.
 All of a tower's graphs share one memory pool (a replay's output is copied out at once).
 
 It knows the two families' towers only through the library's functions their modules define (the same
@@ -35,6 +36,9 @@ import torch.nn.functional as F
 ENABLED = True  # False: the library's call always (an A/B on a GPU: scripts/with_setting.py)
 ATTENTION = "omni_flash_windows"  # "flash" in the name: the layers pass cu_seqlens, not host splits
 WARM_CHUNKS = 12  # Qwen3-Omni: 12 s of audio, Qwen2.5-Omni: 24 s (chunks of 100 / 200 frames of 10 ms)
+# The most chunks a graph is made for: a longer call takes the library's call (its windows one by one;
+# the mask here is rows x rows, 10 MB at 32 of Qwen2.5-Omni's chunks).
+MAX_CHUNKS = 32
 
 
 def windowed_attention(module, query, key, value, attention_mask=None, scaling=None, dropout=0.0,
@@ -68,8 +72,9 @@ def _windowed(tower):
 
 
 class Layout:
-    """A call's inputs laid out for a bucket of `chunks` chunks, on the host (but the features): what the
-    graph's buffers take, and how many output rows are real."""
+    """A call's inputs as a graph's buffers take them (the features on the device, the indices on the
+    host): the chunks `size` frames wide, the real rows' indices and windows, the rows of the output
+    that are real."""
 
     def __init__(self, tower, features: torch.Tensor, lengths: torch.Tensor) -> None:
         """features: [mel, frames] of the clips end to end (on the device); lengths: their frame counts (host)."""
@@ -92,7 +97,6 @@ class Layout:
         self.cu = cu
         self.pool = lib.get_pool_indices(lengths) if not self.qwen3 else None
         self.out_rows = len(self.pool) if self.pool is not None else self.rows
-        self.per_chunk = len(valid) - self.rows  # rows a full chunk gives
 
 
 class TowerGraph:
@@ -216,15 +220,12 @@ class TowerGraphs:
         return made
 
 
-def install(thinker) -> int:
-    """The engine's warm-up (CUDA, graphs on): capture `thinker`'s audio tower for buckets 1..`WARM_CHUNKS`.
-    Returns the graphs made."""
+def install(thinker) -> None:
+    """The engine's warm-up (CUDA, graphs on): capture `thinker`'s audio tower for buckets 1..`WARM_CHUNKS`."""
     from . import compat
 
-    if not ENABLED:
-        return 0
-    graphs = TowerGraphs.install(compat.audio_tower(thinker))
-    return len(graphs.by_chunks) if graphs is not None else 0
+    if ENABLED:
+        TowerGraphs.install(compat.audio_tower(thinker))
 
 
 def capture_wanted(thinker) -> int:
@@ -247,6 +248,7 @@ def replay_call(tower, features: torch.Tensor, mask: torch.Tensor):
     layout = Layout(tower, flat, lengths)
     graph = graphs.by_chunks.get(layout.chunks)
     if graph is None:
-        graphs.wanted.add(layout.chunks)
+        if layout.chunks <= MAX_CHUNKS:
+            graphs.wanted.add(layout.chunks)
         return None
     return lambda: graph(layout)

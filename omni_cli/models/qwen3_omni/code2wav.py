@@ -24,10 +24,13 @@ first half decoded alone vs the same samples of the whole, mathematically equal)
   (2.7e-3: cuDNN's default TF32 convolutions), 1.6e-5 (1.7e-5) without TF32, bfloat16 0.079 (0.082).
 transformers' `chunked_decode` in 25-frame chunks with 25 frames of code context is 1.26 off there.
 
-Chunks grow: `first_chunk` frames (4: 0.3 s of audio, so the first sound comes early), then doubling
-up to `chunk` (4, 8, 16, 25, 25, ...). A chunk's frames must be generated while the audio before it
-plays: with the talker v times faster than real time that holds from the first block on for v >= 2,
-where 4-then-25 needs v >= 6.25; later, large chunks spend less on context and per-call overhead.
+Chunks grow: `first_chunk` frames (`FIRST_CHUNK`, 2: 0.14 s of audio, so the first sound waits for two
+talker frames only), then doubling up to `chunk` (2, 4, 8, 16, 25, 25, ...). A chunk's frames must be
+generated (and decoded) while the audio before it plays: with the talker v times faster than real time
+that holds from the first block on for v >= 2.4, set by the second chunk (4 frames, 0.32 s of audio,
+made within the first block's 0.14 s; the talker's v is about 10 on an H100); later, large chunks spend
+less on context and per-call overhead. omni-bench reports the least
+lead of a block over its play-out (`audio_min_lead_ms`) to show it holds.
 
 On a GPU the first chunk, which the first sound waits for, is one CUDA graph (`FirstChunkGraph`,
 captured at the engine's warm-up: 55 -> 5 ms inside a turn on an H200); the other chunks run eagerly.
