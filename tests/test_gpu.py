@@ -929,7 +929,9 @@ def test_the_audio_tower_as_graphs_equals_the_librarys_call(family, size):
 
     dtype = torch.float32 if size == "tiny" else torch.bfloat16
     tower = _audio_tower(family, size, dtype)
-    assert audio_graphs.TowerGraphs.install(tower, upto=6) is not None
+    assert audio_graphs.TowerGraphs.of(tower) is None
+    assert audio_graphs.TowerGraphs.made_for(tower).capture_ahead(most=6) == 6  # buckets 1..6
+    assert sorted(audio_graphs.TowerGraphs.of(tower).by_chunks) == [1, 2, 3, 4, 5, 6]
     rng = np.random.default_rng(0)
     cases = [[57], [100], [130, 357, 41], [500], [1000, 20]]  # 1000 frames: past one 800-frame window
     worst = 0.0
@@ -942,9 +944,9 @@ def test_the_audio_tower_as_graphs_equals_the_librarys_call(family, size):
         with torch.inference_mode():
             library = compat.audio_encoder(_AsThinker(tower), features, mask, torch.device("cuda"))()
             call = audio_graphs.replay_call(tower, features, mask)
-            if chunks > 6:
+            if chunks not in audio_graphs.TowerGraphs.of(tower).by_chunks:
                 assert call is None and chunks in audio_graphs.TowerGraphs.of(tower).wanted
-                assert audio_graphs.TowerGraphs.of(tower).capture_wanted() == 1
+                assert audio_graphs.TowerGraphs.of(tower).capture_ahead(most=1) == 1  # the wanted one first
                 call = audio_graphs.replay_call(tower, features, mask)
             torch.cuda.synchronize()
             torch.cuda.set_sync_debug_mode("error")
@@ -971,25 +973,27 @@ class _AsThinker(torch.nn.Module):
 
 @pytest.mark.parametrize("asset", ["assets/tiny-qwen2.5-omni", "assets/tiny-qwen3-omni"])
 def test_a_spoken_reply_with_the_audio_tower_graphs_is_the_one_without(asset, monkeypatch):
-    """The engine's warm-up captures the tower's graphs and a spoken turn replays one: greedy text and codes
-    equal those of the same turn with the library's call (float32)."""
+    """No tower graphs after the warm-up; the pause after a spoken turn makes some (its clip's bucket
+    among them) and the same turn again replays one: greedy text and codes equal the first's, which took
+    the library's call (float32)."""
     import omni_cli
     from omni_cli.media import AudioClip
     from omni_cli.runtime import audio_graphs
     from test_media_input import tone
 
     model = omni_cli.load(asset, device="cuda", dtype="float32")
-    graphs = audio_graphs.TowerGraphs.of(compat_tower(model))
-    assert graphs is not None and sorted(graphs.by_chunks) == list(range(1, audio_graphs.WARM_CHUNKS + 1))
+    tower = compat_tower(model)
+    assert audio_graphs.TowerGraphs.of(tower) is None
     replays = []
     monkeypatch.setattr(audio_graphs.TowerGraph, "__call__",
                         lambda self, layout, call=audio_graphs.TowerGraph.__call__: replays.append(1) or call(self, layout))
     clip = AudioClip(tone(3.3, 16_000, 500.0, 7), 16_000)
     replies = []
-    for enabled in (True, False):
-        monkeypatch.setattr(audio_graphs, "ENABLED", enabled)
+    for _ in range(2):
         r = model.say("Listen.", audio=[clip], greedy=True, max_text_tokens=6, max_codes=40)
         replies.append((r.text_ids, r.codes))
+        model.engine.settle()  # the pause's capture ahead
+        assert len(audio_graphs.TowerGraphs.of(tower).by_chunks) >= audio_graphs.PER_PAUSE
     assert replays == [1] and replies[0] == replies[1]
 
 

@@ -16,9 +16,11 @@ instead of splitting the windows by values read on the host). What the library's
 a replay computes are the same sums over the same rows; the rounding may differ where a kernel is chosen
 for another shape (tests/test_audio_graphs.py bounds it on the CPU, tests/test_gpu.py on the GPU).
 
-Graphs are captured by the engine's warm-up for clips up to `WARM_CHUNKS` chunks and, for a longer clip
-(up to `MAX_CHUNKS`), in the pause after the turn that first needed one (`capture_wanted`); that turn runs
-the library's call.
+Graphs are made in the pauses between turns (the engine's capture ahead, which a turn asked for meanwhile
+waits for), `PER_PAUSE` at a time: first the buckets turns since the last pause called the library for
+(up to `MAX_CHUNKS`), then those of clips up to `WARM_CHUNKS` chunks, shortest first. Nothing at the
+warm-up: a one-shot `omni-say` without a clip does not wait for them; omni-chat's and omni-serve's
+warm-up reply (a clip of one chunk) is followed by such a pause.
 All of a tower's graphs share one memory pool (a replay's output is copied out at once).
 
 It knows the two families' towers only through the library's functions their modules define (the same
@@ -36,6 +38,7 @@ import torch.nn.functional as F
 ENABLED = True  # False: the library's call always (an A/B on a GPU: scripts/with_setting.py)
 ATTENTION = "omni_flash_windows"  # "flash" in the name: the layers pass cu_seqlens, not host splits
 WARM_CHUNKS = 12  # Qwen3-Omni: 12 s of audio, Qwen2.5-Omni: 24 s (chunks of 100 / 200 frames of 10 ms)
+PER_PAUSE = 4  # graphs made in one pause between turns: a turn asked for meanwhile waits for them
 # The most chunks a graph is made for: a longer call takes the library's call (its windows one by one;
 # the mask here is rows x rows, 10 MB at 32 of Qwen2.5-Omni's chunks).
 MAX_CHUNKS = 32
@@ -165,7 +168,8 @@ def _host_pad(values: torch.Tensor, size: int, fill: int, pin: bool) -> torch.Te
 
 
 class TowerGraphs:
-    """A tower's graphs by bucket (chunk count), kept on the tower module: `run` replays or says None."""
+    """A tower's graphs by bucket (chunk count), kept on the tower module (`of`), made in the pauses
+    between turns (`capture_ahead`)."""
 
     def __init__(self, tower) -> None:
         from .graphs import capture_stream
@@ -173,29 +177,34 @@ class TowerGraphs:
         self.tower = tower
         self.device = next(tower.parameters()).device
         self.by_chunks: dict[int, TowerGraph] = {}
-        self.wanted: set[int] = set()
+        self.wanted: set[int] = set()  # buckets a call found without a graph
         self.pool = torch.cuda.graph_pool_handle()
         self.stream = capture_stream(self.device)
         self.failed = False
 
     @staticmethod
     def of(tower) -> "TowerGraphs | None":
-        return getattr(tower, "_omni_audio_graphs", None)
+        """The tower's graphs, None where none were made or a capture failed."""
+        graphs = getattr(tower, "_omni_audio_graphs", None)
+        return None if graphs is None or graphs.failed else graphs
 
     @classmethod
-    def install(cls, tower, upto: int = WARM_CHUNKS) -> "TowerGraphs | None":
-        """Capture buckets 1..`upto` for `tower` and keep them on it (the engine's warm-up, CUDA, graphs on);
-        on failure warn and keep the library's call (later audio, never a failed reply)."""
-        lib = sys.modules[type(tower).__module__]
-        if not all(hasattr(lib, n) for n in ("chunk_and_pad_features", "get_valid_indices", "get_audio_cu_seqlens")):
-            return None
-        graphs = cls(tower)
-        tower._omni_audio_graphs = graphs
-        for chunks in range(1, upto + 1):
-            graphs.capture(chunks)
+    def made_for(cls, tower) -> "TowerGraphs | None":
+        """The tower's graphs object, made now if it has none; None off CUDA, where its module lacks the
+        library's functions the layout uses, or after a capture failed."""
+        graphs = getattr(tower, "_omni_audio_graphs", None)
+        if graphs is None:
+            if next(tower.parameters()).device.type != "cuda":
+                return None
+            lib = sys.modules[type(tower).__module__]
+            if not all(hasattr(lib, n) for n in ("chunk_and_pad_features", "get_valid_indices", "get_audio_cu_seqlens")):
+                return None
+            graphs = tower._omni_audio_graphs = cls(tower)
         return None if graphs.failed else graphs
 
     def capture(self, chunks: int) -> bool:
+        """The graph for `chunks` chunks (made once). On a failure warn and keep the library's call for good:
+        audio later, never a failed reply."""
         from ..runtime.decoder import no_cudnn_attention
 
         if self.failed or chunks in self.by_chunks:
@@ -208,38 +217,36 @@ class TowerGraphs:
 
             warnings.warn(f"the audio tower could not be captured as a CUDA graph, it runs eagerly: {exc!r:.300}")
             self.failed = True
-            self.tower._omni_audio_graphs = None
         return not self.failed
 
-    def capture_wanted(self) -> int:
-        """Between turns: the buckets turns ran eagerly for. Returns the graphs made."""
-        made = 0
-        for chunks in sorted(self.wanted):
-            made += int(chunks not in self.by_chunks and self.capture(chunks))
+    def capture_ahead(self, most: int = PER_PAUSE) -> int:
+        """The buckets calls wanted, then the first of 1..`WARM_CHUNKS` not made yet, `most` in all.
+        Returns the graphs made."""
+        todo = sorted(self.wanted) + [n for n in range(1, WARM_CHUNKS + 1) if n not in self.wanted]
         self.wanted.clear()
+        made = 0
+        for chunks in todo:
+            if made >= most or self.failed:
+                break
+            if chunks not in self.by_chunks:
+                made += int(self.capture(chunks))
         return made
 
 
-def install(thinker) -> None:
-    """The engine's warm-up (CUDA, graphs on): capture `thinker`'s audio tower for buckets 1..`WARM_CHUNKS`."""
+def capture_ahead(thinker) -> int:
+    """Between turns (CUDA, graphs on): a few of `thinker`'s audio tower graphs (`TowerGraphs.capture_ahead`).
+    Returns the graphs made."""
     from . import compat
 
-    if ENABLED:
-        TowerGraphs.install(compat.audio_tower(thinker))
-
-
-def capture_wanted(thinker) -> int:
-    """Between turns: the buckets turns since the last call ran eagerly (none without graphs)."""
-    from . import compat
-
-    graphs = TowerGraphs.of(compat.audio_tower(thinker))
-    return graphs.capture_wanted() if graphs is not None else 0
+    graphs = TowerGraphs.made_for(compat.audio_tower(thinker)) if ENABLED else None
+    return graphs.capture_ahead() if graphs is not None else 0
 
 
 def replay_call(tower, features: torch.Tensor, mask: torch.Tensor):
     """A call that gives the audio tower's output for the clips (`features` [clips, mel, frames] on the
     device, `mask` [clips, frames] on the host) from a graph, its host work done here; None where there are
-    no graphs or none for this bucket (the caller takes the library's call: `compat.audio_encoder`)."""
+    no graphs or none for this bucket yet (noted for the next pause; the caller takes the library's call,
+    `compat.audio_encoder`)."""
     graphs = TowerGraphs.of(tower) if ENABLED else None
     if graphs is None:
         return None

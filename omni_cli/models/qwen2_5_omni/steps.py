@@ -113,13 +113,15 @@ class Qwen25Steps:
     def capture_ahead(self) -> int:
         """Between turns (the engine's capture ahead, CUDA): the thinker's and the talker's lazy span
         buckets a growing conversation reaches next (runtime/graphs.py `capture_ahead`), and the prompts'
-        graphs the next turn wants (`capture_prompts`; none while `PROMPT_GRAPHS` is off)."""
+        graphs the next turn wants (`capture_prompts`; none while `PROMPT_GRAPHS` is off), and a few of
+        the audio tower's graphs (runtime/audio_graphs.py)."""
         from ...runtime.graphs import capture_ahead, capture_prompts
 
         thinker = self.thinker.fused.graphs if self.thinker.fused is not None else None
         talker = (self.talker.graphs if self.has_talker and self.talker.fused is not None else None)
         made = capture_ahead((thinker, self.thinker.cache), (talker, self.talker.cache if talker else None))
-        made += audio_graphs.capture_wanted(self.thinker.module)  # clips longer than the warm-up's buckets
+        if self.policy.graphs_on:  # the audio tower per number of feature chunks, a few a pause
+            made += audio_graphs.capture_ahead(self.thinker.module)
         return made + capture_prompts(self.thinker, self.talker if self.has_talker else None)
 
     def warmup(self) -> dict | None:
@@ -133,8 +135,6 @@ class Qwen25Steps:
 
         how = "compile and capture" if self.compile else "capture"
         phases = [(f"{how} the thinker's steps", self.thinker.capture_graphs)]
-        if self.policy.graphs_on:  # the audio tower per number of feature chunks (runtime/audio_graphs.py)
-            phases.append(("capture the audio tower", lambda: audio_graphs.install(self.thinker.module)))
         if self.has_talker:
             phases += [(f"{how} the talker's steps", self.talker.capture_graphs),
                        (f"{how} the vocoder's windows", self.warmup_vocoder)]
