@@ -918,7 +918,7 @@ def _audio_tower(family: str, size: str, dtype):
 
 @pytest.mark.parametrize("family", ["qwen2.5", "qwen3"])
 @pytest.mark.parametrize("size", ["tiny", "true"])
-def test_the_audio_tower_as_graphs_equals_the_librarys_call(family, size):
+def test_the_audio_tower_as_graphs_equals_the_librarys_call(family, size, monkeypatch):
     """runtime/audio_graphs.py: the tower replayed from its graph per chunk count gives the library's
     output for clips of many lengths (one and several clips, a partial last chunk, more than one attention
     window), twice over, without a host sync; a bucket with no graph says None and is captured between
@@ -927,6 +927,7 @@ def test_the_audio_tower_as_graphs_equals_the_librarys_call(family, size):
 
     from omni_cli.runtime import audio_graphs, compat
 
+    monkeypatch.setattr(audio_graphs, "ENABLED", True)
     dtype = torch.float32 if size == "tiny" else torch.bfloat16
     tower = _audio_tower(family, size, dtype)
     assert audio_graphs.TowerGraphs.of(tower) is None
@@ -981,6 +982,7 @@ def test_a_spoken_reply_with_the_audio_tower_graphs_is_the_one_without(asset, mo
     from omni_cli.runtime import audio_graphs
     from test_media_input import tone
 
+    monkeypatch.setattr(audio_graphs, "ENABLED", True)
     model = omni_cli.load(asset, device="cuda", dtype="float32")
     tower = compat_tower(model)
     assert audio_graphs.TowerGraphs.of(tower) is None

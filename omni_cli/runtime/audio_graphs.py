@@ -23,6 +23,9 @@ warm-up: a one-shot `omni-say` without a clip does not wait for them; omni-chat'
 warm-up reply (a clip of one chunk) is followed by such a pause.
 All of a tower's graphs share one memory pool (a replay's output is copied out at once).
 
+Written in a session that got no GPU: off (`ENABLED`) until tests/test_gpu.py's audio tower tests and a
+timing (scripts/encoder_profile.py, `gpu_check.sh agraphs encoders`) have run on one.
+
 It knows the two families' towers only through the library's functions their modules define (the same
 `compat.audio_plan` uses); a tower whose module lacks them keeps the library's call.
 """
@@ -35,7 +38,9 @@ import sys
 import torch
 import torch.nn.functional as F
 
-ENABLED = True  # False: the library's call always (an A/B on a GPU: scripts/with_setting.py)
+# Off until measured on a GPU (written in a session that got no GPU; tests/test_gpu.py's audio tower tests
+# and scripts/encoder_profile.py turn it on; an A/B: WITH=omni_cli.runtime.audio_graphs.ENABLED=True).
+ENABLED = False
 ATTENTION = "omni_flash_windows"  # "flash" in the name: the layers pass cu_seqlens, not host splits
 WARM_CHUNKS = 12  # Qwen3-Omni: 12 s of audio, Qwen2.5-Omni: 24 s (chunks of 100 / 200 frames of 10 ms)
 PER_PAUSE = 4  # graphs made in one pause between turns: a turn asked for meanwhile waits for them

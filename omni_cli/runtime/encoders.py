@@ -8,8 +8,8 @@ thread, and each turn's engine thread is a new one, so every turn built them aga
 every layer. Measured on an H200, one 5 s clip at true size: the call itself takes 18-20 ms on a thread
 that has run it before (either family, with or without cuDNN), where a turn's encoder time was 60-180 ms.
 The audio tower's inputs are laid out and its window indices made on the host (`compat.audio_encoder`),
-so that nothing in the encoder reads a value back from the device; on a GPU with graphs on, the tower is
-a CUDA graph per number of feature chunks (runtime/audio_graphs.py). The vision tower waits in host memory
+so that nothing in the encoder reads a value back from the device. On a GPU the tower can replay a CUDA
+graph per number of feature chunks instead (runtime/audio_graphs.py; off until measured). The vision tower waits in host memory
 until the first image (runtime/vision_place.py); that image's turn moves it, outside the encoder's time.
 
 It knows neither the family (the caller passes its thinker module and placeholder id) nor the prompt's
