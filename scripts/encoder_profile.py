@@ -95,7 +95,6 @@ def main() -> None:
     # The tower as a CUDA graph for this clip's chunk count (runtime/audio_graphs.py), its host work included
     from omni_cli.runtime import audio_graphs
 
-    audio_graphs.ENABLED = True  # off by default until measured
     t = time.perf_counter()
     graphs = audio_graphs.TowerGraphs.made_for(tower) if args.device == "cuda" else None
     made = graphs.capture_ahead(most=audio_graphs.WARM_CHUNKS) if graphs else 0

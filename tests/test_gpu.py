@@ -4,6 +4,8 @@ codes as the eager path and as transformers, on the tiny model and on a random t
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -930,12 +932,13 @@ def test_the_audio_tower_as_graphs_equals_the_librarys_call(family, size, monkey
     monkeypatch.setattr(audio_graphs, "ENABLED", True)
     dtype = torch.float32 if size == "tiny" else torch.bfloat16
     tower = _audio_tower(family, size, dtype)
+    exact = copy.deepcopy(tower).float() if dtype != torch.float32 else None  # the bf16 calls' reference
     assert audio_graphs.TowerGraphs.of(tower) is None
     assert audio_graphs.TowerGraphs.made_for(tower).capture_ahead(most=6) == 6  # buckets 1..6
     assert sorted(audio_graphs.TowerGraphs.of(tower).by_chunks) == [1, 2, 3, 4, 5, 6]
     rng = np.random.default_rng(0)
     cases = [[57], [100], [130, 357, 41], [500], [1000, 20]]  # 1000 frames: past one 800-frame window
-    worst = 0.0
+    worst = own = 0.0
     for frames in cases * 2:
         features = torch.tensor(rng.standard_normal((len(frames), 128, max(frames))), dtype=dtype).cuda()
         mask = torch.zeros(len(frames), max(frames), dtype=torch.long)
@@ -956,9 +959,19 @@ def test_the_audio_tower_as_graphs_equals_the_librarys_call(family, size, monkey
             finally:
                 torch.cuda.set_sync_debug_mode("default")
         assert ours.shape == library.shape
-        worst = max(worst, ((ours.float() - library.float()).abs().max() / library.float().abs().max()).item())
-    print(f"audio tower graphs vs library ({family}, {size}): {worst:.2e} of the largest value")
-    assert worst <= (1e-5 if dtype == torch.float32 else 2e-2), worst
+        if exact is None:
+            worst = max(worst, ((ours - library).abs().max() / library.abs().max()).item())
+            continue
+        with torch.inference_mode():  # bf16: each call against the float32 tower, not against each other
+            ref = compat.audio_encoder(_AsThinker(exact), features.float(), mask, torch.device("cuda"))()
+        scale = ref.abs().max()
+        worst = max(worst, ((ours.float() - ref).abs().max() / scale).item())
+        own = max(own, ((library.float() - ref).abs().max() / scale).item())
+    print(f"audio tower graphs vs library ({family}, {size}): {worst:.2e} of the largest value"
+          + (f" (bf16 against float32; the library's own bf16 call: {own:.2e})" if exact is not None else ""))
+    # float32: the same sums in another order; bf16: no further from the float32 tower than the library's
+    # own bf16 call is, give or take a quarter (measured on an H100: 1.5e-2 / 1.9e-2 apart from each other)
+    assert worst <= (1e-5 if exact is None else 1.25 * own), (worst, own)
 
 
 class _AsThinker(torch.nn.Module):
@@ -995,6 +1008,7 @@ def test_a_spoken_reply_with_the_audio_tower_graphs_is_the_one_without(asset, mo
         r = model.say("Listen.", audio=[clip], greedy=True, max_text_tokens=6, max_codes=40)
         replies.append((r.text_ids, r.codes))
         model.engine.settle()  # the pause's capture ahead
+        model.engine.steps.thinker.context.clear()  # else the same prompt again finds its clip's outputs kept
         assert len(audio_graphs.TowerGraphs.of(tower).by_chunks) >= audio_graphs.PER_PAUSE
     assert replays == [1] and replies[0] == replies[1]
 

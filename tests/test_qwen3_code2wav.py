@@ -88,16 +88,16 @@ def test_other_schedules_at_the_least_context(code2wav, first_chunk, chunk):
 def test_first_block_after_first_chunk_then_growing_chunks(code2wav):
     fr = frames(120, seed=1)
     vocoder = StreamingCode2Wav(code2wav, max_frames=120)
-    assert vocoder.codes_for_first_audio == 2 and vocoder.device == torch.device("cpu")
+    assert vocoder.codes_for_first_audio == 4 and vocoder.device == torch.device("cpu")
     got = [(i + 1, block) for i in range(len(fr)) for block in vocoder.push([fr[i].tolist()])]
     got += [(len(fr), block) for block in vocoder.finish()]
     pushed, first = got[0]
-    assert pushed == 2 and len(first) == 2 * T - 555  # early: 2 of 120 frames, the seam's tail held back
+    assert pushed == 4 and len(first) == 4 * T - 555  # early: 4 of 120 frames, the seam's tail held back
     whole = reference(code2wav, fr)
     assert np.abs(first - whole[: len(first)]).max() <= BOUND  # the reference's prefix
     # Chunks double up to 25 frames; each block after the first is exactly its frames' samples.
-    assert [f for f, _ in vocoder.chunk_log] == [2, 4, 8, 16, 25, 25, 25, 15]
-    assert [p for p, _ in got] == [2, 6, 14, 30, 55, 80, 105, 120]
+    assert [f for f, _ in vocoder.chunk_log] == [4, 8, 16, 25, 25, 25, 17]
+    assert [p for p, _ in got] == [4, 12, 28, 53, 78, 103, 120]
     assert [len(b) for _, b in got[1:]] == [T * f for f, _ in vocoder.chunk_log[1:]]
 
 

@@ -24,13 +24,15 @@ first half decoded alone vs the same samples of the whole, mathematically equal)
   (2.7e-3: cuDNN's default TF32 convolutions), 1.6e-5 (1.7e-5) without TF32, bfloat16 0.079 (0.082).
 transformers' `chunked_decode` in 25-frame chunks with 25 frames of code context is 1.26 off there.
 
-Chunks grow: `first_chunk` frames (`FIRST_CHUNK`, 2: 0.14 s of audio, so the first sound waits for two
-talker frames only), then doubling up to `chunk` (2, 4, 8, 16, 25, 25, ...). A chunk's frames must be
-generated (and decoded) while the audio before it plays: with the talker v times faster than real time
-that holds from the first block on for v >= 2.4, set by the second chunk (4 frames, 0.32 s of audio,
-made within the first block's 0.14 s; the talker's v is about 10 on an H100); later, large chunks spend
-less on context and per-call overhead. omni-bench reports the least
-lead of a block over its play-out (`audio_min_lead_ms`) to show it holds.
+Chunks grow: `first_chunk` frames (`FIRST_CHUNK`, 4: 0.3 s of audio), then doubling up to `chunk` (4, 8,
+16, 25, 25, ...). A chunk's frames must be generated (and decoded) while the audio before it plays: with
+the talker v times faster than real time that holds from the first block on for v >= 2.2, set by the
+second chunk (8 frames made within the first block's 0.3 s; the talker's v is about 12 on an H100), plus
+the second chunk's decode, which runs eagerly beside the talker's graphs. That decode is why the first
+chunk is not smaller: with 2 frames (0.14 s of audio) the first sound came 17 ms sooner but the second
+block 22 ms after the first had played out (omni-bench's `audio_min_lead_ms`, H100, 2,500-token prompt;
+with 4: 97 ms to spare). A graph of the second chunk as well would allow it. Later, large chunks spend
+less on context and per-call overhead.
 
 On a GPU the first chunk, which the first sound waits for, is one CUDA graph (`FirstChunkGraph`,
 captured at the engine's warm-up: 55 -> 5 ms inside a turn on an H200); the other chunks run eagerly.
@@ -52,8 +54,10 @@ from transformers.cache_utils import DynamicCache
 from ...runtime import compat
 from ...runtime.decoder import no_cudnn_attention
 
-# Frames in an utterance's first chunk: the first sound waits for them (each a talker frame).
-FIRST_CHUNK = 2
+# Frames in an utterance's first chunk: the first sound waits for them (each a talker frame). 2 was
+# measured (H100, 2,500-token prompt): first audio 112 -> 95 ms, but the second block came 22 ms after the
+# first had played out (4: 97 ms before); see the docstring.
+FIRST_CHUNK = 4
 
 
 def decoded_lag(config) -> int:

@@ -140,7 +140,7 @@ class Qwen3Steps:
         return timed_warmup(self.device, phases)
 
     def warmup_vocoder(self, frames: int = 100) -> None:
-        """One utterance through code2wav (chunks 2, 4, 8, 16, 25, ...): the first call of each kernel and
+        """One utterance through code2wav (chunks 4, 8, 16, 25, ...): the first call of each kernel and
         shape is slow (measured on an H200, true size: the first chunk of a process ~1 s), so a first
         reply must not pay it. Then, with graphs on, the first chunk's graph (`FirstChunkGraph`)."""
         from .code2wav import FirstChunkGraph, StreamingCode2Wav
