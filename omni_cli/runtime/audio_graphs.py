@@ -200,7 +200,9 @@ class TowerGraphs:
             if next(tower.parameters()).device.type != "cuda":
                 return None
             lib = sys.modules[type(tower).__module__]
-            if not all(hasattr(lib, n) for n in ("chunk_and_pad_features", "get_valid_indices", "get_audio_cu_seqlens")):
+            needs = ["chunk_and_pad_features", "get_valid_indices", "get_audio_cu_seqlens"]
+            needs += [] if hasattr(tower, "n_window_infer") else ["get_pool_indices"]  # Qwen2.5-Omni's pooling
+            if not all(hasattr(lib, n) for n in needs):
                 return None
             graphs = tower._omni_audio_graphs = cls(tower)
         return None if graphs.failed else graphs
@@ -208,7 +210,7 @@ class TowerGraphs:
     def capture(self, chunks: int) -> bool:
         """The graph for `chunks` chunks (made once). On a failure warn and keep the library's call for good:
         audio later, never a failed reply."""
-        from ..runtime.decoder import no_cudnn_attention
+        from .decoder import no_cudnn_attention
 
         if self.failed or chunks in self.by_chunks:
             return not self.failed

@@ -8,9 +8,10 @@ thread, and each turn's engine thread is a new one, so every turn built them aga
 every layer. Measured on an H200, one 5 s clip at true size: the call itself takes 18-20 ms on a thread
 that has run it before (either family, with or without cuDNN), where a turn's encoder time was 60-180 ms.
 The audio tower's inputs are laid out and its window indices made on the host (`compat.audio_encoder`),
-so that nothing in the encoder reads a value back from the device. On a GPU the tower can replay a CUDA
-graph per number of feature chunks instead (runtime/audio_graphs.py; off until measured). The vision tower waits in host memory
-until the first image (runtime/vision_place.py); that image's turn moves it, outside the encoder's time.
+so that nothing in the encoder reads a value back from the device. On a GPU the tower replays a CUDA graph
+per number of feature chunks where the pauses between turns made one (runtime/audio_graphs.py). The
+vision tower waits in host memory until the first image (runtime/vision_place.py); that image's turn
+moves it, outside the encoder's time.
 
 It knows neither the family (the caller passes its thinker module and placeholder id) nor the prompt's
 positions (decoder.mrope_positions) nor what the talker reads of them.
@@ -31,8 +32,8 @@ def with_audio(module, input_ids: torch.Tensor, embeds: torch.Tensor, media: dic
     dev = embeds.device
     features = media["input_features"].to(dev, embeds.dtype)  # the processor's float32, in the model's dtype
     mask = media["feature_attention_mask"]
-    # A graph of the tower where the warm-up captured one for this many chunks (runtime/audio_graphs.py),
-    # else the library's call; either's host work before the timer.
+    # A graph of the tower where a pause between turns made one for this many chunks
+    # (runtime/audio_graphs.py), else the library's call; either's host work before the timer.
     replay = audio_graphs.replay_call(compat.audio_tower(module), features, mask)
     encode = replay or compat.audio_encoder(module, features, mask, dev)
     with encoder_timer(media, dev), no_cudnn_attention(dev.type == "cuda"):
