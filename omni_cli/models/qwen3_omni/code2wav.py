@@ -28,11 +28,11 @@ Chunks grow: `first_chunk` frames (`FIRST_CHUNK`, 4: 0.3 s of audio), then doubl
 16, 25, 25, ...). A chunk's frames must be generated (and decoded) while the audio before it plays: with
 the talker v times faster than real time that holds from the first block on for v >= 2.2, set by the
 second chunk (8 frames made within the first block's 0.3 s; the talker's v is about 12 on an H100), plus
-the second chunk's decode, which runs eagerly beside the talker's graphs. That decode is why the first
-chunk is not smaller: with 2 frames (0.14 s of audio) the first sound came 17 ms sooner but the second
-block 22 ms after the first had played out (omni-bench's `audio_min_lead_ms`, H100, 2,500-token prompt;
-with 4: 97 ms to spare). A graph of the second chunk as well would allow it. Later, large chunks spend
-less on context and per-call overhead.
+the second chunk's decode, which runs eagerly beside the talker's graphs. Why the first chunk is not
+smaller: with 2 frames (0.14 s of audio) the first sound came 17 ms sooner but the second block 22 ms
+after the first had played out (omni-bench's `audio_min_lead_ms`, H100, 2,500-token prompt; with 4: 97 ms
+to spare); the second block came ~159 ms after the first, far more than its frames and a decode take, not
+yet explained. Later, large chunks spend less on context and per-call overhead.
 
 On a GPU the first chunk, which the first sound waits for, is one CUDA graph (`FirstChunkGraph`,
 captured at the engine's warm-up: 55 -> 5 ms inside a turn on an H200); the other chunks run eagerly.
