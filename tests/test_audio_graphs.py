@@ -42,8 +42,7 @@ def test_the_padded_layout_gives_the_librarys_output(thinker, frames):
     with torch.inference_mode():
         library = thinker.get_audio_features(features, mask, return_dict=True).last_hidden_state
         lengths = mask.sum(-1)
-        flat = torch.cat([features[i, :, :n] for i, n in enumerate(lengths.tolist())], dim=1)
-        layout = audio_graphs.Layout(tower, flat, lengths)
+        layout = audio_graphs.Layout(tower, compat.clips_end_to_end(features, lengths), lengths)
         assert layout.chunks == sum(-(-n // (2 * tower.n_window)) for n in frames)
         for extra in (0, 3):  # the clips' own bucket, and one with three zero chunks after them
             padded = audio_graphs.TowerGraph(tower, layout.chunks + extra, graphed=False)

@@ -252,15 +252,17 @@ def replay_call(tower, features: torch.Tensor, mask: torch.Tensor):
     device, `mask` [clips, frames] on the host) from a graph, its host work done here; None where there are
     no graphs or none for this bucket yet (noted for the next pause; the caller takes the library's call,
     `compat.audio_encoder`)."""
+    from .compat import clips_end_to_end
+
     graphs = TowerGraphs.made_for(tower) if ENABLED else None  # made on the first call: its bucket is noted
     if graphs is None:
         return None
     lengths = mask.sum(-1).to("cpu", torch.long)
-    flat = torch.cat([features[i, :, :n] for i, n in enumerate(lengths.tolist())], dim=1)
-    layout = Layout(tower, flat, lengths)
-    graph = graphs.by_chunks.get(layout.chunks)
-    if graph is None:
-        if layout.chunks <= MAX_CHUNKS:
-            graphs.wanted.add(layout.chunks)
+    chunks = int((-(-lengths // (2 * tower.n_window))).sum())  # each clip's chunks, the last one partial
+    graph = graphs.by_chunks.get(chunks)
+    if graph is None:  # nothing laid out: the library's call does its own
+        if chunks <= MAX_CHUNKS:
+            graphs.wanted.add(chunks)
         return None
+    layout = Layout(tower, clips_end_to_end(features, lengths), lengths)
     return lambda: graph(layout)

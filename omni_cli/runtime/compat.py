@@ -212,10 +212,18 @@ def audio_encoder(thinker, features, mask, device):
     plan = audio_plan(tower, lengths, device)
     if not plan or not hasattr(lib, "chunk_and_pad_features"):
         return lambda: thinker.get_audio_features(features, mask.to(device), return_dict=True, **plan).last_hidden_state
-    flat = torch.cat([features[i, :, :n] for i, n in enumerate(lengths.tolist())], dim=1)  # host lengths
+    flat = clips_end_to_end(features, lengths)
     padded, chunks = lib.chunk_and_pad_features(flat, lengths, tower.n_window)  # chunks on the host
     inputs = dict(feature_lens=lengths, padded_feature=padded, chunk_lengths=_to_device(chunks, device), **plan)
     return lambda: tower(flat, return_dict=True, **inputs).last_hidden_state
+
+
+def clips_end_to_end(features, lengths):
+    """The clips' frames laid end to end, [mel, sum(lengths)], from `features` [clips, mel, frames] (on any
+    device) by their frame counts `lengths` (a host tensor: nothing is read back)."""
+    import torch
+
+    return torch.cat([features[i, :, :n] for i, n in enumerate(lengths.tolist())], dim=1)
 
 
 def _to_device(index, device):
