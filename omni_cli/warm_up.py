@@ -9,8 +9,8 @@ noise is said with its prompt, so that the audio encoder's first run is the warm
 first spoken turn after a text-only warm-up 2.15 s to its first audio, 824 ms of it the encoder's first run,
 against 0.53-0.76 s for the next turns; H200, 7B; the encoder's fixes since took most of that away
 before the clip came: on an H100 it takes a first spoken turn from 350 to 340 ms). What stays: a prompt
-of a length not seen before takes ~25 ms more to its first token; the vision encoder is not warmed (it waits in host memory until the first
-image: runtime/vision_place.py).
+of a length not seen before takes ~25 ms more to its first token; the vision encoder is not warmed (it
+waits in host memory until the first image: runtime/vision_place.py).
 
 `WarmsUp` gives a local `Assistant` and a served model's `RemoteAssistant` the same warm-up: the remote
 one is for a server that made none before it served (a keep-alive's background server starts with

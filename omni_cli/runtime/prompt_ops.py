@@ -19,7 +19,7 @@ ideas for many rows.
 
 - **Rotary embedding**: the library's q * cos + rotate_half(q) * sin is five kernels for q and
   five for k; runtime/rope_kernel.py is one launch each, written with the library's roundings (the same
-  values through Triton's interpreter; on an H100 not all equal, the last bits: rope_kernel.py).
+  values through Triton's interpreter and, compiled without FP fusion, on an H100: rope_kernel.py).
   On that H100 prompt, 65.0 to 56.8 ms of device time. The attention calls its modeling module's
   `apply_rotary_pos_emb`, so that name is what `install` wraps (once per module, for every caller).
 
