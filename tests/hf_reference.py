@@ -1,16 +1,37 @@
 """transformers' own `Qwen2_5OmniForConditionalGeneration.generate`, greedy, as the parity reference:
-the reply's text ids and the talker's codes before its stop code."""
+the reply's text ids and the talker's codes before its stop code; and `tiny_model`, a tiny asset loaded by
+the library's own class."""
 
 from __future__ import annotations
 
 import contextlib
 import functools
+from pathlib import Path
 
 import torch
 
 from omni_cli.runtime import compat
 
 STOP_CODES = (8292, 8294)  # the reference's talker stops on codec pad and codec EOS
+ASSETS = Path(__file__).resolve().parent.parent / "assets"
+
+
+def tiny_model(family: str):
+    """The tiny asset of `family` ("qwen2.5" or "qwen3") as the library's ForConditionalGeneration,
+    float32, on the CPU, in eval mode."""
+    import transformers
+    from transformers.utils import logging as hf_logging
+
+    cls, folder = {
+        "qwen2.5": (transformers.Qwen2_5OmniForConditionalGeneration, "tiny-qwen2.5-omni"),
+        "qwen3": (transformers.Qwen3OmniMoeForConditionalGeneration, "tiny-qwen3-omni"),
+    }[family]
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # the tiny configs' id warnings are expected
+    try:
+        return cls.from_pretrained(str(ASSETS / folder)).eval()
+    finally:
+        hf_logging.set_verbosity(verbosity)
 
 
 def reference_generate(model, ids: list[int], *, voice: str = "Chelsie", n_text: int, n_codes: int,

@@ -12,12 +12,12 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from omni_cli.runtime import audio_graphs, compat  # noqa: E402
-from test_compat import _load  # noqa: E402  (tests/ is on sys.path)
+from hf_reference import tiny_model  # noqa: E402  (tests/ is on sys.path)
 
 
 @pytest.fixture(scope="module", params=["qwen2.5", "qwen3"])
 def thinker(request):
-    return _load(request.param).thinker
+    return tiny_model(request.param).thinker
 
 
 def _clips(frames: list[int], seed: int):

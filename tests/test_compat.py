@@ -16,36 +16,20 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from omni_cli.runtime import compat  # noqa: E402
-from hf_reference import qwen2_5_talker_keeps_its_mask  # noqa: E402  (tests/ is on sys.path)
+from hf_reference import qwen2_5_talker_keeps_its_mask, tiny_model  # noqa: E402  (tests/ is on sys.path)
 from omni_cli.runtime.kv_cache import StaticKVCache  # noqa: E402
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 
 
-def _load(family: str):
-    import transformers
-    from transformers.utils import logging as hf_logging
-
-    cls, folder = {
-        "qwen2.5": (transformers.Qwen2_5OmniForConditionalGeneration, "tiny-qwen2.5-omni"),
-        "qwen3": (transformers.Qwen3OmniMoeForConditionalGeneration, "tiny-qwen3-omni"),
-    }[family]
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()  # the tiny configs' id warnings are expected
-    try:
-        return cls.from_pretrained(str(ASSETS / folder)).eval()  # float32, CPU
-    finally:
-        hf_logging.set_verbosity(verbosity)
-
-
 @pytest.fixture(scope="module", params=["qwen2.5", "qwen3"])
 def model(request):
-    return _load(request.param)
+    return tiny_model(request.param)
 
 
 @pytest.fixture(scope="module")
 def qwen3():
-    return _load("qwen3")
+    return tiny_model("qwen3")
 
 
 def _path_of(root, module) -> str:
@@ -233,7 +217,7 @@ def test_rotary_embedding_equals_the_models_own(model, no_future_warnings):
 
 def test_dit_rotary_embedding_equals_the_models_own(no_future_warnings):
     """token2wav's DiT RoPE (5.19 changed its constructor): built anew it gives the model's values."""
-    m = _load("qwen2.5")
+    m = tiny_model("qwen2.5")
     dit = m.token2wav.code2wav_dit_model
     rope = compat.rotary_embedding(type(dit.rotary_embed), dit.config)
     x = torch.zeros(2, 7, 1)
@@ -294,7 +278,7 @@ def _talker_prompt_last_rows(model, keep_mask: bool):
 def test_reference_talker_prompt_has_the_codec_embeddings():
     """With the shim, transformers' generate feeds the talker pad/BOS-embedded prompt rows: the same as
     projecting (what the reference builds) + codec embeddings, as 5.17 did, on every version."""
-    m = _load("qwen2.5")
+    m = tiny_model("qwen2.5")
     talker = m.talker
     without = _talker_prompt_last_rows(m, keep_mask=False)
     with_mask = _talker_prompt_last_rows(m, keep_mask=True)
