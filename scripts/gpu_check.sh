@@ -25,6 +25,7 @@
 #   long25     Qwen2.5-Omni-7B, a 2,500-token prompt, plain graphs ($OUT/qwen25-2500.json)
 #   moe        tests/test_gpu.py's prompt ops (runtime/prompt_ops.py) and the tests whose prompts take them
 #   agraphs    tests/test_gpu.py's audio tower graphs (runtime/audio_graphs.py) and the encoder tests beside them
+#   cgraphs    tests/test_gpu.py's code2wav chunk graphs (models/qwen3_omni/code2wav.py ChunkGraphs)
 #   rope       tests/test_gpu.py's rotary kernel against the library's (prints the share of values equal)
 #   first      a true-size random 7B folder in /tmp/q7, then scripts/first_replies.py on it with the
 #              warm-up as it was (text only) and as it is (with a clip) ($OUT/first-replies-*.txt)
@@ -123,6 +124,8 @@ for step in "${@:-bench tests}"; do
                | grep -v DEBUG > "$out/test_gpu_moe.log"; tail -3 "$out/test_gpu_moe.log"; grep -E "^E " "$out/test_gpu_moe.log" | head ;;
       agraphs) timeout 240 python3 -m pytest tests/test_gpu.py -q -s -p no:cacheprovider -o addopts="" -k "audio_tower or audio_encoder" 2>&1 \
                | grep -v DEBUG > "$out/test_gpu_agraphs.log"; grep -E "vs library|passed|failed|^E " "$out/test_gpu_agraphs.log" | head -12 ;;
+      cgraphs) timeout 240 python3 -m pytest tests/test_gpu.py -q -s -p no:cacheprovider -o addopts="" -k "chunk_graphs" 2>&1 \
+               | grep -v DEBUG > "$out/test_gpu_cgraphs.log"; grep -E "passed|failed|^E " "$out/test_gpu_cgraphs.log" | head -12 ;;
       rope) timeout 120 python3 -m pytest tests/test_gpu.py -q -s -p no:cacheprovider -o addopts="" -k rope_kernel 2>&1 \
                | grep -E "rope vs|passed|failed|^E " | head -8 ;;
       first) timeout 100 python3 scripts/make_random_checkpoint.py /tmp/q7 --preset qwen2.5-omni-7b --device cuda --force \

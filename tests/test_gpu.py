@@ -516,10 +516,10 @@ def test_the_rope_kernel_is_the_librarys_in_bfloat16():
         assert not torch.equal(got, x.float())  # rotated
 
 
-def _stream_code2wav(code2wav, fr, sizes):
+def _stream_code2wav(code2wav, fr, sizes, first=None, left_context=25):
     from omni_cli.models.qwen3_omni.code2wav import StreamingCode2Wav
 
-    voc = StreamingCode2Wav(code2wav, max_frames=len(fr))
+    voc = StreamingCode2Wav(code2wav, max_frames=len(fr), first_chunk=first, left_context=left_context)
     blocks, i, k = [], 0, 0
     while i < len(fr):
         blocks += voc.push(fr[i : i + sizes[k % len(sizes)]].tolist())
@@ -527,36 +527,47 @@ def _stream_code2wav(code2wav, fr, sizes):
     return np.concatenate(blocks + voc.finish()), voc.chunk_log
 
 
+@pytest.mark.parametrize("first", [2, 4])
 @pytest.mark.parametrize("size", ["tiny", "true"])
-def test_qwen3_first_chunk_graph_equals_eager_stream(size, request):
-    """code2wav's first chunk as a CUDA graph (`FirstChunkGraph`): the streamed audio equals the eager
-    stream's (float32, no TF32) for utterances of every push pattern, twice over (a replay leaves nothing
-    behind for the next utterance), and the stream with the graph still equals the whole decode."""
+def test_qwen3_chunk_graphs_equal_the_eager_stream(size, first, request):
+    """code2wav's first chunks as CUDA graphs (`ChunkGraphs`, the first two chunks of the schedule and a
+    third here): the streamed audio equals the eager stream's (float32, no TF32) for utterances of every
+    push pattern, twice over (a replay leaves nothing behind for the next utterance), and the stream with
+    the graphs still equals the whole decode. A chunk whose context differs in length from the graph's runs eagerly."""
     import qwen3_reference as ref
 
-    from omni_cli.models.qwen3_omni.code2wav import FIRST_CHUNK, FirstChunkGraph
+    from omni_cli.models.qwen3_omni.code2wav import ChunkGraphs
 
     # cuDNN's default TF32 convolutions round the whole decode itself by ~3e-3 (code2wav.py's docstring)
     torch.backends.cudnn.allow_tf32 = False
     code2wav = (ref.model("tiny").cuda() if size == "tiny" else request.getfixturevalue("qwen3_big")[0]).code2wav
-    # The model may be one an earlier test's engine warmed up: its first-chunk graph, captured then (with
-    # cuDNN's TF32 on), would stand in for the eager stream this test compares with.
-    code2wav._omni_first_chunk = None
+    # The model may be one an earlier test's engine warmed up: its graphs, captured then (with cuDNN's TF32
+    # on), would stand in for the eager stream this test compares with.
+    code2wav._omni_chunk_graphs = None
     rng = np.random.default_rng(0)
-    utterances = [rng.integers(0, 2048, size=(n, 16)) for n in (4, 60, 3, 90)]
+    utterances = [rng.integers(0, 2048, size=(n, 16)) for n in (first, 60, 3, 90)]
     patterns = ([1], [4], [3, 1, 7, 2, 11], [10**6])
-    eager = [_stream_code2wav(code2wav, fr, p)[0] for fr in utterances for p in patterns]
-    assert FirstChunkGraph.capture(code2wav, FIRST_CHUNK) is not None
+    eager = [_stream_code2wav(code2wav, fr, p, first)[0] for fr in utterances for p in patterns]
+    graphs = ChunkGraphs.capture(code2wav, first, 25, 25, count=3)
+    assert graphs is not None and all(g.graph is not None for g in graphs.graphs.values())
     try:
         for _round in range(2):
-            graphed = [_stream_code2wav(code2wav, fr, p)[0] for fr in utterances for p in patterns]
+            graphed = [_stream_code2wav(code2wav, fr, p, first)[0] for fr in utterances for p in patterns]
             for a, b in zip(eager, graphed):
                 assert a.shape == b.shape and np.abs(a - b).max() <= 1e-5
         with torch.inference_mode():
             whole = code2wav(torch.from_numpy(utterances[3].T[None].copy()).cuda()).reshape(-1).cpu().numpy()
         assert np.abs(graphed[-1] - whole).max() <= 1e-4
+        calls = []
+        for g in graphs.graphs.values():
+            g.graph.replay = lambda g=g: calls.append(g.start)
+        _stream_code2wav(code2wav, utterances[1], [1], first)
+        assert calls == [0, first, 3 * first]
+        calls.clear()
+        _stream_code2wav(code2wav, utterances[1], [1], first, left_context=5)
+        assert calls == [0, first]  # the third chunk's context is 5 frames, not the 2 * first it was made with
     finally:
-        code2wav._omni_first_chunk = None
+        code2wav._omni_chunk_graphs = None
         torch.backends.cudnn.allow_tf32 = True
 
 

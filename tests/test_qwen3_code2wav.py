@@ -191,3 +191,37 @@ def test_bad_frames_and_misuse(code2wav):
         vocoder.push([good])
     with pytest.raises(ValueError):
         StreamingCode2Wav(code2wav, max_frames=10, left_context=0)
+
+
+@pytest.mark.parametrize("first", [2, 4])
+def test_chunk_graphs_buffers_give_the_stream(code2wav, first, monkeypatch):
+    """`ChunkGraphs` without CUDA (`graphed=False`: the graphs' input buffers run eagerly): the early chunks
+    go through the buffers (the stream's context and cache copied in, copies handed back) and the audio is
+    the plain stream's, twice over; a chunk whose context is shorter than the one it was made with, or
+    that starts elsewhere (pushes that make two chunks due at once still start on the schedule), runs
+    the stream's own way."""
+    from omni_cli.models.qwen3_omni.code2wav import ChunkGraph, ChunkGraphs
+
+    fr = frames(60, seed=7)
+    plain = [np.concatenate(stream(StreamingCode2Wav(code2wav, max_frames=60, first_chunk=first), fr, p))
+             for p in PATTERNS.values()]
+    graphs = ChunkGraphs.capture(code2wav, first, 25, 25, count=3, graphed=False)
+    calls = []
+    real = ChunkGraph.__call__
+    monkeypatch.setattr(ChunkGraph, "__call__", lambda self, *a: calls.append(self.start) or real(self, *a))
+    try:
+        assert graphs is not None and sorted(graphs.graphs) == [0, first, 3 * first]
+        for _round in range(2):
+            for want, p in zip(plain, PATTERNS.values()):
+                calls.clear()
+                got = np.concatenate(stream(StreamingCode2Wav(code2wav, max_frames=60, first_chunk=first), fr, p))
+                assert np.array_equal(got, want)
+                assert calls == [0, first, 3 * first]
+        calls.clear()
+        stream(StreamingCode2Wav(code2wav, max_frames=60, first_chunk=first, left_context=5), fr, [1])
+        assert calls == [0, first]
+        calls.clear()
+        stream(StreamingCode2Wav(code2wav, max_frames=60, first_chunk=first + 1), fr, [1])
+        assert calls == []
+    finally:
+        code2wav._omni_chunk_graphs = None

@@ -34,8 +34,11 @@ after the first had played out (omni-bench's `audio_min_lead_ms`, H100, 2,500-to
 to spare); the second block came ~159 ms after the first, far more than its frames and a decode take, not
 yet explained. Later, large chunks spend less on context and per-call overhead.
 
-On a GPU the first chunk, which the first sound waits for, is one CUDA graph (`FirstChunkGraph`,
-captured at the engine's warm-up: 55 -> 5 ms inside a turn on an H200); the other chunks run eagerly.
+On a GPU an utterance's first `GRAPHED_CHUNKS` chunks replay CUDA graphs (`ChunkGraphs`, captured at the
+engine's warm-up; each has the same shapes in every utterance): the first, which the first sound waits
+for (eager, 55 ms inside a turn on an H200; a replay 5 ms), and the second, which must be out before the
+first block has played (eager, its few hundred kernels issued from Python beside the talker's graphs).
+Later chunks, which have more audio before them to be made in, run eagerly.
 
 It does not know where frames come from (talker, file, test), where audio goes, or control ids (the
 runtime strips them; an id outside the codebook is a ValueError).
@@ -58,6 +61,8 @@ from ...runtime.decoder import no_cudnn_attention
 # measured (H100, 2,500-token prompt): first audio 112 -> 95 ms, but the second block came 22 ms after the
 # first had played out (4: 97 ms before); see the docstring.
 FIRST_CHUNK = 4
+# The chunks, from an utterance's first, that replay CUDA graphs on a GPU (`ChunkGraphs`).
+GRAPHED_CHUNKS = 2
 
 
 def decoded_lag(config) -> int:
@@ -97,7 +102,7 @@ class StreamingCode2Wav:
         left_context: frames of hidden states before a chunk that its convolutions see: `conv_reach`
             (10) makes the stream equal the whole decode, more only costs; 25 is the serving framework's
             figure. At least 1: the samples held back at the last seam lie in the last chunk's last frame.
-        graphs: replay the first chunk's CUDA graph where the warm-up captured one (the steps' policy says:
+        graphs: replay the first chunks' CUDA graphs where the warm-up captured them (the steps' policy says:
             `policy.graphs_on`); False: every chunk eager.
         """
         first_chunk = FIRST_CHUNK if first_chunk is None else first_chunk
@@ -112,7 +117,7 @@ class StreamingCode2Wav:
         self.log_units_per_code = 1  # chunk_log counts frames, one per talker step
         # The first sound waits for the first chunk alone: the engine holds its steps until it is out.
         # Eager (hundreds of kernels issued from Python) beside the talker's graphs it took 90 ms instead
-        # of 13 (H200, true size); on a GPU it is a graph now (`FirstChunkGraph`), later chunks are eager.
+        # of 13 (H200, true size); on a GPU it is a graph now (`ChunkGraphs`).
         self.quiet_first_chunk = True
         self.graphs = graphs
         self.samples_per_frame = int(np.prod(config.upsampling_ratios + config.upsample_rates))  # 1920
@@ -171,9 +176,10 @@ class StreamingCode2Wav:
         convolutions on them and the hidden context; return the samples not emitted yet."""
         t, start = time.perf_counter(), self.done
         codes = torch.from_numpy(np.ascontiguousarray(self.codes[start:end].T[None]))
-        graph = FirstChunkGraph.of(self.model) if self.graphs else None
-        if start == 0 and graph is not None and graph.frames == end:
-            window, wav, self.cache = graph(codes)
+        graphs = ChunkGraphs.of(self.model) if self.graphs else None
+        graph = graphs.get(start, end - start) if graphs is not None else None
+        if graph is not None and graph.fits(self.context, self.cache):
+            window, wav, self.cache = graph(codes, self.context, self.cache)
         else:
             window, wav = self._run(codes.to(self.device, non_blocking=True), self.context, self.cache)
         # The window's sample 0 is the first sample of its first frame; skip what was emitted before.
@@ -219,61 +225,113 @@ class StreamingCode2Wav:
         return self.model(codes).reshape(-1).float().cpu().numpy()
 
 
-class FirstChunkGraph:
-    """The first chunk of every utterance as one CUDA graph: it always has one shape (`first_chunk`
-    frames, an empty cache, no context), and it is all that stands between the fourth frame and the
-    first sound. Eager, its ~300 small kernels issued from Python took 55 ms inside a turn on an H200
-    (13 ms alone); a replay issues them at once. Later chunks change shape (context and cache grow to
-    their steady sizes, the last one is any length) and stay eager.
+class ChunkGraph:
+    """One early chunk of every utterance as a CUDA graph. The chunk that starts at frame `start` of the
+    doubling schedule has the same shapes in every utterance: `frames` codes, `min(start, left_context)`
+    frames of context, `start` positions in the pre-transformer's cache (while under its window), so
+    transformers' host-side values (positions, mask sizes) are the same too, and one capture serves them all.
 
-    Captured by the engine's warm-up (`capture`), kept on the code2wav module, replayed by every
-    `StreamingCode2Wav` over that module. A replay returns copies of the window and of the
-    pre-transformer's cache, which the stream goes on with; the samples are read at once.
+    The stream's context and cache are copied into the graph's input buffers before a replay (a few small
+    copies; none for the first chunk, whose cache is empty); a replay returns copies of the window and of
+    the cache, which the stream goes on with; the samples are read at once. `graphed=False` runs the same
+    buffers eagerly instead (the CPU tests' stand-in for a replay).
     """
 
-    def __init__(self, code2wav, frames: int) -> None:
+    def __init__(self, code2wav, start: int, frames: int, left_context: int, graphed: bool = True) -> None:
         from ...runtime.graphs import capture_anywhere, capture_stream
 
-        voc = StreamingCode2Wav(code2wav, max_frames=frames, first_chunk=frames)
-        self.frames, self.device = frames, voc.device
+        voc = StreamingCode2Wav(code2wav, max_frames=start + frames, first_chunk=max(start, 1),
+                                left_context=left_context, graphs=False)
+        self.start, self.frames, self.device = start, frames, voc.device
+        if start:  # the state of any stream at `start`: one chunk of that many frames gives its shapes
+            voc.push(np.zeros((start, voc.config.num_quantizers), dtype=np.int64))
         self.codes = torch.zeros(1, voc.config.num_quantizers, frames, dtype=torch.long, device=self.device)
+        self.context = voc.context.clone()
+        self.inputs = copy.deepcopy(voc.cache)  # its layers' tensors are the input buffers
+        _on_device(self.inputs, self.device)  # a cache's lazy set-up would copy from the host inside a capture
+        self.graph = None
+        if not graphed:
+            self._voc = voc
+            return
         side = capture_stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
-            voc._run(self.codes, voc.context, voc.cache)  # warm-up: kernels chosen outside the capture
+            voc._run(self.codes, self.context, _layers_copied(self.inputs))  # kernels chosen outside the capture
         torch.cuda.current_stream(self.device).wait_stream(side)
-        voc.reset()
-        self.cache = voc.cache
-        _on_device(self.cache, self.device)  # a cache's lazy set-up would copy from the host inside the capture
+        self.cache = _layers_copied(self.inputs)
         self.graph = torch.cuda.CUDAGraph()
         with capture_anywhere(self.graph, torch.cuda.graph_pool_handle(), side):
-            self.window, self.wav = voc._run(self.codes, voc.context, self.cache)
+            self.window, self.wav = voc._run(self.codes, self.context, self.cache)
         torch.cuda.current_stream(self.device).wait_stream(side)
 
+    def fits(self, context: torch.Tensor, cache) -> bool:
+        """Whether a stream's state has the shapes this graph was made for: the context's frames (which the
+        left context caps) and the cached positions. Only then do the copies and the replay hold."""
+        return (context.shape == self.context.shape and len(cache.layers) == len(self.inputs.layers)
+                and cache.get_seq_length() == self.inputs.get_seq_length())
+
+    def __call__(self, codes: torch.Tensor, context: torch.Tensor, cache):
+        """codes [1, 16, frames] on the host, the stream's context and cache -> (window, samples, cache)."""
+        self.codes.copy_(codes, non_blocking=True)
+        if self.start:
+            self.context.copy_(context)
+            for mine, theirs in zip(self.inputs.layers, cache.layers):
+                mine.keys.copy_(theirs.keys)
+                mine.values.copy_(theirs.values)
+        if self.graph is None:
+            cache = _layers_copied(self.inputs)
+            window, wav = self._voc._run(self.codes, self.context, cache)
+            return window, wav, cache
+        self.graph.replay()
+        return self.window.clone(), self.wav, copy.deepcopy(self.cache)
+
+
+class ChunkGraphs:
+    """The graphs of an utterance's first `GRAPHED_CHUNKS` chunks, by the frame each starts at. Captured by
+    the engine's warm-up (`capture`), kept on the code2wav module (`of`), replayed by every
+    `StreamingCode2Wav` over that module where a chunk starts, ends and has its state as one of them."""
+
+    def __init__(self, graphs: dict[int, ChunkGraph]) -> None:
+        self.graphs = graphs
+
     @classmethod
-    def capture(cls, code2wav, frames: int) -> "FirstChunkGraph | None":
-        """Capture the graph for `code2wav`'s first chunks of `frames` frames; on failure warn and keep
-        the eager path (the audio is only later without it, so a capture problem must not stop a reply)."""
+    def capture(cls, code2wav, first_chunk: int, chunk: int, left_context: int, count: int | None = None,
+                graphed: bool = True) -> "ChunkGraphs | None":
+        """Capture the first `count` chunks (default `GRAPHED_CHUNKS`) of the schedule `first_chunk`, doubling
+        up to `chunk`; on failure warn and keep the eager path (the audio is only later without them, so a
+        capture problem must not stop a reply)."""
+        graphs, start, size = {}, 0, first_chunk
         try:
             with torch.inference_mode():
-                graph = cls(code2wav, frames)
+                for _ in range(GRAPHED_CHUNKS if count is None else count):
+                    graphs[start] = ChunkGraph(code2wav, start, size, left_context, graphed)
+                    start, size = start + size, min(2 * size, chunk)
+            made: ChunkGraphs | None = cls(graphs)
         except Exception as exc:  # noqa: BLE001 - any capture failure
             import warnings
 
-            warnings.warn(f"code2wav's first chunk could not be captured as a CUDA graph, it runs eagerly: {exc!r:.300}")
-            graph = None
-        code2wav._omni_first_chunk = graph
-        return graph
+            warnings.warn(f"code2wav's first chunks could not be captured as CUDA graphs, they run eagerly: {exc!r:.300}")
+            made = None
+        code2wav._omni_chunk_graphs = made
+        return made
 
     @staticmethod
-    def of(code2wav) -> "FirstChunkGraph | None":
-        return getattr(code2wav, "_omni_first_chunk", None)
+    def of(code2wav) -> "ChunkGraphs | None":
+        return getattr(code2wav, "_omni_chunk_graphs", None)
 
-    def __call__(self, codes: torch.Tensor):
-        """codes [1, 16, frames] on the host -> (window, samples, cache) of the first chunk."""
-        self.codes.copy_(codes, non_blocking=True)
-        self.graph.replay()
-        return self.window.clone(), self.wav, copy.deepcopy(self.cache)
+    def get(self, start: int, frames: int) -> ChunkGraph | None:
+        """The graph of the chunk of `frames` frames that starts at frame `start`, if one was made (whether
+        a stream's state fits it is `ChunkGraph.fits`)."""
+        graph = self.graphs.get(start)
+        return graph if graph is not None and graph.frames == frames else None
+
+
+def _layers_copied(cache):
+    """A copy of `cache` whose layers are new objects over the same tensors: an update inside `_run`
+    re-points the copy's layers at new tensors and leaves `cache`'s (the input buffers) where they are."""
+    out = copy.copy(cache)
+    out.layers = [copy.copy(layer) for layer in cache.layers]
+    return out
 
 
 def _on_device(cache, device: torch.device) -> None:
