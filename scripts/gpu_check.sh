@@ -26,6 +26,8 @@
 #   moe        tests/test_gpu.py's prompt ops (runtime/prompt_ops.py) and the tests whose prompts take them
 #   agraphs    tests/test_gpu.py's audio tower graphs (runtime/audio_graphs.py) and the encoder tests beside them
 #   cgraphs    tests/test_gpu.py's code2wav chunk graphs (models/qwen3_omni/code2wav.py ChunkGraphs)
+#   dit        the 7B's vocoder alone (scripts/vocoder_bench.py --profile, 250 codes), the omni_cli copied to
+#              .ab_before/ (an earlier commit, where one was put there) and this one ($OUT/vocoder-{before,now}.json)
 #   rope       tests/test_gpu.py's rotary kernel against the library's (prints the share of values equal)
 #   first      a true-size random 7B folder in /tmp/q7, then scripts/first_replies.py on it with the
 #              warm-up as it was (text only) and as it is (with a clip) ($OUT/first-replies-*.txt)
@@ -126,6 +128,12 @@ for step in "${@:-bench tests}"; do
                | grep -v DEBUG > "$out/test_gpu_agraphs.log"; grep -E "vs library|passed|failed|^E " "$out/test_gpu_agraphs.log" | head -12 ;;
       cgraphs) timeout 240 python3 -m pytest tests/test_gpu.py -q -s -p no:cacheprovider -o addopts="" -k "chunk_graphs" 2>&1 \
                | grep -v DEBUG > "$out/test_gpu_cgraphs.log"; grep -E "passed|failed|^E " "$out/test_gpu_cgraphs.log" | head -12 ;;
+      dit) for side in before now; do
+             if [ $side = before ]; then [ -d .ab_before/omni_cli ] || continue; path=$PWD/.ab_before; else path=$PWD; fi
+             PYTHONPATH=$path timeout 200 python3 scripts/vocoder_bench.py --codes 250 --runs 3 --profile \
+               --json "$out/vocoder-$side.json" > "$out/vocoder-$side.txt" 2>&1
+             echo "dit $side rc=$?"; grep -E '"(first_chunk_ms|steady_chunk_ms|utterance_ms|kernels|device_ms)"' "$out/vocoder-$side.txt"
+           done ;;
       rope) timeout 120 python3 -m pytest tests/test_gpu.py -q -s -p no:cacheprovider -o addopts="" -k rope_kernel 2>&1 \
                | grep -E "rope vs|passed|failed|^E " | head -8 ;;
       first) timeout 100 python3 scripts/make_random_checkpoint.py /tmp/q7 --preset qwen2.5-omni-7b --device cuda --force \

@@ -1,7 +1,7 @@
 """Qwen2.5-Omni's streaming vocoder alone, at true size (random weights, float32, on CUDA): how long its
 first chunk and its steady chunks take, as the engine runs them. A developer's tool for the lent GPU.
 
-    python scripts/vocoder_bench.py [--compile] [--codes 750] [--runs 3] [--json FILE]
+    python scripts/vocoder_bench.py [--compile] [--codes 750] [--runs 3] [--json FILE] [--profile]
 
 It builds only token2wav (the library's DiT and BigVGAN defaults are the real sizes), warms the vocoder up
 as the engine does (`vocoder.capture_windows`: uncompiled, the first windows' step graphs, the rest
@@ -40,6 +40,28 @@ def _median_or_none(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
+def _profile_first_chunk(vocoder, utterance: list[int], dev: torch.device) -> dict:
+    """The first chunk (its codes pushed at once) under torch.profiler: each kernel's device time and
+    count, the top 15 by time, and the sums (a graph replay's kernels are listed one by one)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    voc = vocoder(len(utterance))
+    first = voc.codes_for_first_audio
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    with torch.inference_mode(), profile(activities=activities) as prof:
+        voc.push(utterance[:first])
+    kernels: dict[str, list[float]] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            entry = kernels.setdefault(e.name[:90], [0.0, 0])
+            entry[0] += e.device_time_total / 1000
+            entry[1] += 1
+    top = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:15]
+    return {"kernels": sum(n for _, n in kernels.values()),
+            "device_ms": round(sum(ms for ms, _ in kernels.values()), 3),
+            "top": [{"kernel": k, "ms": round(ms, 3), "count": n} for k, (ms, n) in top]}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--compile", action="store_true", help="the compiled DiT (omni-bench's, --compile)")
@@ -48,6 +70,8 @@ def main() -> int:
     ap.add_argument("--chunk", type=int, default=192, help="the steady chunk in codes (the engine's: 192)")
     ap.add_argument("--json", metavar="FILE")
     ap.add_argument("--device", default="cuda", help="cuda, or cpu for a quick check of the script (slow)")
+    ap.add_argument("--profile", action="store_true",
+                    help="then the first chunk once under torch.profiler: device time by kernel (top 15) and in all")
     args = ap.parse_args()
 
     from omni_cli.models.weights import quiet_transformers
@@ -98,6 +122,8 @@ def main() -> int:
         "utterance_ms": statistics.median(r["total_ms"] for r in measured),
         "runs": measured,
     }
+    if args.profile:
+        report["first_chunk_profile"] = _profile_first_chunk(vocoder, utterance, dev)
     print(json.dumps({k: v for k, v in report.items() if k != "runs"}, indent=1))
     if args.json:
         with open(args.json, "w") as f:
