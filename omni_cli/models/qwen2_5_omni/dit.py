@@ -12,12 +12,14 @@ small kernels (on a GPU a window is launch-bound: ~1,000 kernels an evaluation):
   modules keep views of its rows, so no memory is added) and `_attention` makes one product.
 - RoPE touches only the first head, de-interleaved and rotated by half (two copies, two negations and
   four concatenations a layer): `rope_rows` are that head's q and k rows in those orders, with the signs,
-  so one small product gives the rotation's inputs, and the rotated head is written into its place.
+  so one small product gives the rotation's inputs for q's head and k's, and both rotated heads are
+  written into their places in the q/k/v product at once (one view of the two).
   Compiled, inductor fuses that element-wise work itself and the extra product would only add a launch:
   `dit_forward_compiled` runs the layers' own attention (with the time conditioning table).
 
 - Each `a * b + c` of the library (the AdaLN modulations, the gated residuals, RoPE's sum) is one
-  `torch.addcmul`: on a GPU each was two kernels, ~130 of an evaluation's ~510 launches.
+  `torch.addcmul`, where each was two kernels. With q's and k's RoPE at once, an evaluation launches
+  334 kernels where it launched 511 (counted as dispatched operators on the CPU, true size).
 
 The rest is the library's float operations in the library's order (`DiTDecoderLayer.forward` and
 `DiTAttention.forward` of transformers 5.17-5.24, the attention through the configured attention
@@ -170,17 +172,15 @@ def dit_forward_compiled(plan: DitPlan, x, cond, static, rope, masks) -> torch.T
 
 def rope_rows(attn) -> tuple[torch.Tensor, torch.Tensor]:
     """(weight, bias) of the first head's q and k, each twice: de-interleaved (`deinterleave_head_dim`:
-    the even dims, then the odd ones) and then rotated by half with the sign (`rotate_half` of that:
-    minus the odd dims, then the even ones). One product of these 4 x head_dim rows gives what the
-    library makes from q and k with two copies, two negations and four concatenations; a negated row
-    gives the exact negation of the row's product."""
+    the even dims, then the odd ones), q's then k's, and then both rotated by half with the sign
+    (`rotate_half` of that: minus the odd dims, then the even ones). One product of these 4 x head_dim
+    rows gives what the library makes from q and k with two copies, two negations and four
+    concatenations; a negated row gives the exact negation of the row's product."""
     d = attn.inner_dim // attn.heads
-    weights, biases = [], []
-    for linear in (attn.to_q, attn.to_k):
-        w, b = linear.weight.data[:d], linear.bias.data[:d]
-        even, odd = slice(0, d, 2), slice(1, d, 2)
-        weights += [w[even], w[odd], -w[odd], w[even]]
-        biases += [b[even], b[odd], -b[odd], b[even]]
+    even, odd = slice(0, d, 2), slice(1, d, 2)
+    rows = [(linear.weight.data[:d], linear.bias.data[:d]) for linear in (attn.to_q, attn.to_k)]
+    weights = [torch.cat([w[even], w[odd]]) for w, _ in rows] + [torch.cat([-w[odd], w[even]]) for w, _ in rows]
+    biases = [torch.cat([b[even], b[odd]]) for _, b in rows] + [torch.cat([-b[odd], b[even]]) for _, b in rows]
     return torch.cat(weights), torch.cat(biases)
 
 
@@ -189,16 +189,18 @@ def _attention(attn, hidden, qkv_w, qkv_b, rope_w, rope_b, rope, mask) -> torch.
     head's RoPE inputs from one product of `rope_rows`."""
     batch = hidden.shape[0]
     head_dim = attn.inner_dim // attn.heads
-    query, key, value = F.linear(hidden, qkv_w, qkv_b).split(attn.inner_dim, dim=-1)
+    qkv = F.linear(hidden, qkv_w, qkv_b)
+    query, key, value = qkv.split(attn.inner_dim, dim=-1)
     query = query.view(batch, -1, attn.heads, head_dim).transpose(1, 2)
     key = key.view(batch, -1, attn.heads, head_dim).transpose(1, 2)
     value = value.view(batch, -1, attn.heads, head_dim).transpose(1, 2)
     # Only the first head gets RoPE (as the checkpoint was trained), in the de-interleaved layout:
-    # `apply_rotary_pos_emb`'s (x * cos) + (rotate_half(x) * sin), with x and rotate_half(x) made above.
-    q0, q0_half, k0, k0_half = F.linear(hidden, rope_w, rope_b).unsqueeze(1).split(head_dim, dim=-1)
-    cos, sin = (r.unsqueeze(1) for r in rope)
-    for x, x_half, out in ((q0, q0_half, query[:, :1]), (k0, k0_half, key[:, :1])):
-        torch.addcmul(x * cos, x_half, sin, out=out)  # written into the head: no copy of it after
+    # `apply_rotary_pos_emb`'s (x * cos) + (rotate_half(x) * sin), with x and rotate_half(x) made by one
+    # product, for q's first head and k's at once, written into those heads (a view of both in `qkv`).
+    first_heads = qkv.view(batch, -1, 3, attn.heads, head_dim)[:, :, :2, 0]
+    x, x_half = F.linear(hidden, rope_w, rope_b).view(batch, -1, 2, 2, head_dim).unbind(2)
+    cos, sin = (r.unsqueeze(2) for r in rope)
+    torch.addcmul(x * cos, x_half, sin, out=first_heads)
     attend = _library.ALL_ATTENTION_FUNCTIONS[attn.config._attn_implementation]
     weights, _ = attend(attn, query, key, value, attention_mask=mask, is_causal=False)
     weights = weights.reshape(batch, -1, attn.heads * head_dim).to(query.dtype)
