@@ -153,6 +153,8 @@ def test_the_dit_plans_attention_is_the_librarys(token2wav, voice):
         fused, library = dit.dit_forward(*args), dit.dit_forward_compiled(*args)
     assert vocoder._plan.fused_attention
     assert float((fused - library).abs().max()) <= 1e-6 * float(library.abs().max())
+    # `_modulated` takes the first row of the CFG batch's time conditioning for both: they are one time point.
+    assert all(torch.equal(c[:, 0], c[:, 1]) for step in vocoder._grid for c in step)
 
 
 # -- streaming fidelity ---------------------------------------------------------------------------

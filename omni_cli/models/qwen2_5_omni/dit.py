@@ -9,26 +9,29 @@ small kernels (on a GPU a window is launch-bound: ~1,000 kernels an evaluation):
   them once per ODE grid (per model: the grid is fixed by the number of steps and the sway), with the
   same operations on the same batch of two, so the numbers are identical; an evaluation reads its row.
 - q, k and v are three products of one input: `DitPlan` stacks their weights into one matrix (the
-  modules keep views of its rows, so no memory is added) and `_attention` makes one product.
+  modules keep views of its rows, so no memory is added), and under them the RoPE rows of the next point.
 - RoPE touches only the first head, de-interleaved and rotated by half (two copies, two negations and
   four concatenations a layer): `rope_rows` are that head's q and k rows in those orders, with the signs,
-  so one small product gives the rotation's inputs for q's head and k's, and both rotated heads are
+  so the same product gives the rotation's inputs for q's head and k's, and both rotated heads are
   written into their places in the q/k/v product at once (one view of the two).
-  Compiled, inductor fuses that element-wise work itself and the extra product would only add a launch:
-  `dit_forward_compiled` runs the layers' own attention (with the time conditioning table).
+  Compiled, inductor fuses that element-wise work itself: `dit_forward_compiled` runs the layers' own
+  attention (with the time conditioning table).
+- The AdaLN modulation `norm(x) * (1 + scale) + shift` is the LayerNorm's own affine (`_modulated`: the
+  CFG batch's two rows share the time point, so one weight and bias serve both), and each gated residual
+  `x + gate * y` one `torch.addcmul`: one kernel where the library makes three and two.
 
-- Each `a * b + c` of the library (the AdaLN modulations, the gated residuals, RoPE's sum) is one
-  `torch.addcmul`, where each was two kernels. With q's and k's RoPE at once, an evaluation launches
-  334 kernels where it launched 511 (counted as dispatched operators on the CPU, true size).
+Counted as dispatched operators on the CPU (true size), an evaluation launches 267 kernels where it
+launched 511 before these last three changes.
 
 The rest is the library's float operations in the library's order (`DiTDecoderLayer.forward` and
 `DiTAttention.forward` of transformers 5.17-5.24, the attention through the configured attention
 function), with the layer's mask passed in (`attention_masks`) instead of rebuilt from block differences
 in every layer. The fused products can round differently from three separate ones in the last bit (a
-matrix of another shape may get another kernel), and an `addcmul` may round its product and sum once
-where the library rounds twice; the tests hold the whole decode to transformers' token2wav within 1e-5
-(measured on the CPU, tiny model: 8.3e-7 of a 0.45 peak, bit-identical before the `addcmul`s). Where a transformers version lacks `deinterleave_head_dim` (its DiT's RoPE laid
-out otherwise), each layer's own attention module runs (`FUSED_ATTENTION`).
+matrix of another shape may get another kernel), and a fused multiply-add may round its product and sum
+once where the library rounds twice; the tests hold the whole decode to transformers' token2wav within
+1e-5 (measured on the CPU, tiny model: 8.3e-7 of a 0.45 peak; bit-identical before the fused modulations
+and residuals). Where a transformers version lacks `deinterleave_head_dim` (its DiT's RoPE laid out
+otherwise), each layer's own attention module runs (`FUSED_ATTENTION`).
 
 It knows the DiT's layer structure and nothing of windows, chunks, noise, CUDA graphs or BigVGAN
 (vocoder.py).
@@ -54,8 +57,8 @@ THIRD, TWO_THIRDS = 1 / 3, 2 / 3
 
 
 class DitPlan:
-    """What every evaluation of one DiT shares: the stacked q/k/v weights, the first heads' RoPE rows, and
-    per ODE grid the time conditioning.
+    """What every evaluation of one DiT shares: the stacked q/k/v weights with the first heads' RoPE rows,
+    and per ODE grid the time conditioning.
 
     Made once per token2wav model (`for_dit`), on the device the model is on then; the tensors it holds
     must outlive the CUDA graphs that read them, so it is kept on the model.
@@ -65,9 +68,10 @@ class DitPlan:
         self.dit = dit
         self.layers = list(dit.transformer_blocks)
         self.fused_attention = FUSED_ATTENTION
-        # (weight, bias) of each layer's q/k/v stacked; the modules are re-pointed at views of the rows.
-        self.qkv = [fuse_rows([layer.attn.to_q, layer.attn.to_k, layer.attn.to_v]) for layer in self.layers]
-        self.rope = [rope_rows(layer.attn) for layer in self.layers]
+        # (weight, bias) of each layer's q/k/v and the first heads' RoPE rows stacked; the q/k/v modules are
+        # re-pointed at views of their rows.
+        self.qkv = [fuse_rows([layer.attn.to_q, layer.attn.to_k, layer.attn.to_v, _rope_linear(layer.attn)])
+                    for layer in self.layers]
         self._grids: dict = {}
 
     @classmethod
@@ -149,18 +153,23 @@ def dit_forward(plan: DitPlan, x, cond, static, rope, masks, fused_attention: bo
     hidden = dit.input_embed.proj(torch.cat((torch.cat([x, x], dim=0), static), dim=-1))
     for i, (layer, mask) in enumerate(zip(plan.layers, masks)):
         shift_msa, scale_msa_1, gate_msa, shift_mlp, scale_mlp_1, gate_mlp = cond[6 * i : 6 * i + 6]
-        # Each `a * b + c` of the library as one `addcmul` (one kernel where it made two; see the docstring).
-        norm = torch.addcmul(shift_msa[:, None], layer.attn_norm.norm(hidden), scale_msa_1[:, None])
+        norm = _modulated(layer.attn_norm.norm, hidden, scale_msa_1, shift_msa)
         if fused_attention and plan.fused_attention:
-            attention = _attention(layer.attn, norm, *plan.qkv[i], *plan.rope[i], rope, mask)
+            attention = _attention(layer.attn, norm, *plan.qkv[i], rope, mask)
         else:
             attention = layer.attn(hidden_states=norm, position_embeddings=rope, attention_mask=mask)
+        # The library's `hidden + gate * attention` as one kernel, where it made two (see the docstring).
         hidden = torch.addcmul(hidden, gate_msa.unsqueeze(1), attention)
-        norm = torch.addcmul(shift_mlp[:, None], layer.ff_norm(hidden), scale_mlp_1[:, None])
+        norm = _modulated(layer.ff_norm, hidden, scale_mlp_1, shift_mlp)
         hidden = torch.addcmul(hidden, gate_mlp.unsqueeze(1), layer.ff(norm))
-    scale_1, shift = cond[-2], cond[-1]
-    hidden = torch.addcmul(shift[:, None, :], dit.norm_out.norm(hidden), scale_1[:, None, :])
-    return dit.proj_out(hidden)
+    return dit.proj_out(_modulated(dit.norm_out.norm, hidden, cond[-2], cond[-1]))
+
+
+def _modulated(norm, hidden: torch.Tensor, scale_1: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+    """The library's AdaLN `norm(hidden) * (1 + scale) + shift` as the LayerNorm's own affine: one kernel
+    where it made three. The CFG batch's two rows of `scale_1` and `shift` are the same numbers (one time
+    point for both: `DitPlan.time_conditioning`), so the first row is the affine's weight and bias."""
+    return F.layer_norm(hidden, norm.normalized_shape, scale_1[0], shift[0], norm.eps)
 
 
 def dit_forward_compiled(plan: DitPlan, x, cond, static, rope, masks) -> torch.Tensor:
@@ -184,21 +193,26 @@ def rope_rows(attn) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.cat(weights), torch.cat(biases)
 
 
-def _attention(attn, hidden, qkv_w, qkv_b, rope_w, rope_b, rope, mask) -> torch.Tensor:
-    """`DiTAttention.forward` with q, k and v from one product of the stacked weights, and the first
-    head's RoPE inputs from one product of `rope_rows`."""
+def _rope_linear(attn) -> torch.nn.Linear:
+    """`rope_rows` as a linear layer of its own, for `fuse_rows` to stack under q, k and v."""
+    weight, bias = rope_rows(attn)
+    linear = torch.nn.Linear(weight.shape[1], weight.shape[0], device=weight.device, dtype=weight.dtype)
+    linear.weight.data, linear.bias.data = weight, bias
+    return linear
+
+
+def _attention(attn, hidden, weight, bias, rope, mask) -> torch.Tensor:
+    """`DiTAttention.forward` with q, k, v and the first heads' RoPE inputs (`rope_rows`) from one
+    product of the stacked weights."""
     batch = hidden.shape[0]
-    head_dim = attn.inner_dim // attn.heads
-    qkv = F.linear(hidden, qkv_w, qkv_b)
-    query, key, value = qkv.split(attn.inner_dim, dim=-1)
-    query = query.view(batch, -1, attn.heads, head_dim).transpose(1, 2)
-    key = key.view(batch, -1, attn.heads, head_dim).transpose(1, 2)
-    value = value.view(batch, -1, attn.heads, head_dim).transpose(1, 2)
+    inner, head_dim = attn.inner_dim, attn.inner_dim // attn.heads
+    qkv, rope_inputs = F.linear(hidden, weight, bias).split([3 * inner, 4 * head_dim], dim=-1)
+    query, key, value = (part.unflatten(-1, (attn.heads, head_dim)).transpose(1, 2) for part in qkv.split(inner, dim=-1))
     # Only the first head gets RoPE (as the checkpoint was trained), in the de-interleaved layout:
-    # `apply_rotary_pos_emb`'s (x * cos) + (rotate_half(x) * sin), with x and rotate_half(x) made by one
-    # product, for q's first head and k's at once, written into those heads (a view of both in `qkv`).
-    first_heads = qkv.view(batch, -1, 3, attn.heads, head_dim)[:, :, :2, 0]
-    x, x_half = F.linear(hidden, rope_w, rope_b).view(batch, -1, 2, 2, head_dim).unbind(2)
+    # `apply_rotary_pos_emb`'s (x * cos) + (rotate_half(x) * sin), with x and rotate_half(x) made by the
+    # product, for q's first head and k's at once, written into those heads (one view of both).
+    first_heads = qkv.unflatten(-1, (3, attn.heads, head_dim))[:, :, :2, 0]
+    x, x_half = rope_inputs.unflatten(-1, (2, 2, head_dim)).unbind(2)
     cos, sin = (r.unsqueeze(2) for r in rope)
     torch.addcmul(x * cos, x_half, sin, out=first_heads)
     attend = _library.ALL_ATTENTION_FUNCTIONS[attn.config._attn_implementation]
