@@ -195,33 +195,40 @@ def test_bad_frames_and_misuse(code2wav):
 
 @pytest.mark.parametrize("first", [2, 4])
 def test_chunk_graphs_buffers_give_the_stream(code2wav, first, monkeypatch):
-    """`ChunkGraphs` without CUDA (`graphed=False`: the graphs' input buffers run eagerly): the early chunks
-    go through the buffers (the stream's context and cache copied in, copies handed back) and the audio is
-    the plain stream's, twice over; a chunk whose context is shorter than the one it was made with, or
-    that starts elsewhere (pushes that make two chunks due at once still start on the schedule), runs
-    the stream's own way."""
+    """`ChunkGraphs` without CUDA (`graphed=False`: the graphs' input buffers run eagerly): every chunk but
+    the last goes through the buffers (the stream's context and cache copied in, the positions of the
+    steady chunks an input, copies handed back) and the audio is the plain stream's, bit for bit, twice
+    over (a graph's positions left from one utterance must not reach the next); a chunk whose context is
+    shorter than the one it was made with, or that starts elsewhere before the cache is full, runs the
+    stream's own way, and a steady chunk of another schedule replays the steady graph."""
     from omni_cli.models.qwen3_omni.code2wav import ChunkGraph, ChunkGraphs
 
-    fr = frames(60, seed=7)
-    plain = [np.concatenate(stream(StreamingCode2Wav(code2wav, max_frames=60, first_chunk=first), fr, p))
+    fr = frames(200, seed=7)
+    plain = [np.concatenate(stream(StreamingCode2Wav(code2wav, max_frames=200, first_chunk=first), fr, p))
              for p in PATTERNS.values()]
-    graphs = ChunkGraphs.capture(code2wav, first, 25, 25, count=3, graphed=False)
+    graphs = ChunkGraphs.capture(code2wav, first, 25, 25, graphed=False)
     calls = []
     real = ChunkGraph.__call__
-    monkeypatch.setattr(ChunkGraph, "__call__", lambda self, *a: calls.append(self.start) or real(self, *a))
+    monkeypatch.setattr(ChunkGraph, "__call__", lambda self, start, *a: calls.append((self.start, start)) or real(self, start, *a))
     try:
-        assert graphs is not None and sorted(graphs.graphs) == [0, first, 3 * first]
+        assert graphs is not None and min(max(graphs.graphs), 71) == 71  # through the first chunk with a full cache
         for _round in range(2):
             for want, p in zip(plain, PATTERNS.values()):
                 calls.clear()
-                got = np.concatenate(stream(StreamingCode2Wav(code2wav, max_frames=60, first_chunk=first), fr, p))
+                voc = StreamingCode2Wav(code2wav, max_frames=200, first_chunk=first)
+                got = np.concatenate(stream(voc, fr, p))
                 assert np.array_equal(got, want)
-                assert calls == [0, first, 3 * first]
+                chunks = [0] + list(np.cumsum([f for f, _ in voc.chunk_log])[:-2])  # every start but the last chunk's
+                assert [start for _, start in calls] == chunks
+                assert all(made == min(start, graphs.full) or made >= graphs.full for made, start in calls)
+                assert sum(made >= graphs.full for made, _ in calls) >= 3  # the steady graph, at several starts
         calls.clear()
-        stream(StreamingCode2Wav(code2wav, max_frames=60, first_chunk=first, left_context=5), fr, [1])
-        assert calls == [0, first]
-        calls.clear()
-        stream(StreamingCode2Wav(code2wav, max_frames=60, first_chunk=first + 1), fr, [1])
-        assert calls == []
+        stream(StreamingCode2Wav(code2wav, max_frames=200, first_chunk=first, left_context=5), fr, [1])
+        assert [start for _, start in calls] == [0, first]  # then the context is 5 frames, not 2 * first
+        calls.clear()  # another schedule: its early chunks are not the graphs', its steady ones are
+        other = np.concatenate(stream(StreamingCode2Wav(code2wav, max_frames=200, first_chunk=first + 1), fr, [1]))
+        assert calls and all(start > graphs.full and made >= graphs.full for made, start in calls)
+        code2wav._omni_chunk_graphs = None
+        assert np.array_equal(other, np.concatenate(stream(StreamingCode2Wav(code2wav, max_frames=200, first_chunk=first + 1), fr, [1])))
     finally:
         code2wav._omni_chunk_graphs = None

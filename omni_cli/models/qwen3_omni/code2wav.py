@@ -34,11 +34,12 @@ after the first had played out (omni-bench's `audio_min_lead_ms`, H100, 2,500-to
 to spare); the second block came ~159 ms after the first, far more than its frames and a decode take, not
 yet explained. Later, large chunks spend less on context and per-call overhead.
 
-On a GPU an utterance's first `GRAPHED_CHUNKS` chunks replay CUDA graphs (`ChunkGraphs`, captured at the
-engine's warm-up; each has the same shapes in every utterance): the first, which the first sound waits
-for (eager, 55 ms inside a turn on an H200; a replay 5 ms), and the second, which must be out before the
-first block has played (eager, its few hundred kernels issued from Python beside the talker's graphs).
-Later chunks, which have more audio before them to be made in, run eagerly.
+On a GPU every chunk but an utterance's last replays a CUDA graph (`ChunkGraphs`, captured at the
+engine's warm-up): each chunk of the schedule has the same shapes in every utterance until the
+pre-transformer's cache is full, and from then on every steady chunk has, so one graph serves those with
+the positions an input. Eager, a chunk's few hundred kernels are issued from Python (the first took 55 ms
+inside a turn on an H200, 5 ms as a replay), holding the interpreter while the talker's thread issues
+its steps beside it.
 
 It does not know where frames come from (talker, file, test), where audio goes, or control ids (the
 runtime strips them; an id outside the codebook is a ValueError).
@@ -61,8 +62,6 @@ from ...runtime.decoder import no_cudnn_attention
 # measured (H100, 2,500-token prompt): first audio 112 -> 95 ms, but the second block came 22 ms after the
 # first had played out (4: 97 ms before); see the docstring.
 FIRST_CHUNK = 4
-# The chunks, from an utterance's first, that replay CUDA graphs on a GPU (`ChunkGraphs`).
-GRAPHED_CHUNKS = 2
 
 
 def decoded_lag(config) -> int:
@@ -179,7 +178,7 @@ class StreamingCode2Wav:
         graphs = ChunkGraphs.of(self.model) if self.graphs else None
         graph = graphs.get(start, end - start) if graphs is not None else None
         if graph is not None and graph.fits(self.context, self.cache):
-            window, wav, self.cache = graph(codes, self.context, self.cache)
+            window, wav, self.cache = graph(start, codes, self.context, self.cache)
         else:
             window, wav = self._run(codes.to(self.device, non_blocking=True), self.context, self.cache)
         # The window's sample 0 is the first sample of its first frame; skip what was emitted before.
@@ -190,9 +189,12 @@ class StreamingCode2Wav:
         self.chunk_log.append((end - start, time.perf_counter() - t))
         return block
 
-    def _run(self, codes: torch.Tensor, context: torch.Tensor, cache) -> tuple[torch.Tensor, torch.Tensor]:
+    def _run(self, codes: torch.Tensor, context: torch.Tensor, cache,
+             positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """A chunk's device work: codes [1, 16, n] (on the device) -> (the convolutions' window [context |
-        the frames' hidden states], its samples); the pre-transformer reads and extends `cache`."""
+        the frames' hidden states], its samples); the pre-transformer reads and extends `cache`.
+        `positions` [1, n]: the frames' positions on the device (a graph's input); None: the library
+        counts them from the cache's length on the host."""
         m = self.model
         hidden = m.code_embedding(codes + m.code_offset).mean(1)
         # Positions continue from the cache's length, so RoPE sees the whole decode's positions. Every
@@ -200,8 +202,8 @@ class StreamingCode2Wav:
         # per shape (measured on an H200, true size: 134 ms for the second chunk, 0.8-1.2 s for 25-frame
         # chunks, against ~20 ms for the first).
         with no_cudnn_attention(self.device.type == "cuda"):
-            hidden = m.pre_transformer(inputs_embeds=hidden, **compat.cache_kwargs(cache, m.pre_transformer),
-                                       use_cache=True).last_hidden_state
+            hidden = m.pre_transformer(inputs_embeds=hidden, position_ids=positions, use_cache=True,
+                                       **compat.cache_kwargs(cache, m.pre_transformer)).last_hidden_state
         window = torch.cat([context, hidden], dim=1)
         return window, self._convs(window)
 
@@ -226,10 +228,12 @@ class StreamingCode2Wav:
 
 
 class ChunkGraph:
-    """One early chunk of every utterance as a CUDA graph. The chunk that starts at frame `start` of the
-    doubling schedule has the same shapes in every utterance: `frames` codes, `min(start, left_context)`
-    frames of context, `start` positions in the pre-transformer's cache (while under its window), so
-    transformers' host-side values (positions, mask sizes) are the same too, and one capture serves them all.
+    """A chunk of every utterance as a CUDA graph. The chunk that starts at frame `start` of the doubling
+    schedule has the same shapes in every utterance (`frames` codes, `min(start, left_context)` frames of
+    context, `min(start, window - 1)` positions in the pre-transformer's sliding-window cache), and so
+    do transformers' host-side values (mask sizes and offsets), so one capture serves them all. Once the
+    cache is full (`start >= window - 1`), every chunk of a size has those shapes, and its mask too (it
+    depends on the query's and key's distance only): one graph serves them all, the positions an input.
 
     The stream's context and cache are copied into the graph's input buffers before a replay (a few small
     copies; none for the first chunk, whose cache is empty); a replay returns copies of the window and of
@@ -237,80 +241,95 @@ class ChunkGraph:
     buffers eagerly instead (the CPU tests' stand-in for a replay).
     """
 
-    def __init__(self, code2wav, start: int, frames: int, left_context: int, graphed: bool = True) -> None:
+    def __init__(self, voc: "StreamingCode2Wav", frames: int, pool=None, graphed: bool = True) -> None:
+        """`voc`: an eager stream at the frame this chunk starts at, whose state is copied (not changed)."""
         from ...runtime.graphs import capture_anywhere, capture_stream
 
-        voc = StreamingCode2Wav(code2wav, max_frames=start + frames, first_chunk=max(start, 1),
-                                left_context=left_context, graphs=False)
-        self.start, self.frames, self.device = start, frames, voc.device
-        if start:  # the state of any stream at `start`: one chunk of that many frames gives its shapes
-            voc.push(np.zeros((start, voc.config.num_quantizers), dtype=np.int64))
+        self.start, self.frames, self.device, self._voc = voc.done, frames, voc.device, voc
         self.codes = torch.zeros(1, voc.config.num_quantizers, frames, dtype=torch.long, device=self.device)
+        self.positions = torch.arange(self.start, self.start + frames, device=self.device)[None]
+        self.positions_start = self.start  # the start the positions hold now
         self.context = voc.context.clone()
         self.inputs = copy.deepcopy(voc.cache)  # its layers' tensors are the input buffers
         _on_device(self.inputs, self.device)  # a cache's lazy set-up would copy from the host inside a capture
         self.graph = None
         if not graphed:
-            self._voc = voc
             return
         side = capture_stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            voc._run(self.codes, self.context, _layers_copied(self.inputs))  # kernels chosen outside the capture
+        with torch.cuda.stream(side):  # kernels chosen outside the capture
+            voc._run(self.codes, self.context, _layers_copied(self.inputs), self.positions)
         torch.cuda.current_stream(self.device).wait_stream(side)
         self.cache = _layers_copied(self.inputs)
         self.graph = torch.cuda.CUDAGraph()
-        with capture_anywhere(self.graph, torch.cuda.graph_pool_handle(), side):
-            self.window, self.wav = voc._run(self.codes, self.context, self.cache)
+        with capture_anywhere(self.graph, pool, side):
+            self.window, self.wav = voc._run(self.codes, self.context, self.cache, self.positions)
         torch.cuda.current_stream(self.device).wait_stream(side)
 
     def fits(self, context: torch.Tensor, cache) -> bool:
         """Whether a stream's state has the shapes this graph was made for: the context's frames (which the
-        left context caps) and the cached positions. Only then do the copies and the replay hold."""
-        return (context.shape == self.context.shape and len(cache.layers) == len(self.inputs.layers)
-                and cache.get_seq_length() == self.inputs.get_seq_length())
+        left context caps) and the cached positions each layer holds."""
+        return context.shape == self.context.shape and _held(cache) == _held(self.inputs)
 
-    def __call__(self, codes: torch.Tensor, context: torch.Tensor, cache):
-        """codes [1, 16, frames] on the host, the stream's context and cache -> (window, samples, cache)."""
+    def __call__(self, start: int, codes: torch.Tensor, context: torch.Tensor, cache):
+        """The chunk at frame `start`: codes [1, 16, frames] on the host, the stream's context and cache ->
+        (window, samples, cache)."""
         self.codes.copy_(codes, non_blocking=True)
+        if start != self.positions_start:
+            torch.arange(start, start + self.frames, device=self.device, out=self.positions[0])
+            self.positions_start = start
         if self.start:
             self.context.copy_(context)
             for mine, theirs in zip(self.inputs.layers, cache.layers):
                 mine.keys.copy_(theirs.keys)
                 mine.values.copy_(theirs.values)
         if self.graph is None:
-            cache = _layers_copied(self.inputs)
-            window, wav = self._voc._run(self.codes, self.context, cache)
-            return window, wav, cache
-        self.graph.replay()
-        return self.window.clone(), self.wav, copy.deepcopy(self.cache)
+            out = _layers_copied(self.inputs)
+            window, wav = self._voc._run(self.codes, self.context, out, self.positions)
+        else:
+            self.graph.replay()
+            window, wav, out = self.window.clone(), self.wav, copy.deepcopy(self.cache)
+        for layer in out.layers:  # the capture's count on the host; a later start has a later one
+            if hasattr(layer, "cumulative_length"):
+                layer.cumulative_length = start + self.frames
+        return window, wav, out
 
 
 class ChunkGraphs:
-    """The graphs of an utterance's first `GRAPHED_CHUNKS` chunks, by the frame each starts at. Captured by
-    the engine's warm-up (`capture`), kept on the code2wav module (`of`), replayed by every
-    `StreamingCode2Wav` over that module where a chunk starts, ends and has its state as one of them."""
+    """The graphs of every chunk of a schedule but an utterance's last: one per chunk until the cache is
+    full, then one for the steady chunks. Captured by the engine's warm-up (`capture`), kept on the
+    code2wav module (`of`), replayed by every `StreamingCode2Wav` over that module where a chunk starts,
+    ends and has its state as one of them. All share one memory pool: a replay's outputs are copied or
+    read before the next."""
 
-    def __init__(self, graphs: dict[int, ChunkGraph]) -> None:
-        self.graphs = graphs
+    def __init__(self, graphs: dict[int, ChunkGraph], full: int) -> None:
+        self.graphs, self.full = graphs, full
 
     @classmethod
-    def capture(cls, code2wav, first_chunk: int, chunk: int, left_context: int, count: int | None = None,
+    def capture(cls, code2wav, first_chunk: int, chunk: int, left_context: int,
                 graphed: bool = True) -> "ChunkGraphs | None":
-        """Capture the first `count` chunks (default `GRAPHED_CHUNKS`) of the schedule `first_chunk`, doubling
-        up to `chunk`; on failure warn and keep the eager path (the audio is only later without them, so a
-        capture problem must not stop a reply)."""
-        graphs, start, size = {}, 0, first_chunk
+        """Capture the chunks of the schedule `first_chunk`, doubling up to `chunk`, through the first that
+        starts with the cache full; on failure warn and keep the eager path (the audio is only later
+        without them, so a capture problem must not stop a reply)."""
+        full = code2wav.config.sliding_window - 1  # the positions a full sliding-window cache holds
+        graphs: dict[int, ChunkGraph] = {}
         try:
             with torch.inference_mode():
-                for _ in range(GRAPHED_CHUNKS if count is None else count):
-                    graphs[start] = ChunkGraph(code2wav, start, size, left_context, graphed)
-                    start, size = start + size, min(2 * size, chunk)
-            made: ChunkGraphs | None = cls(graphs)
+                voc = StreamingCode2Wav(code2wav, max_frames=full + 2 * chunk + first_chunk,
+                                        first_chunk=first_chunk, chunk=chunk, left_context=left_context, graphs=False)
+                pool = torch.cuda.graph_pool_handle() if graphed else None
+                size = first_chunk
+                while True:
+                    graphs[min(voc.done, full)] = ChunkGraph(voc, size, pool, graphed)
+                    if voc.done >= full:
+                        break
+                    voc.push(np.zeros((size, voc.config.num_quantizers), dtype=np.int64))
+                    size = voc.next_chunk
+            made: ChunkGraphs | None = cls(graphs, full)
         except Exception as exc:  # noqa: BLE001 - any capture failure
             import warnings
 
-            warnings.warn(f"code2wav's first chunks could not be captured as CUDA graphs, they run eagerly: {exc!r:.300}")
+            warnings.warn(f"code2wav's chunks could not be captured as CUDA graphs, they run eagerly: {exc!r:.300}")
             made = None
         code2wav._omni_chunk_graphs = made
         return made
@@ -320,10 +339,15 @@ class ChunkGraphs:
         return getattr(code2wav, "_omni_chunk_graphs", None)
 
     def get(self, start: int, frames: int) -> ChunkGraph | None:
-        """The graph of the chunk of `frames` frames that starts at frame `start`, if one was made (whether
-        a stream's state fits it is `ChunkGraph.fits`)."""
-        graph = self.graphs.get(start)
+        """The graph of a chunk of `frames` frames that starts at frame `start`, if one was made (whether a
+        stream's state fits it is `ChunkGraph.fits`)."""
+        graph = self.graphs.get(min(start, self.full))
         return graph if graph is not None and graph.frames == frames else None
+
+
+def _held(cache) -> list:
+    """The shape of each layer's cached keys (None before its first chunk)."""
+    return [None if getattr(layer, "keys", None) is None else tuple(layer.keys.shape) for layer in cache.layers]
 
 
 def _layers_copied(cache):
