@@ -25,7 +25,8 @@
 #   long25     Qwen2.5-Omni-7B, a 2,500-token prompt, plain graphs ($OUT/qwen25-2500.json)
 #   moe        tests/test_gpu.py's prompt ops (runtime/prompt_ops.py) and the tests whose prompts take them
 #   agraphs    tests/test_gpu.py's audio tower graphs (runtime/audio_graphs.py) and the encoder tests beside them
-#   cgraphs    tests/test_gpu.py's code2wav chunk graphs (models/qwen3_omni/code2wav.py ChunkGraphs)
+#   cgraphs    tests/test_gpu.py's code2wav chunk graphs (models/qwen3_omni/code2wav.py ChunkGraphs) and the tiny engines
+#              beside them (both families: graphed = eager = transformers; Qwen3-Omni under sync debug)
 #   dit        the 7B's vocoder alone (scripts/vocoder_bench.py --profile, 250 codes), the omni_cli copied to
 #              .ab_before/ (an earlier commit, where one was put there) and this one ($OUT/vocoder-{before,now}.json)
 #   rope       tests/test_gpu.py's rotary kernel against the library's (prints the share of values equal)
@@ -126,7 +127,7 @@ for step in "${@:-bench tests}"; do
                | grep -v DEBUG > "$out/test_gpu_moe.log"; tail -3 "$out/test_gpu_moe.log"; grep -E "^E " "$out/test_gpu_moe.log" | head ;;
       agraphs) timeout 240 python3 -m pytest tests/test_gpu.py -q -s -p no:cacheprovider -o addopts="" -k "audio_tower or audio_encoder" 2>&1 \
                | grep -v DEBUG > "$out/test_gpu_agraphs.log"; grep -E "vs library|passed|failed|^E " "$out/test_gpu_agraphs.log" | head -12 ;;
-      cgraphs) timeout 240 python3 -m pytest tests/test_gpu.py -q -s -p no:cacheprovider -o addopts="" -k "chunk_graphs" 2>&1 \
+      cgraphs) timeout 240 python3 -m pytest tests/test_gpu.py -q -s -p no:cacheprovider -o addopts="" -k "chunk_graphs or qwen3_loop_runs_under_sync or (qwen3_tiny_graphed and plain) or tiny_graphed_equals_eager" 2>&1 \
                | grep -v DEBUG > "$out/test_gpu_cgraphs.log"; grep -E "passed|failed|^E " "$out/test_gpu_cgraphs.log" | head -12 ;;
       dit) for side in before now; do
              if [ $side = before ]; then [ -d .ab_before/omni_cli ] || continue; path=$PWD/.ab_before; else path=$PWD; fi
