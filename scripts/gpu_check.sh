@@ -127,7 +127,7 @@ for step in "${@:-bench tests}"; do
                | grep -v DEBUG > "$out/test_gpu_moe.log"; tail -3 "$out/test_gpu_moe.log"; grep -E "^E " "$out/test_gpu_moe.log" | head ;;
       agraphs) timeout 240 python3 -m pytest tests/test_gpu.py -q -s -p no:cacheprovider -o addopts="" -k "audio_tower or audio_encoder" 2>&1 \
                | grep -v DEBUG > "$out/test_gpu_agraphs.log"; grep -E "vs library|passed|failed|^E " "$out/test_gpu_agraphs.log" | head -12 ;;
-      cgraphs) timeout 240 python3 -m pytest tests/test_gpu.py -q -s -p no:cacheprovider -o addopts="" -k "chunk_graphs or qwen3_loop_runs_under_sync or (qwen3_tiny_graphed and plain) or tiny_graphed_equals_eager" 2>&1 \
+      cgraphs) timeout 240 python3 -m pytest tests/test_gpu.py -q -s -p no:cacheprovider -o addopts="" -k "chunk_graphs or qwen3_loop_runs_under_sync or (qwen3_tiny_graphed and plain) or test_tiny_graphed_equals" 2>&1 \
                | grep -v DEBUG > "$out/test_gpu_cgraphs.log"; grep -E "passed|failed|^E " "$out/test_gpu_cgraphs.log" | head -12 ;;
       dit) for side in before now; do
              if [ $side = before ]; then [ -d .ab_before/omni_cli ] || continue; path=$PWD/.ab_before; else path=$PWD; fi
