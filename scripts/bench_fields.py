@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import sys
 
-FIELDS = [("text", "time_to_first_text_ms"), ("audio", "time_to_first_audio_ms"),
+FIELDS = [("text", "time_to_first_text_ms"), ("audio", "time_to_first_audio_ms"), ("spk", "speaker_start_ms"),
           ("th_pre", "thinker_prefill_ms"), ("tk_pre", "talker_prefill_ms"),
           ("th_step", "thinker_ms_per_token"), ("tk_step", "talker_ms_per_step"),
           ("voc1", "vocoder_first_chunk_ms"), ("lead", "audio_min_lead_ms"),

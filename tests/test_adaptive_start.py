@@ -14,6 +14,7 @@ import threading
 import time
 
 import numpy as np
+import pytest
 
 from audio_device import FakeSoundDevice, assert_underruns_reported, heard
 from omni_cli.audio.speaker import SpeakerSink
@@ -120,3 +121,15 @@ def test_abort_from_another_thread_while_waiting_to_start():
     sink.write(_audio(0.1, 0))  # the producer may still write: dropped
     sink.close()
     assert sink.stats["start_reason"] is None
+
+
+def test_start_after_says_where_the_sink_started():
+    """`start_after` (the rule alone, for omni-bench's recorded blocks) starts where the sink did, for a
+    producer at the floor (RTF 0.3: the second block) and one that waits for the rate (RTF 0.9)."""
+    from omni_cli.audio.speaker import start_after
+
+    for rtf, at in ((0.3, 1), (0.9, 3)):
+        stats = _play(rtf)
+        made = np.cumsum(SCHEDULE)
+        index = start_after(0.0, [(0.1 + rtf * m, round(s * SR)) for m, s in zip(made, SCHEDULE)], SR)
+        assert index == at and stats["start_buffered"] == pytest.approx(made[index], abs=1e-3), (rtf, stats)

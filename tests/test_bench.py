@@ -334,3 +334,26 @@ def test_bench_turns_keeps_a_replys_media_markers_out_of_the_next_prompt():
         markers = media_ids(type("Model", (), {"config": config}))
         assert audio in markers and 780 in markers and len(markers) >= 7, (name, markers)
         assert not markers & {config.thinker_config.user_token_id}
+
+
+def test_the_speaker_start_is_the_speakers_own_rule():
+    """`speaker_start_ms`: a first block under the speaker's 0.2 s floor (Qwen3-Omni's chunk of two frames,
+    0.137 s) waits for the second; one of four frames (0.297 s) plays at once; the 7B's 40 ms first block
+    and 0.48 s second, 0.28 s apart, wait for a third (the gaps grow with the blocks: 0.56 s asked for)."""
+    from omni_cli.faces.bench import _TimedSink
+
+    def wait(blocks, began=0.0):
+        sink = _TimedSink()
+        sink.start(24000)
+        sink.began = began
+        for t, n in blocks:
+            sink.times.append(t)
+            sink.starts.append(sink.samples)
+            sink.samples += n
+        return sink.speaker_wait_ms()
+
+    assert wait([(0.095, 3285), (0.125, 7680)]) == pytest.approx(30.0)
+    assert wait([(0.112, 7125), (0.140, 15360)]) == 0.0
+    assert wait([(0.300, 960), (0.580, 11520), (0.900, 23040)]) == pytest.approx(600.0)
+    assert wait([(0.300, 960)]) == 0.0  # only the reply's end starts it: its one block
+    assert _TimedSink().speaker_wait_ms() is None

@@ -145,6 +145,42 @@ def _dac_time(time_info: Any) -> float | None:
     return float(t) if t > 0 else None
 
 
+def start_needed(rate: float, arrivals: list[tuple[float, int]], longest_wait: float, prebuffer: float = 0.2,
+                 max_prebuffer: float = 4.0, horizon: float = 3.0) -> tuple[float, str]:
+    """`SpeakerSink`'s adaptive start (its docstring): seconds of audio to queue before playing, and the
+    term that asks for them, from the producer's `rate` (audio seconds a second since it began), the last
+    two `arrivals` (time, samples) and the longest wait between writes so far."""
+    by_rate = horizon * (1.0 - rate)
+    next_wait = 0.0
+    if len(arrivals) == 2:
+        (t0, n0), (t1, n1) = arrivals
+        next_wait = max(longest_wait, (t1 - t0) * min(2.0, max(1.0, n1 / max(n0, 1))))
+    needed, reason = prebuffer, "buffer filled"
+    if by_rate > needed:
+        needed, reason = by_rate, "production rate"
+    if next_wait > needed:
+        needed, reason = next_wait, "block gaps"
+    if needed > max_prebuffer:
+        needed, reason = max_prebuffer, reason + " (capped)"
+    return needed, reason
+
+
+def start_after(began: float, blocks: list[tuple[float, int]], sample_rate: int, **rule) -> int | None:
+    """The index of the block after whose arrival a `SpeakerSink` with the `rule`'s settings (defaults:
+    the sink's) starts playing, for blocks (arrival time, samples) of a producer that began at `began`
+    (all `time.perf_counter()`); None: only the end of the reply would start it. (No device is played.)"""
+    queued, longest, arrivals = 0, 0.0, []
+    for i, (t, n) in enumerate(blocks):
+        if arrivals:
+            longest = max(longest, t - arrivals[-1][0])
+        arrivals = (arrivals + [(t, n)])[-2:]
+        queued += n
+        needed, _ = start_needed(queued / sample_rate / max(t - began, 1e-6), arrivals, longest, **rule)
+        if queued >= needed * sample_rate:
+            return i
+    return None
+
+
 class SpeakerSink(SinkBase):
     """Plays the reply through a sound device as it is produced.
 
@@ -370,20 +406,9 @@ class SpeakerSink(SinkBase):
 
     def _start_needed(self, now: float) -> tuple[float, str]:
         """Seconds of audio to queue before playing, and which term asks for them (class docstring)."""
-        rate = self.production_rate = self.samples / self.sample_rate / max(now - (self.start_time or now), 1e-6)
-        by_rate = self.horizon * (1.0 - rate)
-        next_wait = 0.0
-        if len(self._arrivals) == 2:
-            (t0, n0), (t1, n1) = self._arrivals
-            next_wait = max(self._longest_wait, (t1 - t0) * min(2.0, max(1.0, n1 / max(n0, 1))))
-        needed, reason = self.prebuffer, "buffer filled"
-        if by_rate > needed:
-            needed, reason = by_rate, "production rate"
-        if next_wait > needed:
-            needed, reason = next_wait, "block gaps"
-        if needed > self.max_prebuffer:
-            needed, reason = self.max_prebuffer, reason + " (capped)"
-        return needed, reason
+        self.production_rate = self.samples / self.sample_rate / max(now - (self.start_time or now), 1e-6)
+        return start_needed(self.production_rate, self._arrivals, self._longest_wait,
+                            self.prebuffer, self.max_prebuffer, self.horizon)
 
     def _prime(self, now: float, reason: str, needed: float) -> None:
         """Start playing from the FIFO (the callback reads `_primed`); the caller holds the lock."""

@@ -218,6 +218,8 @@ def _reply(engine, subject: _Subject, prompt_ids, text_tokens, codes, device, i:
         "vocoder_s_per_audio_s": s.get("vocoder_s_per_audio_s"),
         "sink_block_interval_ms": sink.ms_per_chunk(),
         "audio_min_lead_ms": sink.min_lead_ms(),  # < 0: a speaker started at the first block runs dry
+        # When the speaker's own start rule (omni-say, omni-chat) would begin to play, from the turn's start.
+        "speaker_start_ms": _plus(1000 * s["time_to_first_audio"], sink.speaker_wait_ms()),
         "real_time_factor": wall / s["audio_seconds"],
         "total_s": wall,
         "audio_s": s["audio_seconds"],
@@ -239,11 +241,13 @@ class _TimedSink:
         self.times: list[float] = []
         self.starts: list[int] = []  # the sample each block starts at
         self.rate, self.samples = 24000, 0
+        self.began = time.perf_counter()
 
     def start(self, sample_rate):
         self.times.clear()
         self.starts.clear()
         self.rate, self.samples = sample_rate, 0
+        self.began = time.perf_counter()  # as a speaker's start(): the producer's rate is counted from here
 
     def write(self, block):
         self.times.append(time.perf_counter())
@@ -257,6 +261,18 @@ class _TimedSink:
             return None
         t0 = self.times[0]
         return 1000 * min(t0 + s / self.rate - t for t, s in zip(self.times[1:], self.starts[1:]))
+
+    def speaker_wait_ms(self):
+        """How long after the first block a speaker (`SpeakerSink`'s start rule, its default settings)
+        would start to play: when the block that fills what it asks for came (the last block, where only
+        the reply's end would start it); None for no block."""
+        from ..audio.speaker import start_after
+
+        if not self.times:
+            return None
+        sizes = [b - a for a, b in zip(self.starts, self.starts[1:] + [self.samples])]
+        at = start_after(self.began, list(zip(self.times, sizes)), self.rate)
+        return 1000 * (self.times[-1 if at is None else at] - self.times[0])
 
     def close(self):
         pass
@@ -276,6 +292,11 @@ def progress(message: str) -> None:
     print(f"[omni-bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
+def _plus(a, b):
+    """a + b, or None where either is None."""
+    return None if a is None or b is None else a + b
+
+
 def _median(values):
     """The median of the values that are not None (None if none are): the middle value of an odd count,
     the mean of the two middle values of an even count (the same value, unchanged, when those are equal,
@@ -293,6 +314,7 @@ def _median(values):
 ROWS = [
     ("time to first text (ms)", "time_to_first_text_ms", "{:.1f}"),
     ("time to first audio (ms)", "time_to_first_audio_ms", "{:.1f}"),
+    ("a speaker starts playing (ms)", "speaker_start_ms", "{:.1f}"),
     ("thinker ms/token", "thinker_ms_per_token", "{:.2f}"),
     ("talker ms/step", "talker_ms_per_step", "{:.3f}"),
     ("code predictor ms/frame", "code_predictor_ms_per_frame", "{:.3f}"),
