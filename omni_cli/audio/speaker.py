@@ -169,7 +169,8 @@ def start_after(began: float, blocks: list[tuple[float, int]], sample_rate: int,
     """The index of the block after whose arrival a `SpeakerSink` with the `rule`'s settings (defaults:
     the sink's) starts playing, for blocks (arrival time, samples) of a producer that began at `began`
     (all `time.perf_counter()`); None: only the end of the reply would start it. (No device is played.)"""
-    queued, longest, arrivals = 0, 0.0, []
+    queued, longest = 0, 0.0
+    arrivals: list[tuple[float, int]] = []
     for i, (t, n) in enumerate(blocks):
         if arrivals:
             longest = max(longest, t - arrivals[-1][0])

@@ -323,7 +323,7 @@ class ChunkGraphs:
                     graphs[min(voc.done, full)] = ChunkGraph(voc, size, pool, graphed)
                     if voc.done >= full:
                         break
-                    voc.push(np.zeros((size, voc.config.num_quantizers), dtype=np.int64))
+                    voc.push([[0] * voc.config.num_quantizers] * size)
                     size = voc.next_chunk
             made: ChunkGraphs | None = cls(graphs, full)
         except Exception as exc:  # noqa: BLE001 - any capture failure
