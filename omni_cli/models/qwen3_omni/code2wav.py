@@ -27,19 +27,19 @@ transformers' `chunked_decode` in 25-frame chunks with 25 frames of code context
 Chunks grow: `first_chunk` frames (`FIRST_CHUNK`, 4: 0.3 s of audio), then doubling up to `chunk` (4, 8,
 16, 25, 25, ...). A chunk's frames must be generated (and decoded) while the audio before it plays: with
 the talker v times faster than real time that holds from the first block on for v >= 2.2, set by the
-second chunk (8 frames made within the first block's 0.3 s; the talker's v is about 12 on an H100), plus
-the second chunk's decode, which runs eagerly beside the talker's graphs. Why the first chunk is not
-smaller: with 2 frames (0.14 s of audio) the first sound came 17 ms sooner but the second block 22 ms
-after the first had played out (omni-bench's `audio_min_lead_ms`, H100, 2,500-token prompt; with 4: 97 ms
-to spare); the second block came ~159 ms after the first, far more than its frames and a decode take, not
-yet explained. Later, large chunks spend less on context and per-call overhead.
+second chunk (8 frames made within the first block's 0.3 s; the talker's v is about 12 on an H100). Why
+the first chunk is not smaller: with 2 frames the first block comes sooner (H200, 2,500-token prompt:
+87 ms against 104), but it holds 0.14 s of audio, under the 0.2 s a speaker queues before it starts
+(`audio/speaker.py`), so the speaker starts at the second block, later than with 4 (130 ms against 104;
+omni-bench's `speaker_start_ms`). Later, large chunks spend less on context and per-call overhead.
 
 On a GPU every chunk but an utterance's last replays a CUDA graph (`ChunkGraphs`, captured at the
 engine's warm-up): each chunk of the schedule has the same shapes in every utterance until the
 pre-transformer's cache is full, and from then on every steady chunk has, so one graph serves those with
 the positions an input. Eager, a chunk's few hundred kernels are issued from Python (the first took 55 ms
 inside a turn on an H200, 5 ms as a replay), holding the interpreter while the talker's thread issues
-its steps beside it.
+its steps beside it: with a two-frame first chunk, the second block came 22 ms after the first had played
+out (eager, H100); replayed, 94 ms before (H200).
 
 It does not know where frames come from (talker, file, test), where audio goes, or control ids (the
 runtime strips them; an id outside the codebook is a ValueError).
@@ -59,8 +59,8 @@ from ...runtime import compat
 from ...runtime.decoder import no_cudnn_attention
 
 # Frames in an utterance's first chunk: the first sound waits for them (each a talker frame). 2 was
-# measured (H100, 2,500-token prompt): first audio 112 -> 95 ms, but the second block came 22 ms after the
-# first had played out (4: 97 ms before); see the docstring.
+# measured (H200, 2,500-token prompt): the first block 104 -> 87 ms, but a speaker starts later (104 -> 130
+# ms: it waits for 0.2 s of audio); see the docstring.
 FIRST_CHUNK = 4
 
 
