@@ -9,7 +9,7 @@ small kernels (on a GPU a window is launch-bound: ~1,000 kernels an evaluation):
   them once per ODE grid (per model: the grid is fixed by the number of steps and the sway), with the
   same operations on the same batch of two, so the numbers are identical; an evaluation reads its row.
 - q, k and v are three products of one input: `DitPlan` stacks their weights into one matrix (the
-  modules keep views of its rows, so no memory is added), and under them the RoPE rows of the next point.
+  modules keep views of its rows, so no memory is added), with the first heads' RoPE rows (next) under them.
 - RoPE touches only the first head, de-interleaved and rotated by half (two copies, two negations and
   four concatenations a layer): `rope_rows` are that head's q and k rows in those orders, with the signs,
   so the same product gives the rotation's inputs for q's head and k's, and both rotated heads are

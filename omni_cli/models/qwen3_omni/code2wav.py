@@ -101,7 +101,7 @@ class StreamingCode2Wav:
         left_context: frames of hidden states before a chunk that its convolutions see: `conv_reach`
             (10) makes the stream equal the whole decode, more only costs; 25 is the serving framework's
             figure. At least 1: the samples held back at the last seam lie in the last chunk's last frame.
-        graphs: replay the first chunks' CUDA graphs where the warm-up captured them (the steps' policy says:
+        graphs: replay the chunks' CUDA graphs where the warm-up captured them (the steps' policy says:
             `policy.graphs_on`); False: every chunk eager.
         """
         first_chunk = FIRST_CHUNK if first_chunk is None else first_chunk
