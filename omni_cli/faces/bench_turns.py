@@ -88,15 +88,16 @@ def conversation(engine, subject, turns: int, audio_seconds: float, reply) -> di
 
 def table(result: dict) -> str:
     """Each turn side by side, kept vs whole: prefilled tokens, the talker's kept rows and prefill, first
-    audio, RTF, the encoder's and the features' times."""
+    audio (and when a speaker would start, kept), RTF, the encoder's and the features' times."""
     lines = [f"{'turn':>4}  {'prompt':>6}  {'prefill kept/whole':>18}  {'talker kept':>11}  "
-             f"{'talker prefill ms kept/whole':>28}  {'first audio ms kept/whole':>26}  "
+             f"{'talker prefill ms kept/whole':>28}  {'first audio ms kept/whole':>26}  {'speaker ms':>10}  "
              f"{'RTF kept/whole':>15}  {'encoder ms kept/whole':>22}  {'features ms kept/whole':>22}"]
     for i, (k, w) in enumerate(zip(result["kept"], result["whole"]), 1):
         lines.append(f"{i:>4}  {k['prompt_tokens']:>6}  {k['prefill_tokens']:>8}/{w['prefill_tokens']:<9}  "
                      f"{k.get('talker_kept_rows') or 0:>11}  "
                      f"{k['talker_prefill_ms'] or 0:>13.1f}/{w['talker_prefill_ms'] or 0:<14.1f}  "
                      f"{k['time_to_first_audio_ms']:>12.0f}/{w['time_to_first_audio_ms']:<13.0f}  "
+                     f"{k.get('speaker_start_ms') or 0:>10.0f}  "
                      f"{k['real_time_factor']:>7.3f}/{w['real_time_factor']:<7.3f}  "
                      f"{k['audio_encoder_ms'] or 0:>10.1f}/{w['audio_encoder_ms'] or 0:<11.1f}  "
                      f"{k['features_ms']:>10.1f}/{w['features_ms']:<11.1f}")
