@@ -142,7 +142,7 @@ class Qwen3Steps:
     def warmup_vocoder(self, frames: int = 100) -> None:
         """One utterance through code2wav (chunks 4, 8, 16, 25, ...): the first call of each kernel and
         shape is slow (measured on an H200, true size: the first chunk of a process ~1 s), so a first
-        reply must not pay it. Then, with graphs on, the first chunks' graphs (`ChunkGraphs`)."""
+        reply must not pay it. Then, with graphs on, the chunks' graphs (`ChunkGraphs`)."""
         from .code2wav import ChunkGraphs, StreamingCode2Wav
 
         voc = StreamingCode2Wav(self.model.code2wav, max_frames=frames, graphs=self.policy.graphs_on)
