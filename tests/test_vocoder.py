@@ -130,8 +130,8 @@ def test_decode_whole_equals_transformers_token2wav(token2wav, voice, n):
         reference = token2wav(torch.tensor([codes]), cond, ref_mel).numpy()
     ours = _vocoder(token2wav, voice).decode_whole(codes)
     assert ours.shape == reference.shape == (n * 2 * HOP,)
-    # Measured: within 8.3e-7 (dit.py's `addcmul`s round a product and its sum once; bit-identical without
-    # them: the speaker encoder, computed once, runs on the same batch of two).
+    # Measured: within 8.3e-7 (dit.py's fused modulations and residuals round a product and its sum once;
+    # bit-identical without them: the speaker encoder, computed once, runs on the same batch of two).
     assert np.abs(ours - reference).max() <= 1e-5
 
 
