@@ -145,16 +145,30 @@ def _dac_time(time_info: Any) -> float | None:
     return float(t) if t > 0 else None
 
 
-def start_needed(rate: float, arrivals: list[tuple[float, int]], longest_wait: float, prebuffer: float = 0.2,
-                 max_prebuffer: float = 4.0, horizon: float = 3.0) -> tuple[float, str]:
+class Arrivals:
+    """The writes the adaptive start judges by: the last two (time, samples) and the longest wait between
+    two writes so far (seconds)."""
+
+    def __init__(self) -> None:
+        self.last: list[tuple[float, int]] = []
+        self.longest_wait = 0.0
+
+    def note(self, now: float, samples: int) -> None:
+        if self.last:
+            self.longest_wait = max(self.longest_wait, now - self.last[-1][0])
+        self.last = (self.last + [(now, samples)])[-2:]
+
+
+def start_needed(rate: float, arrivals: Arrivals, prebuffer: float = 0.2, max_prebuffer: float = 4.0,
+                 horizon: float = 3.0) -> tuple[float, str]:
     """`SpeakerSink`'s adaptive start (its docstring): seconds of audio to queue before playing, and the
-    term that asks for them, from the producer's `rate` (audio seconds a second since it began), the last
-    two `arrivals` (time, samples) and the longest wait between writes so far."""
+    term that asks for them, from the producer's `rate` (audio seconds a second since it began) and the
+    writes so far."""
     by_rate = horizon * (1.0 - rate)
     next_wait = 0.0
-    if len(arrivals) == 2:
-        (t0, n0), (t1, n1) = arrivals
-        next_wait = max(longest_wait, (t1 - t0) * min(2.0, max(1.0, n1 / max(n0, 1))))
+    if len(arrivals.last) == 2:
+        (t0, n0), (t1, n1) = arrivals.last
+        next_wait = max(arrivals.longest_wait, (t1 - t0) * min(2.0, max(1.0, n1 / max(n0, 1))))
     needed, reason = prebuffer, "buffer filled"
     if by_rate > needed:
         needed, reason = by_rate, "production rate"
@@ -169,14 +183,11 @@ def start_after(began: float, blocks: list[tuple[float, int]], sample_rate: int,
     """The index of the block after whose arrival a `SpeakerSink` with the `rule`'s settings (defaults:
     the sink's) starts playing, for blocks (arrival time, samples) of a producer that began at `began`
     (all `time.perf_counter()`); None: only the end of the reply would start it. (No device is played.)"""
-    queued, longest = 0, 0.0
-    arrivals: list[tuple[float, int]] = []
+    queued, arrivals = 0, Arrivals()
     for i, (t, n) in enumerate(blocks):
-        if arrivals:
-            longest = max(longest, t - arrivals[-1][0])
-        arrivals = (arrivals + [(t, n)])[-2:]
+        arrivals.note(t, n)
         queued += n
-        needed, _ = start_needed(queued / sample_rate / max(t - began, 1e-6), arrivals, longest, **rule)
+        needed, _ = start_needed(queued / sample_rate / max(t - began, 1e-6), arrivals, **rule)
         if queued >= needed * sample_rate:
             return i
     return None
@@ -246,8 +257,7 @@ class SpeakerSink(SinkBase):
         self._starving = False  # the FIFO ran dry and no sound has been played since
         self._dry_frames = 0  # silence of the current dry spell: an underrun once the sound resumes
         self._dry_from: float | None = None  # the device clock (DAC time) when that silence began
-        self._arrivals: list[tuple[float, int]] = []  # (perf_counter, samples) of the last two writes
-        self._longest_wait = 0.0  # longest time between two writes so far (seconds)
+        self._arrivals = Arrivals()  # the writes' times (perf_counter) and sizes the start is judged by
         self._stream: Any = None
         self._stream_rate: int | None = None
         # Set when the stream has stopped: played out, aborted, or died.
@@ -401,15 +411,12 @@ class SpeakerSink(SinkBase):
     def _note_arrival(self, now: float, samples: int) -> None:
         if self.first_write_time is None:
             self.first_write_time = now
-        if self._arrivals:
-            self._longest_wait = max(self._longest_wait, now - self._arrivals[-1][0])
-        self._arrivals = (self._arrivals + [(now, samples)])[-2:]
+        self._arrivals.note(now, samples)
 
     def _start_needed(self, now: float) -> tuple[float, str]:
         """Seconds of audio to queue before playing, and which term asks for them (class docstring)."""
         self.production_rate = self.samples / self.sample_rate / max(now - (self.start_time or now), 1e-6)
-        return start_needed(self.production_rate, self._arrivals, self._longest_wait,
-                            self.prebuffer, self.max_prebuffer, self.horizon)
+        return start_needed(self.production_rate, self._arrivals, self.prebuffer, self.max_prebuffer, self.horizon)
 
     def _prime(self, now: float, reason: str, needed: float) -> None:
         """Start playing from the FIFO (the callback reads `_primed`); the caller holds the lock."""
