@@ -315,8 +315,9 @@ class ChunkGraphs:
         graphs: dict[int, ChunkGraph] = {}
         try:
             with torch.inference_mode():
-                voc = StreamingCode2Wav(code2wav, max_frames=full + 2 * chunk + first_chunk,
-                                        first_chunk=first_chunk, chunk=chunk, left_context=left_context, graphs=False)
+                # The last chunk pushed starts before `full` and holds at most `chunk` frames.
+                voc = StreamingCode2Wav(code2wav, max_frames=full + chunk, first_chunk=first_chunk, chunk=chunk,
+                                        left_context=left_context, graphs=False)
                 pool = torch.cuda.graph_pool_handle() if graphed else None
                 size = first_chunk
                 while True:
