@@ -68,8 +68,6 @@ def main() -> int:
     ap.add_argument("--codes", type=int, default=750, help="codes an utterance (750 = 15 s)")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--chunk", type=int, default=192, help="the steady chunk in codes (the engine's: 192)")
-    ap.add_argument("--first-chunks", type=int, default=None,
-                    help="chunks of the first size before they grow (default: the engine's, steps.FIRST_CHUNKS)")
     ap.add_argument("--json", metavar="FILE")
     ap.add_argument("--device", default="cuda", help="cuda, or cpu for a quick check of the script (slow)")
     ap.add_argument("--profile", action="store_true",
@@ -88,16 +86,12 @@ def main() -> int:
         model, voice = build_token2wav(dev)
     built = time.perf_counter() - t
 
-    from omni_cli.models.qwen2_5_omni.steps import FIRST_CHUNKS
-
-    first_chunks = FIRST_CHUNKS if args.first_chunks is None else args.first_chunks
-
     def vocoder(max_codes: int) -> StreamingVocoder:
         return StreamingVocoder(model, voice["cond"], voice["ref_mel"], max_codes=max_codes, generator=0,
-                                codes_per_chunk=args.chunk, first_chunks=first_chunks, compiled=args.compile)
+                                codes_per_chunk=args.chunk, compiled=args.compile)
 
     t = time.perf_counter()
-    capture_windows(model, voice["cond"], voice["ref_mel"], args.chunk, args.compile, first_chunks=first_chunks)
+    capture_windows(model, voice["cond"], voice["ref_mel"], args.chunk, args.compile)
     sync()
     warmed = time.perf_counter() - t
 

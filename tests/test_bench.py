@@ -60,7 +60,7 @@ def test_tiny_bench_json_has_every_metric_at_the_forced_lengths(capsys):
     # (which also built the model and ran a warm-up reply and a second reply).
     reply_s = ours["real_time_factor"] * 3.0
     assert ours["time_to_first_audio_ms"] / 1000 < reply_s < elapsed / 2
-    # chunks of 12, 12, 24, 48 codes and a 54-code tail: the largest before the last is 48
+    # chunks of 12, 24, 48 codes and a 66-code tail: the largest before the last is 48
     assert ours["vocoder_chunk_codes"] == 48 and ours["peak_gib"] is None  # no GPU: no GPU memory
     assert ours["compiled"] is False and ours["setup_phases_s"] is None  # a CPU compiles and captures nothing
     # Each phase says it ended, on stderr; the two measured runs' times are printed there to 0.01 s, and
@@ -174,7 +174,7 @@ def test_schedules_run_side_by_side_and_take_effect(capsys):
     assert code == 0, err
     table = json.loads(out)
     assert list(table) == ["chunk48", "chunk96", "chunk192"]
-    # 250 codes: chunks of 12, 12, 24, 48, then the steady size each schedule asked for (192: not reached)
+    # 250 codes: chunks of 12, 24, 48, then the steady size each schedule asked for (192: not reached)
     assert [row["vocoder_chunk_codes"] for row in table.values()] == [48, 96, 96]
     assert all(row["codes"] == 250 and row["audio_s"] == 5.0 for row in table.values())
 

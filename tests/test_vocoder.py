@@ -158,22 +158,20 @@ def test_the_dit_plans_attention_is_the_librarys(token2wav, voice):
 
 
 # -- streaming fidelity ---------------------------------------------------------------------------
-@pytest.mark.parametrize("first_chunks", [1, 2])
 @pytest.mark.parametrize("n", [7, 12, 50, 137])
-def test_streamed_audio_matches_whole_decode(token2wav, voice, n, first_chunks):
+def test_streamed_audio_matches_whole_decode(token2wav, voice, n):
     """Streamed vs whole, same noise, default window (first chunk 12 codes, then 24; past 48,
-    future 24 frames; BigVGAN context 20 frames), and the engine's schedule (first_chunks=2: 12, 12, 24).
+    future 24 frames; BigVGAN context 20 frames).
 
     Measured on this tiny model (audio rms 0.15): n=7 and n=12 (one window holds the whole utterance,
     padded to a full window's length) differ only by rounding: max abs err 5e-7, SNR 123 dB; n=50:
     max abs err 4.4e-5, SNR 88.4 dB; n=137: 5.4e-5, 89.1 dB (before the chunks grew to 48 codes: 1.0e-4, 85.1 dB). In mel the
     largest difference is 3e-3 against a std of 1.63 (mel SNR 71-75 dB), just before each chunk's
-    look-ahead block. Over 12 other seeds (voice, codes, noise): SNR 85-101 dB, max abs <= 7.7e-5. With
-    two first chunks: n=50 88.0 dB, 5.9e-5; n=137 88.4 dB, 7.6e-5.
+    look-ahead block. Over 12 other seeds (voice, codes, noise): SNR 85-101 dB, max abs <= 7.7e-5.
     BigVGAN's seams are exact here (its receptive field is +-13 frames < 20); nearly all of the
     error is the DiT window. Asserted with margin: SNR >= 70 dB and max abs err <= 1e-3.
     """
-    vocoder = _vocoder(token2wav, voice, first_chunks=first_chunks)
+    vocoder = _vocoder(token2wav, voice)
     codes = _codes(n)
     whole = vocoder.decode_whole(codes)
     results = []
@@ -192,8 +190,6 @@ def test_streamed_audio_matches_whole_decode(token2wav, voice, n, first_chunks):
         vocoder = _vocoder(token2wav, voice, pad_windows=False)  # unpadded, one window is the whole decode
         assert np.array_equal(np.concatenate(_stream(vocoder, _pieces(codes, "all"))), whole)
     else:
-        print(f"n={n} first_chunks={first_chunks}: SNR {_snr_db(streamed, whole):.1f} dB, "
-              f"max abs {np.abs(streamed - whole).max():.2e}")
         assert _snr_db(streamed, whole) >= 70.0
         assert np.abs(streamed - whole).max() <= 1e-3
 
@@ -225,13 +221,11 @@ def test_look_ahead_context_matters(token2wav, voice):
 
 
 
-@pytest.mark.parametrize("first_chunks", [1, 2])
 @pytest.mark.parametrize("voice_name", ["Chelsie", "Ethan"])
-def test_built_in_tiny_model_streams_within_the_same_bound(voice_name, first_chunks):
+def test_built_in_tiny_model_streams_within_the_same_bound(voice_name):
     """The project's committed tiny model (omni_dev/tiny_qwen2_5.py) and its voices, 137 codes.
 
-    Measured: Chelsie max abs err 1.9e-5, SNR 104.4 dB; Ethan 2.1e-5, 97.9 dB (rms 0.09); two first
-    chunks: 1.9e-5, 100.4 dB / 3.1e-5, 96.5 dB; and
+    Measured: Chelsie max abs err 1.9e-5, SNR 104.4 dB; Ethan 2.1e-5, 97.9 dB (rms 0.09); and
     `decode_whole` is bit-identical to transformers' token2wav under the same seed.
     """
     from omni_dev.tiny_qwen2_5 import build_tiny_model
@@ -239,13 +233,10 @@ def test_built_in_tiny_model_streams_within_the_same_bound(voice_name, first_chu
     model = build_tiny_model()
     t2w, spk = model.token2wav, model.speaker_map[voice_name]
     codes = _codes(137)
-    vocoder = StreamingVocoder(t2w, spk["cond"], spk["ref_mel"], max_codes=MAX_CODES, generator=SEED,
-                               first_chunks=first_chunks)
+    vocoder = StreamingVocoder(t2w, spk["cond"], spk["ref_mel"], max_codes=MAX_CODES, generator=SEED)
     whole = vocoder.decode_whole(codes)
     streamed = np.concatenate(_stream(vocoder, _pieces(codes, "uneven")))
     assert len(streamed) == len(whole) == 137 * 2 * HOP
-    print(f"{voice_name} first_chunks={first_chunks}: SNR {_snr_db(streamed, whole):.1f} dB, "
-          f"max abs {np.abs(streamed - whole).max():.2e}")
     assert _snr_db(streamed, whole) >= 70.0
     assert np.abs(streamed - whole).max() <= 1e-3
     torch.manual_seed(SEED)
@@ -281,22 +272,6 @@ def test_chunks_grow_from_the_first_to_the_steady_size(token2wav, voice):
     vocoder.finish()
     # Every mel frame is made final by exactly one logged chunk (the engine's stats are built on it).
     assert [frames for frames, _ in vocoder.chunk_log] == [24, 48, 96, 96, 2 * MAX_CODES - 264]
-
-
-def test_two_first_chunks_bring_the_second_block_a_chunk_sooner(token2wav, voice):
-    # The engine's schedule (`first_chunks=2`): 12, 12, 24, 48 codes, then 48 from there on. The second
-    # block (0.24 s) comes 12 codes after the first, where the doubling schedule's (0.48 s) comes 24 after.
-    vocoder = _vocoder(token2wav, voice, first_chunks=2)
-    got = []
-    for i, code in enumerate(_codes(MAX_CODES), start=1):
-        got += [(i, len(b) // HOP) for b in vocoder.push([code])]
-    assert got == [(24, 4), (36, 24), (60, 48), (108, 96), (156, 96)]
-    # Windows: [0, 48), [0, 72), [0, 120), then 48 past + 96 + 24 ahead = 168 frames each.
-    assert (vocoder.dit_calls, vocoder.dit_frames) == (5, 48 + 72 + 120 + 168 + 168)
-    vocoder.finish()
-    assert [frames for frames, _ in vocoder.chunk_log] == [24, 24, 48, 96, 96, 2 * MAX_CODES - 288]
-    with pytest.raises(ValueError, match="first_chunks"):
-        _vocoder(token2wav, voice, first_chunks=0)
 
 
 def test_history_is_never_decoded_again(token2wav, voice):
@@ -421,9 +396,8 @@ def test_worker_returns_quietly_when_the_consumer_leaves(token2wav, voice):
         code_ch.put([1])
 
 
-@pytest.mark.parametrize("first_chunks", [1, 2])
 @pytest.mark.parametrize("chunk", [48, 96, 192])
-def test_warmup_codes_reach_every_window_an_utterance_uses(token2wav, voice, chunk, first_chunks):
+def test_warmup_codes_reach_every_window_an_utterance_uses(token2wav, voice, chunk):
     # The engine captures the windows' CUDA graphs by streaming `warmup_codes`; a window it missed
     # would run eagerly (slowly) in every reply. Compare with utterances of many lengths: every DiT
     # window length, and every BigVGAN span before the last (the last one's length varies).
@@ -431,7 +405,7 @@ def test_warmup_codes_reach_every_window_an_utterance_uses(token2wav, voice, chu
 
     def windows(codes):
         vocoder = StreamingVocoder(token2wav, *voice, max_codes=len(codes), generator=SEED,
-                                   codes_per_chunk=chunk, first_chunks=first_chunks, pad_windows=True)
+                                   codes_per_chunk=chunk, pad_windows=True)
         seen, run = set(), vocoder._graphs.run
 
         def record(key, fn, *inputs, **options):
@@ -446,6 +420,6 @@ def test_warmup_codes_reach_every_window_an_utterance_uses(token2wav, voice, chu
             del vocoder._graphs.run  # the instance attribute; the class's method is back
         return seen
 
-    warm = windows(warmup_codes(chunk, first_chunks=first_chunks))
+    warm = windows(warmup_codes(chunk))
     for n in (5, 30, 100, 250, 420):
         assert windows(_codes(n)) <= warm, n

@@ -24,11 +24,6 @@ from .talker import Talker
 from .thinker import Thinker
 
 AUDIO_CODE_LIMIT = 8192  # only codes below this are audio (token2wav's embedding has 8193 rows)
-# The vocoder's chunks of the first size before they grow (vocoder.py `first_chunks`: 12, 12, 24, ... codes).
-# The first block is 40 ms of sound (BigVGAN keeps 20 of its 24 frames for the seam), under the 0.2 s a
-# speaker queues before it plays, so a speaker starts at the second block: a second chunk of 12 codes
-# brings it a window sooner than one of 24 (whose codes come 12 thinker steps later).
-FIRST_CHUNKS = 2
 
 
 class Qwen25Steps:
@@ -75,12 +70,12 @@ class Qwen25Steps:
         # 3.3 -> 2.9 ms a step, thinker 1.4 -> 1.0 ms a token, real-time factor 0.23-0.27 -> 0.20-0.22).
         # Its picks equal the library layers' and transformers' (tests/test_parity.py checks both).
         enable_fast_steps(self, dtype, Policy.of(runtime, self.device).over(model), fast_decode)
-        # The vocoder's steady chunk (chunks grow 12, 12, 24, 48, ... up to it; see vocoder.py). A DiT window
+        # The vocoder's steady chunk (chunks grow 12, 24, 48, ... up to it; see vocoder.py). A DiT window
         # has a large fixed cost (36 evaluations of small kernels), so larger chunks cost less per second
         # of audio. Measured side by side on an H200 beside the 7B talker (omni-bench --schedules):
         # steady 48 codes: 111 ms a chunk, 0.130 s per second of audio, real-time factor 0.239;
         # 96: 158 ms, 0.101 s, 0.212; 192: 222 ms, 0.080 s, 0.193; first audio the same (~300-317 ms).
-        # The first chunks stay small (12, 12, 24, ...), so short replies are unaffected.
+        # The first chunks stay small (12, 24, ...), so short replies are unaffected.
         self.vocoder_chunk_codes = vocoder_chunk_codes
 
     # -- thinker -------------------------------------------------------------------------------------
@@ -112,7 +107,7 @@ class Qwen25Steps:
         # The seed makes a CPU generator: the noise is drawn on the CPU, as transformers' is.
         return StreamingVocoder(self.model.token2wav, spk["cond"], spk["ref_mel"], max_codes=max_codes,
                                 generator=seed, codes_per_chunk=self.vocoder_chunk_codes,
-                                first_chunks=FIRST_CHUNKS, compiled=self.compile, policy=self.policy)
+                                compiled=self.compile, policy=self.policy)
 
     # -- warm-up -------------------------------------------------------------------------------------
     def capture_ahead(self) -> int:
@@ -157,7 +152,7 @@ class Qwen25Steps:
         voices = list(self.speakers.values()) if self.compile else list(self.speakers.values())[:1]
         for spk in voices:
             capture_windows(self.model.token2wav, spk["cond"], spk["ref_mel"], self.vocoder_chunk_codes, self.compile,
-                            self.policy, first_chunks=FIRST_CHUNKS)
+                            self.policy)
         torch.cuda.current_stream(self.device).synchronize()  # this thread's work only (runtime/beside.py)
 
 

@@ -8,9 +8,8 @@
 decoder does it (72-frame chunks, 48 frames of past, 24 of future). BigVGAN then turns final mel into
 audio; at each seam it gets `bigvgan_context` mel frames on both sides and the overlap is trimmed.
 History is never decoded again: each chunk costs its own frames plus a constant context. Chunks grow
-(12, 24, 48, ... codes, doubling up to `codes_per_chunk`: 48 by default, 192 in the engine; the engine
-decodes two first chunks of 12, `first_chunks`) so the first audio is early and later ones spend less on
-context and on each window's fixed cost; the last
+(12, 24, 48, ... codes, doubling up to `codes_per_chunk`: 48 by default, 192 in the engine) so the first
+audio is early and later ones spend less on context and on each window's fixed cost; the last
 window of an utterance is padded to a full window's length with rows no real row attends to, so every
 window has one of a few fixed lengths and can be replayed as CUDA graphs (`_WindowGraphs`): with
 `compiled`, each window's whole ODE is one graph of the DiT compiled by inductor (fastest, but the
@@ -56,7 +55,6 @@ class StreamingVocoder:
         *,
         codes_per_chunk: int = 48,
         first_chunk_codes: int | None = None,
-        first_chunks: int = 1,
         past_frames: int | None = None,
         future_frames: int | None = None,
         bigvgan_context: int = 20,
@@ -76,9 +74,6 @@ class StreamingVocoder:
             The first chunk defaults to one block so the first audio comes as early as the window allows;
             each next chunk is twice the last, up to `codes_per_chunk` (12, 24, 48, 48, ...): larger
             chunks spend less of each window on context, small early ones keep the first audio early.
-        first_chunks: how many chunks of the first size come before they grow (2: 12, 12, 24, ...). The
-            first block holds only the first chunk less BigVGAN's right context (40 ms at 12 codes), too
-            little for a speaker to start on; a second small chunk brings the next block a window sooner.
         past_frames / future_frames: DiT context in mel frames; default one block per look-back /
             look-ahead layer, which is how far one DiT evaluation reaches (48 / 24 on the real model).
         bigvgan_context: mel frames BigVGAN sees beyond each seam (Qwen's streaming decoder uses 20).
@@ -114,9 +109,6 @@ class StreamingVocoder:
                 raise ValueError(f"{name} must be a positive multiple of {block_codes} codes, got {n}")
         self.chunk_frames = codes_per_chunk * self.repeats
         self.first_chunk_frames = first_chunk_codes * self.repeats
-        if first_chunks < 1:
-            raise ValueError(f"first_chunks must be at least 1, got {first_chunks}")
-        self.first_chunks = first_chunks
         self.past_frames = self.block * len(config.look_backward_layers) if past_frames is None else past_frames
         self.future_frames = self.block * len(config.look_ahead_layers) if future_frames is None else future_frames
         if self.past_frames % self.block or self.past_frames < 0 or self.future_frames < 0:
@@ -235,13 +227,11 @@ class StreamingVocoder:
         return self.mel_done + self._chunk_frames(self.mel_done)
 
     def _chunk_frames(self, start: int) -> int:
-        """Length of the chunk that starts at mel frame `start`: `first_chunks` of the first size, then
-        doubling up to the steady size."""
-        size, pos, chunk = self.first_chunk_frames, 0, 0
+        """Length of the chunk that starts at mel frame `start`: the first, then doubling up to the steady size."""
+        size, pos = self.first_chunk_frames, 0
         while pos < start:
-            pos, chunk = pos + size, chunk + 1
-            if chunk >= self.first_chunks:
-                size = min(2 * size, self.chunk_frames)
+            pos += size
+            size = min(2 * size, self.chunk_frames)
         return size
 
     def _check_codes(self, codes: Sequence[int]) -> np.ndarray:
@@ -542,15 +532,14 @@ def _or_plain(compiled: Callable, plain: Callable) -> Callable:
 
 
 def capture_windows(token2wav, cond: torch.Tensor, ref_mel: torch.Tensor, codes_per_chunk: int, compiled: bool,
-                    policy=None, first_chunks: int = 1) -> None:
+                    policy=None) -> None:
     """Capture the CUDA graphs of a vocoder's windows for one voice, as the engine's warm-up does: compiled,
     every window length (a capture may compile); uncompiled, the first chunks' (12, 24 and 48 codes), the
     rest being captured when a reply first reaches them (on the vocoder's thread, while the audio made so
     far plays)."""
-    codes = warmup_codes(codes_per_chunk if compiled else min(24, codes_per_chunk), first_chunks=first_chunks)
+    codes = warmup_codes(codes_per_chunk if compiled else min(24, codes_per_chunk))
     voc = StreamingVocoder(token2wav, cond, ref_mel, max_codes=len(codes), generator=0,
-                           codes_per_chunk=codes_per_chunk, first_chunks=first_chunks, compiled=compiled,
-                           policy=policy)
+                           codes_per_chunk=codes_per_chunk, compiled=compiled, policy=policy)
     voc._graphs.capturing = True
     try:
         with torch.inference_mode():
@@ -560,11 +549,11 @@ def capture_windows(token2wav, cond: torch.Tensor, ref_mel: torch.Tensor, codes_
         voc._graphs.capturing = False
 
 
-def warmup_codes(codes_per_chunk: int, block_codes: int = 12, first_chunks: int = 1) -> list[int]:
+def warmup_codes(codes_per_chunk: int, block_codes: int = 12) -> list[int]:
     """Audio codes enough for a vocoder with padded windows to run every DiT window length it has and
-    the BigVGAN span of a steady chunk: the first chunks and the growing ones (12, 24, ...), one steady
-    chunk with its look-ahead block, and a tail that `finish` pads to a steady window."""
-    n, size = block_codes * (first_chunks - 1), block_codes
+    the BigVGAN span of a steady chunk: the growing chunks (12, 24, ...), one steady chunk with its
+    look-ahead block, and a tail that `finish` pads to a steady window."""
+    n, size = 0, block_codes
     while size < codes_per_chunk:
         n, size = n + size, 2 * size
     return [100 + i % 4000 for i in range(n + codes_per_chunk + 2 * block_codes)]
