@@ -12,7 +12,6 @@ import sys
 
 FIELDS = [("text", "time_to_first_text_ms"), ("audio", "time_to_first_audio_ms"), ("spk", "speaker_start_ms"),
           ("th_pre", "thinker_prefill_ms"), ("tk_pre", "talker_prefill_ms"),
-          ("tk_ahead", "talker_ahead_ms"),
           ("th_step", "thinker_ms_per_token"), ("tk_step", "talker_ms_per_step"),
           ("voc1", "vocoder_first_chunk_ms"), ("lead", "audio_min_lead_ms"),
           ("rtf", "real_time_factor"), ("peak", "peak_gib")]

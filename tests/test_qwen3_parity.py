@@ -135,32 +135,6 @@ def test_second_turn_matches_generate(name):
     assert len(chat.history.turns) == 4
 
 
-@pytest.mark.parametrize("name", ["builtin", "wide"])
-def test_talker_prompt_issued_ahead_gives_the_reference(name, monkeypatch):
-    """A text prompt's talker rows but the last are issued before R[0] exists (`Talker.prefill_ahead`, which
-    a GPU runs beside the thinker's prefill) and the last row is fed as one step: both turns of a
-    conversation (the second keeps the first's user rows) take that path and still give generate's ids."""
-    from omni_cli.models.qwen3_omni.talker import Talker
-
-    done: list[tuple[bool, int, int]] = []
-    ahead = Talker.prefill_ahead
-
-    def spy(self, ids, found, prompt):
-        did = ahead(self, ids, found, prompt)
-        done.append((did, self.cache.length, len(self._users) + 8))  # rows in the cache, the prompt's but one
-        return did
-
-    monkeypatch.setattr(Talker, "prefill_ahead", spy)
-    a = assistant(name)
-    chat = a.conversation(system="Be brief.")
-    for prompt in ("Tell me a short story.", "And then what happened?"):
-        ids = ids_for(a, prompt, chat.history)
-        reply = chat.say(prompt, greedy=True, voice="Ethan", max_text_tokens=8, max_codes=8)
-        check_reply(a, reply, ids, "Ethan", 8, 8)
-    assert [(did, rows == head) for did, rows, head in done] == [(True, True), (True, True)]
-    assert reply.stats["talker_kept_rows"] > 0  # the second turn kept the first's user rows
-
-
 class _Recorder:
     """A sink that keeps each block and when it arrived (time.perf_counter())."""
 

@@ -212,9 +212,6 @@ def _reply(engine, subject: _Subject, prompt_ids, text_tokens, codes, device, i:
         "time_to_first_token_ms": 1000 * s["time_to_first_token"],
         "thinker_prefill_ms": s.get("thinker_prefill_step_ms"),
         "talker_prefill_ms": s.get("talker_prefill_step_ms"),
-        # The talker prompt's rows issued beside the thinker's prefill (Qwen3-Omni's text prompts), from their
-        # issue to their end; talker_prefill_ms is then the last row and frame 0.
-        "talker_ahead_ms": s.get("talker_ahead_step_ms"),
         "vocoder_ms_per_chunk": s.get("vocoder_steady_chunk_ms"),
         "vocoder_chunk_codes": s.get("vocoder_steady_chunk_codes"),
         "vocoder_first_chunk_ms": s.get("vocoder_first_chunk_ms"),

@@ -39,8 +39,6 @@ class ThinkerOutput(Protocol):
     embeds: "torch.Tensor"  # [1, n, W] input embeddings of the fed tokens
     hidden: "torch.Tensor"  # [1, n, W] last hidden state
     logits: "torch.Tensor"  # [1, vocab] float32 logits of the next token
-    found: int  # of a prompt: the positions its prefill found kept in the cache
-    prompt: int  # of a prompt: which prefill it was (the thinker's count)
 
 
 class Vocoder(Protocol):
@@ -60,11 +58,7 @@ class Vocoder(Protocol):
 
 
 class TalkerTurn(Protocol):
-    """One turn's talker: sampling state (repetition-penalty masks, suppressed ids) made in `begin`.
-
-    A family whose talker prompt has rows that need neither R[0] nor the thinker's states may also have
-    `prefill_ahead(ids, found, prompt) -> bool` (Qwen3-Omni): the schedule issues them beside the thinker's
-    prefill, and `prefill` then feeds the rest."""
+    """One turn's talker: sampling state (repetition-penalty masks, suppressed ids) made in `begin`."""
 
     def prefill(self, prompt: ThinkerOutput, first_vec: "torch.Tensor") -> "torch.Tensor": ...
 

@@ -9,10 +9,7 @@ is fed the text-EOS entry once, then text-pad, until it samples a stop code.
 
 On a GPU the talker's steps are issued on a stream of their own (`_talker_side`): talker step k waits
 on the device for the thinker work issued before it, and thinker step j+1, issued after it, runs beside
-it instead of after it (the two share the GPU's bandwidth; at batch 1 neither fills it). Where the family
-can make the talker prompt's rows but the last from the prompt's ids alone (`prefill_ahead`: Qwen3-Omni's
-text prompts), they are issued there right after the thinker's prefill, waiting only for the turn's setup,
-so the two prompts run side by side, and talker step 0 feeds the last row.
+it instead of after it (the two share the GPU's bandwidth; at batch 1 neither fills it).
 
 Every sampled id goes to the async output boundary (`boundary.py`) at once; the schedule never reads a
 device value. What it knows of the host side (the text's end, the speech's end) it reads from the
@@ -42,7 +39,6 @@ if TYPE_CHECKING:  # the interface the family's steps meet (models/base.py: Prot
 
 TALKER_SEED_OFFSET = 1  # the talker's generator is seeded with the turn's seed + this
 FIRST_AUDIO_HOLD = 1.0  # longest the engine thread waits for the first audio on a CPU (seconds)
-TALKER_AHEAD = True  # the talker's prompt rows issued beside the thinker's prefill (False: an A/B's other side)
 
 
 @dataclass
@@ -91,7 +87,6 @@ class Schedule:
 
     def run(self) -> None:
         d = self._setup()
-        ready = self._issued()  # what the thinker's prefill may overlap comes after this
         mark = self.clock.start()
         first = self.steps.prefill(d.ids, self.req.media) if self.req.media else self.steps.prefill(d.ids)
         tok = select(first.logits, self.req.thinker, d.seen_text, d.no_eos, d.gen)
@@ -100,7 +95,6 @@ class Schedule:
         self.clock.end("thinker_prefill", mark)
         self.state.times["prefill_issued"] = time.perf_counter()
         d.first, d.toks = first, [tok]
-        self._talker_ahead(d, ready)
         self._early_vector(d, tok)
         with _sync_debug(self.req.sync_debug and self.steps.device.type == "cuda"):
             try:
@@ -132,31 +126,6 @@ class Schedule:
             d.talker = s.talker_turn(list(req.input_ids), req.voice, req.talker, talker_gen, req.force_lengths)
             d.early = s.vector_from_token
         return d
-
-    def _issued(self) -> torch.cuda.Event | None:
-        """An event after the turn's setup on the engine's stream (None without a talker stream)."""
-        if self.talker_stream is None or not self.audio:
-            return None
-        event = torch.cuda.Event()
-        event.record()
-        return event
-
-    def _talker_ahead(self, d: _Decode, ready: torch.cuda.Event | None) -> None:
-        """The talker's prompt rows that need neither R[0] nor the thinker's states (`prefill_ahead`, where
-        the family has it: Qwen3-Omni's text prompts), issued now on the talker's stream after the turn's
-        setup only: on the GPU they run beside the thinker's prefill, issued just before. Talker step 0 then
-        feeds the prompt's last row."""
-        ahead = getattr(d.talker, "prefill_ahead", None)
-        if ahead is None or d.first is None or not TALKER_AHEAD:
-            return
-        side = contextlib.nullcontext()
-        if self.talker_stream is not None and ready is not None:
-            self.talker_stream.wait_event(ready)
-            side = torch.cuda.stream(self.talker_stream)
-        with side:
-            mark = self.clock.start()
-            if ahead(d.ids, d.first.found, d.first.prompt):
-                self.clock.end("talker_ahead", mark)
 
     def _steps(self, d: _Decode) -> None:
         """The hot loop: talker step k as soon as its text entry exists, then thinker step j."""

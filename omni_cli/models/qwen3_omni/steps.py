@@ -158,9 +158,6 @@ class _TalkerTurn:
     def __init__(self, talker: Talker) -> None:
         self.talker = talker
 
-    def prefill_ahead(self, ids: torch.Tensor, found: int, prompt: int) -> bool:
-        return self.talker.prefill_ahead(ids, found, prompt)
-
     def prefill(self, prompt, first_vec: torch.Tensor) -> torch.Tensor:
         return self.talker.prefill(prompt, first_vec)
 

@@ -14,9 +14,7 @@ The talker prompt (made in `prefill`, as the reference): the user turns of the c
 `<|im_start|>`, `assistant`, `\\n` (text-projected), then tts_pad + codec nothink / think_bos / think_eos /
 the voice's codec id, tts_bos + codec pad, and the first reply token + codec bos. In a conversation the
 next prompt's user rows begin with the last one's: those the thinker kept stay in the cache and only the
-rest is prefilled (runtime/context.py `TalkerRows`). Every row but the last of a text prompt needs only
-the prompt's ids: `prefill_ahead` issues them before the thinker's first token exists (the schedule puts
-them beside the thinker's prefill on a GPU), and `prefill` then feeds the last row as one step.
+rest is prefilled (runtime/context.py `TalkerRows`).
 
 Steps take and return device tensors only (no host sync); every id and mask tensor is made in
 `__init__` or `begin`. It does not know where the text entries come from (the runtime picks R[k],
@@ -209,7 +207,6 @@ class Talker:
             [c.codec_nothink_id, c.codec_think_bos_id, c.codec_think_eos_id, speaker, c.codec_pad_id, c.codec_bos_id],
             device=dev,
         )
-        self._ahead = None  # this turn's prompt rows issued before the thinker's first token (`prefill_ahead`)
         self._seen.zero_()
         self._suppress[0, self.codec_eos] = force_audio
         self.talker_params.set(talker)
@@ -221,7 +218,6 @@ class Talker:
     predictor_fused: FusedDecoder | None = None
     prefill_graphs: PrefillGraphs | None = None
     _pick = staticmethod(pick)
-    _ahead: tuple[int, list[int]] | None = None  # (thinker prompt, row sources) of `prefill_ahead`'s rows
 
     def enable_fast_decode(self, policy) -> None:
         """Steps through the fused fixed-shape functions (`runtime/fused.py`), replayed as CUDA graphs
@@ -238,10 +234,6 @@ class Talker:
         self._in_frame = torch.zeros(self.frame_width, dtype=torch.long, device=dev)
         self._in_vec = torch.zeros_like(self.text_pad_vec)
         self._in_pos = torch.zeros(1, dtype=torch.long, device=dev)
-        # 1: the step's input is the frame's embedding plus the text entry; 0 (the prompt's last row after
-        # `prefill_ahead`): the text entry alone, which then holds that row. x * 1 and v + 0 are exact, so
-        # the steps' sums are those of the plain `embed + vec`.
-        self._frame_on = torch.ones(1, dtype=self._in_vec.dtype, device=dev)
         self.step_graphs = policy.step_graphs(self._fused_step, self.cache.max_len, lazy=not policy.compile_on)
         self.prefill_graphs = policy.prefill_graphs(self.model, self.cache, self._hidden.shape[-1], self._hidden.dtype,
                                                     allowed=self._hidden.dtype == torch.bfloat16)  # as the thinker's
@@ -268,7 +260,7 @@ class Talker:
 
     def _fused_step(self, span: int) -> None:
         assert self.fused is not None  # only `enable_fast_decode`'s graphs run this step
-        x = torch.addcmul(self._in_vec, self._embed_frame(self._in_frame), self._frame_on)
+        x = self._embed_frame(self._in_frame) + self._in_vec
         hidden = self.fused.step(x, self._in_pos, span)
         self._hidden.copy_(hidden)
         self._logits.copy_(self.codec_head(hidden)[:, -1].float())
@@ -277,17 +269,23 @@ class Talker:
         return self._frame(self._hidden, self._logits)
 
     def prefill(self, prompt, first_vec: torch.Tensor) -> torch.Tensor:
-        """The talker prompt from the thinker's prefill output and R[0]; returns frame 0 ([16] long). Where
-        `prefill_ahead` issued every row but the last for this prompt, only the last row is fed (a step).
+        """The talker prompt from the thinker's prefill output and R[0]; returns frame 0 ([16] long).
 
         When the reply is a single token (nothing fed after it), the reference crashes (its prompt loses the
         first-text position); the runtime passes `text_eos_vec` there, a choice of ours.
         """
         if self._codec_ids is None:
             raise RuntimeError("Talker.begin must come before prefill")
-        if self._ahead is not None and self._ahead[0] == prompt.prompt:
-            return self._last_row(first_vec)
-        x = torch.cat([self._head_rows(prompt.embeds, self._user_rows(prompt)), self._last_entry(first_vec)], dim=1)
+        embeds = prompt.embeds
+        # User turns: projected over the whole prompt in one matmul, then gathered, as the reference; its
+        # audio / image / video positions from the thinker's `accepted` state through hidden_projection.
+        user = self._user_rows(prompt).index_select(0, self._user_idx).unsqueeze(0)
+        a = self._opener
+        opener = self._project(embeds[:, a : a + 3])
+        text = torch.cat([opener, self.text_pad_vec.expand(1, 4, -1), self.text_bos_vec, first_vec], dim=1)
+        # Added as the reference adds them: the opener rows get zeros, the other six their codec ids.
+        codec = torch.cat([self._no_codec, self.codec_embed(self._codec_ids).unsqueeze(0)], dim=1)
+        x = torch.cat([user, text + codec], dim=1)
         # The user rows of the positions the thinker kept are in the cache from the turn before.
         sources = self._users + [-1] * (x.shape[1] - len(self._users))
         start = self.rows.reuse(sources, prompt.prompt, prompt.found)
@@ -308,62 +306,6 @@ class Talker:
             return self._frame(hidden[:, -1:], logits)
         self._hidden.copy_(hidden[:, -1:])
         self._logits.copy_(logits)
-        return self.frame_graphs(self.predictor_cache.max_len).clone()  # out of the graph's buffer
-
-    def prefill_ahead(self, ids: torch.Tensor, found: int, prompt: int) -> bool:
-        """Issue the talker prompt's rows but the last now, before R[0] exists: its user rows and eight of its
-        nine opener rows need only the prompt's ids, so on a GPU they run beside the thinker's prefill (the
-        schedule issues them on the talker's stream) instead of after it. `prefill` then feeds the last row.
-        `ids`: the prompt ([1, L], on the device); `found`, `prompt`: the thinker prefill's kept positions and
-        number (`ThinkerOut`). Only with the fused step (it feeds the last row) and a prompt with no audio,
-        image or video positions (theirs come from the thinker's hidden states). Returns whether it did."""
-        self._ahead = None
-        if self._codec_ids is None or self.fused is None or self._media_idx is not None:
-            return False
-        embeds = self.thinker_embed(ids)  # the thinker's own lookup of the same ids: the same rows
-        head = self._head_rows(embeds, self.text_projection(embeds[0]))
-        sources = self._users + [-1] * (head.shape[1] + 1 - len(self._users))
-        start = self.rows.reuse(sources, prompt, found)  # kept rows are user rows: the opener's are fed
-        self.cache.keep_first(start)
-        self.rope_delta = 0  # a text prompt's positions are 1-D
-        self.fused.rope_shift.fill_(0)
-        rest = head[:, start:]
-        graphed = self.prefill_graphs.run(rest) if self.prefill_graphs is not None else None
-        if graphed is None:
-            forward_layers(self.model, rest, self.cache)
-        self._ahead = (prompt, sources)
-        return True
-
-    def _head_rows(self, embeds: torch.Tensor, user_rows: torch.Tensor) -> torch.Tensor:
-        """[1, n-1, D]: the talker prompt but its last row, from the thinker's embeddings of the prompt and
-        every position as the user rows read it ([L, D]: projected over the whole prompt in one matmul, as
-        the reference; audio / image / video positions from the thinker's `accepted` state, `_user_rows`)."""
-        user = user_rows.index_select(0, self._user_idx).unsqueeze(0)
-        a = self._opener
-        opener = self._project(embeds[:, a : a + 3])
-        text = torch.cat([opener, self.text_pad_vec.expand(1, 4, -1), self.text_bos_vec], dim=1)
-        # Added as the reference adds them: the opener rows get zeros, the other rows their codec ids.
-        assert self._codec_ids is not None  # made by `begin`, which the callers check
-        codec = torch.cat([self._no_codec, self.codec_embed(self._codec_ids[:-1]).unsqueeze(0)], dim=1)
-        return torch.cat([user, text + codec], dim=1)
-
-    def _last_entry(self, first_vec: torch.Tensor) -> torch.Tensor:
-        """[1, 1, D]: the prompt's last row, R[0] with codec bos (the same sum the reference's row gets)."""
-        assert self._codec_ids is not None  # made by `begin`
-        return first_vec + self.codec_embed(self._codec_ids[-1:]).unsqueeze(0)
-
-    def _last_row(self, first_vec: torch.Tensor) -> torch.Tensor:
-        """The prompt's last row as one fused step after `prefill_ahead`'s rows; returns frame 0."""
-        assert self._ahead is not None and self.fused is not None  # `prefill_ahead` did the rest
-        self._draw()
-        self._in_vec.copy_(self._last_entry(first_vec))
-        self._in_pos.fill_(self.cache.length)
-        self._frame_on.zero_()
-        self.step_graphs(self.cache.length + 1)
-        self._frame_on.fill_(1)
-        self.cache.advance(1)
-        self.rows.keep(self._ahead[1], self._ahead[0])
-        self._ahead = None
         return self.frame_graphs(self.predictor_cache.max_len).clone()  # out of the graph's buffer
 
     def _positions(self, prompt, device):
