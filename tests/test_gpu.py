@@ -822,27 +822,66 @@ def test_qwen3_long_prompt_replays_a_graph_captured_between_turns():
     prefill, within bfloat16's rounding of other row counts."""
     import omni_cli
 
+    from omni_cli.runtime import prompt_ops
+
     model = omni_cli.load("assets/tiny-qwen3-omni", device="cuda", dtype="bfloat16")
     thinker = model.engine.steps.thinker
     graphs, cache = thinker.prefill_graphs, thinker.cache
     assert cache.max_len >= 2048, cache.max_len
+    cudnn_calls = []
+    real_cudnn = prompt_ops._cudnn_sdpa
+
+    def cudnn_spy(*args):
+        cudnn_calls.append(args[0].shape[2])
+        return real_cudnn(*args)
+
+    prompt_ops._cudnn_sdpa = cudnn_spy  # put back below
     torch.manual_seed(0)
     prompt = torch.randn(1, 700, thinker.embed_tokens.weight.shape[1], device="cuda", dtype=torch.bfloat16)
-    with torch.inference_mode():
-        eager = graphs(prompt)  # no graph of its length yet
-        rows = [t[:, :, :700].clone() for t in cache.keys + cache.values]
-        assert graphs.wanted_long == {1024} and 1024 not in graphs.graphs
-        graphs.wanted_rests = set()
-        graphs.capture_rests(kept=True)
-        assert 1024 not in graphs.graphs  # a thinker's kept context is not copied aside for it
-        assert graphs.capture_rests(kept=True, long_over_kept=True) == 1 and 1024 in graphs.graphs
-        assert cache.length == 700 and all(torch.equal(a, b[:, :, :700]) for a, b in zip(rows, cache.keys + cache.values))
-        graphed = graphs(prompt)
+    try:
+        with torch.inference_mode():
+            eager = graphs(prompt)  # no graph of its length yet
+            assert cudnn_calls == []  # an eager prompt keeps flash attention: cuDNN would build a plan
+            rows = [t[:, :, :700].clone() for t in cache.keys + cache.values]
+            assert graphs.wanted_long == {1024} and 1024 not in graphs.graphs
+            graphs.wanted_rests = set()
+            graphs.capture_rests(kept=True)
+            assert 1024 not in graphs.graphs  # a thinker's kept context is not copied aside for it
+            assert graphs.capture_rests(kept=True, long_over_kept=True) == 1 and 1024 in graphs.graphs
+            assert cache.length == 700 and all(torch.equal(a, b[:, :, :700]) for a, b in zip(rows, cache.keys + cache.values))
+            graphed = graphs(prompt)
+    finally:
+        prompt_ops._cudnn_sdpa = real_cudnn
+    layers = len(thinker.model.layers)
+    assert cudnn_calls == [1024] * (3 * layers), cudnn_calls  # two warm-up forwards and the capture's: cuDNN's
     assert cache.length == 700
     worst = max(_relative(b, a) for a, b in zip(eager, graphed))
     worst_cache = max(_relative(b[:, :, :700], a) for a, b in zip(rows, cache.keys + cache.values))
     print(f"long prompt graph vs eager: rows {worst:.2e}, cache {worst_cache:.2e}")
     assert worst <= SUFFIX_BOUND and worst_cache <= SUFFIX_BOUND, (worst, worst_cache)
+
+
+@pytest.mark.parametrize("rows", [64, 1024, 2560])
+def test_cudnn_attention_on_cache_slices_is_flashs(rows):
+    """`prompt_ops._cudnn_sdpa` on what a prompt's layers pass it (keys and values the first rows of the
+    static cache: strided; 32 query heads over 4 key heads, 128 wide, bfloat16) against SDPA's flash
+    kernel on the same tensors: bfloat16's rounding apart."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from omni_cli.runtime import prompt_ops
+
+    g = torch.Generator(device="cuda").manual_seed(rows)
+    q = torch.randn(1, 32, rows, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+    buffer = torch.randn(2, 1, 4, 4096, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+    k, v = buffer[0][:, :, :rows], buffer[1][:, :, :rows]
+    assert not k.is_contiguous()
+    got = prompt_ops._cudnn_sdpa(q, k, v, 128 ** -0.5)
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=128 ** -0.5,
+                                                                enable_gqa=True)
+    worst = float((got.float() - want.float()).abs().max())
+    print(f"cuDNN vs flash, {rows} rows: max abs {worst:.2e}")
+    assert got.shape == want.shape and worst <= 2e-2
 
 
 @pytest.mark.parametrize("asset", ["assets/tiny-qwen2.5-omni", "assets/tiny-qwen3-omni"])

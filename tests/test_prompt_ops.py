@@ -219,3 +219,55 @@ def test_the_engine_installs_them_where_the_kernels_are_on(kernels_on):
     layer = stack.layers[0]
     swapped = [m for m in (layer.mlp.experts, layer.input_layernorm, layer.self_attn.q_norm) if "forward" in vars(m)]
     assert len(swapped) == (3 if kernels_on else 0)
+
+
+def test_a_long_prompt_graphs_attention_takes_cudnn_inside_its_block_only(monkeypatch):
+    """transformers' "sdpa" function, as installed: inside a `cudnn_attention` block a causal prompt from an
+    empty cache goes to `_cudnn_sdpa` (here a stand-in: this CPU has no cuDNN) and comes back in the
+    library's layout, the same values as the library's call; outside a block, with a mask (a rest over a
+    kept context), one row, or the switch off, the library's function runs. The thinker stack's forward
+    takes it inside the block."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    import torch.nn.functional as F
+
+    stack, config = _thinker_stack()
+    prompt_ops.install(stack.layers)
+    installed = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    library = installed._omni_library
+    prompt_ops.install(stack.layers)  # once: a second install keeps the first wrapper
+    assert ALL_ATTENTION_FUNCTIONS["sdpa"] is installed
+    calls = []
+
+    def stand_in(q, k, v, scale):  # what cuDNN's kernel computes, [B, H, L, D]
+        calls.append((q.shape[2], k.shape[1]))
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+
+    monkeypatch.setattr(prompt_ops, "_cudnn_sdpa", stand_in)
+    monkeypatch.setattr(prompt_ops, "_cudnn_runs_here", lambda module, q, k, v, mask, dropout, causal:
+                        prompt_ops.ATTENTION and mask is None and q.shape[2] > 1)  # this CPU
+    module = stack.layers[0].self_attn
+    torch.manual_seed(0)
+    q = torch.randn(1, 4, 7, 16)
+    k, v = torch.randn(1, 2, 7, 16), torch.randn(1, 2, 7, 16)
+    want, _ = library(module, q, k, v, None, scaling=0.25)
+    got, _ = installed(module, q, k, v, None, scaling=0.25)  # outside a block
+    assert calls == [] and torch.equal(got, want)
+    with prompt_ops.cudnn_attention():
+        got, _ = installed(module, q, k, v, None, scaling=0.25)
+        assert calls == [(7, 2)] and got.shape == want.shape == (1, 7, 4, 16)
+        assert torch.allclose(got, want, atol=1e-6)
+        mask = torch.zeros(1, 1, 7, 7)
+        installed(module, q, k, v, mask, scaling=0.25)  # a rest's mask: the library's
+        monkeypatch.setattr(prompt_ops, "ATTENTION", False)
+        installed(module, q, k, v, None, scaling=0.25)
+        assert len(calls) == 1
+        monkeypatch.setattr(prompt_ops, "ATTENTION", True)
+        cache = StaticKVCache.for_config(config, 16, device="cpu", dtype=torch.float32)
+        with torch.no_grad():
+            forward_layers(stack.float(), torch.randn(1, 6, config.hidden_size), cache)
+    assert calls[1:] == [(6, config.num_key_value_heads)] * config.num_hidden_layers
+    with prompt_ops.cudnn_attention(False):
+        installed(module, q, k, v, None, scaling=0.25)
+    assert len(calls) == 1 + config.num_hidden_layers
+    monkeypatch.undo()  # the real conditions: never a CPU tensor, a mask, or one row
+    assert not prompt_ops._cudnn_runs_here(module, q, k, v, None, 0.0, None)

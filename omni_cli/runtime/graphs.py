@@ -487,10 +487,14 @@ class PrefillGraphs:
     def _capture(self, size: int, span: int | None = None):
         """A graph of the prefill of `size` rows: from an empty cache, or (`span`) after `self.start` kept
         rows, which it leaves as they are."""
+        from . import prompt_ops
         from .decoder import forward_suffix
 
         x = self.inputs[:, :size]
         length = self.cache.length
+        # A long prompt from an empty cache takes cuDNN's attention (prompt_ops.py): its plan is built by the
+        # warm-up forwards below, and the replays never ask for it again.
+        cudnn = span is None and size > self.buckets[-1]
 
         def forward():
             if span is not None:
@@ -500,14 +504,14 @@ class PrefillGraphs:
 
         side = self.capture_stream
         side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side), torch.inference_mode():
+        with torch.cuda.stream(side), torch.inference_mode(), prompt_ops.cudnn_attention(cudnn):
             for _ in range(2):
                 forward()
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         # Not `torch.cuda.graph`: it synchronises the whole device and empties the allocator's caches, which
         # must not happen under the replies of steps that serve while these are made (runtime/beside.py).
-        with torch.inference_mode(), capture_anywhere(graph, self.pool, side):
+        with torch.inference_mode(), prompt_ops.cudnn_attention(cudnn), capture_anywhere(graph, self.pool, side):
             outputs = forward()
         self.cache.length = length if span is not None else 0
         return graph, outputs

@@ -23,6 +23,15 @@ ideas for many rows.
   On that H100 prompt, 65.0 to 56.8 ms of device time. The attention calls its modeling module's
   `apply_rotary_pos_emb`, so that name is what `install` wraps (once per module, for every caller).
 
+- **Attention of a long prompt's graph** (`cudnn_attention`): SDPA picks flash attention for a prompt's
+  causal attention, and cuDNN's is left out of a prompt's forwards (decoder.py `no_cudnn_attention`: it
+  builds a plan for every new length, on the thread that runs it). A graph of a long prompt from an empty
+  cache (`graphs.PrefillGraphs`, over 512 rows, captured between turns) has one length and is replayed
+  without cuDNN being asked again: there cuDNN's kernel runs, called directly (no process-wide switch,
+  which other threads read). On an H100, 2,560 rows at Qwen3-Omni's widths (32 query heads, 4 key heads,
+  128 wide, bfloat16, in a graph): 118 µs against flash's 228 (`scripts/attn_backends.py`; at 512 rows 13
+  against 20, at 64 rows slower: 7.5 against 6.3). The values differ from flash's in the last bits.
+
 `install(layers)` gives a stack's library modules of those kinds a forward that takes ours while the calling
 thread is `inside` (decoder.py runs every stack of the engine there) and the call can run it (a CUDA
 tensor; the experts also want bfloat16, more than one row, triton and torch's grouped_mm), else the
@@ -54,8 +63,9 @@ from .fused import kernels_wanted, rms_norm
 EXPERTS = True  # the routed experts
 NORMS = True  # the fused RMSNorm (module docstring: measured on an H100)
 ROPE = True  # the rotary embedding in one launch (runtime/rope_kernel.py)
+ATTENTION = True  # cuDNN's attention inside `cudnn_attention` blocks (a long prompt's graph)
 
-_here = threading.local()  # .depth: how many `inside` blocks the calling thread is in
+_here = threading.local()  # .depth: `inside` blocks the calling thread is in; .cudnn: `cudnn_attention` blocks
 
 
 def routed(gate_up: torch.Tensor, down: torch.Tensor, hidden: torch.Tensor, top_k_index: torch.Tensor,
@@ -95,9 +105,25 @@ def inside():
         _here.depth -= 1
 
 
+@contextlib.contextmanager
+def cudnn_attention(enabled: bool = True):
+    """`enabled`: the calling thread's causal prompt attention takes cuDNN's kernel until the block ends,
+    where a call can (`_cudnn_runs_here`). For forwards of one fixed length that are captured as a graph:
+    the plan is built once, by the warm-up forwards before the capture."""
+    if not enabled:
+        yield
+        return
+    _here.cudnn = getattr(_here, "cudnn", 0) + 1
+    try:
+        yield
+    finally:
+        _here.cudnn -= 1
+
+
 def install(layers) -> None:
     """Give the library's experts and RMSNorm modules of `layers` (a decoder stack) the dispatching forward,
-    once."""
+    once; and transformers' "sdpa" attention the one that takes cuDNN's in `cudnn_attention` blocks."""
+    _dispatch_attention()
     if getattr(layers, "_omni_prompt_ops", False):
         return
     for module in layers.modules():
@@ -131,6 +157,56 @@ def _dispatch_rope(modeling) -> None:
     setattr(apply_rotary_pos_emb, "_omni_library", library)  # the library's, for the tests and a second install
     apply_rotary_pos_emb.__doc__ = library.__doc__
     modeling.apply_rotary_pos_emb = apply_rotary_pos_emb
+
+
+def _dispatch_attention() -> None:
+    """transformers' registered "sdpa" attention function becomes, once, one that runs cuDNN's attention
+    where the calling thread is in a `cudnn_attention` block and the call can (`_cudnn_runs_here`: a
+    causal prompt from an empty cache), and the library's function everywhere else, with the same
+    arguments. The layers look the function up by name at each call, so every model in the process sees
+    it; outside those blocks it is the library's."""
+    try:
+        from transformers.modeling_utils import AttentionInterface
+    except ImportError:  # pragma: no cover - the library moved it: its own attention stays
+        return
+    library = AttentionInterface._global_mapping.get("sdpa")
+    if library is None or getattr(library, "_omni_library", None) is not None:
+        return
+
+    def sdpa_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+                               is_causal=None, **kwargs):
+        if (ATTENTION and getattr(_here, "cudnn", 0) > 0 and not kwargs.get("softcap")
+                and kwargs.get("position_bias") is None
+                and _cudnn_runs_here(module, query, key, value, attention_mask, dropout, is_causal)):
+            return _cudnn_sdpa(query, key, value, scaling).transpose(1, 2).contiguous(), None  # [B, L, H, D]
+        return library(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                       is_causal=is_causal, **kwargs)
+
+    setattr(sdpa_attention_forward, "_omni_library", library)
+    sdpa_attention_forward.__doc__ = library.__doc__
+    AttentionInterface._global_mapping["sdpa"] = sdpa_attention_forward
+
+
+def _cudnn_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None) -> torch.Tensor:
+    """Causal attention [B, H, L, D] by cuDNN's kernel, called directly: SDPA's choice of kernel reads
+    process-wide switches (decoder.py turns cuDNN's off around every prompt); this reads none. Key heads
+    may be fewer than the query's (grouped), as SDPA's `enable_gqa` passes them to it."""
+    return torch.ops.aten._scaled_dot_product_cudnn_attention(query, key, value, None, False, 0.0, True, False,
+                                                              scale=scale)[0]
+
+
+def _cudnn_runs_here(module, query, key, value, mask, dropout, is_causal) -> bool:
+    """Where cuDNN's kernel gives what the library's call would: the causal attention of a prompt from an
+    empty cache (no mask, as many keys as queries, more than one row, no dropout, a causal module), on
+    CUDA in bfloat16 or float16, heads at most 128 wide and a multiple of 8, whole groups of query heads."""
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    if not (causal and mask is None and dropout == 0.0 and query.dim() == 4 and key.dim() == 4):
+        return False
+    B, H, L, D = query.shape
+    return (query.is_cuda and L > 1 and key.shape[2] == L and value.shape == key.shape and key.shape[0] == B
+            and key.shape[3] == D and H % key.shape[1] == 0 and D % 8 == 0 and D <= 128
+            and query.dtype in (torch.bfloat16, torch.float16) and query.dtype == key.dtype == value.dtype
+            and torch.backends.cudnn.is_available())
 
 
 def _plain_rope(fn) -> bool:
