@@ -269,5 +269,19 @@ def test_a_long_prompt_graphs_attention_takes_cudnn_inside_its_block_only(monkey
     with prompt_ops.cudnn_attention(False):
         installed(module, q, k, v, None, scaling=0.25)
     assert len(calls) == 1 + config.num_hidden_layers
+    # A GPU or cuDNN without the kernel: the first failure is logged, and flash's (the library's) from then on.
+    refused, failures = [], []
+
+    def failing(*args):
+        failures.append(1)
+        raise RuntimeError("cuDNN Frontend error: no execution plan")
+
+    monkeypatch.setattr(prompt_ops, "_cudnn_refused", refused)
+    monkeypatch.setattr(prompt_ops, "_cudnn_sdpa", failing)
+    with prompt_ops.cudnn_attention():
+        got, _ = installed(module, q, k, v, None, scaling=0.25)
+        assert torch.equal(got, want) and failures == [1] and "no execution plan" in refused[0]
+        installed(module, q, k, v, None, scaling=0.25)
+    assert failures == [1]
     monkeypatch.undo()  # the real conditions: never a CPU tensor, a mask, or one row
     assert not prompt_ops._cudnn_runs_here(module, q, k, v, None, 0.0, None)

@@ -50,7 +50,9 @@ and sin cut in sections inside it, as older library versions did): those are lef
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
+import logging
 import sys
 import threading
 import types
@@ -66,6 +68,8 @@ ROPE = True  # the rotary embedding in one launch (runtime/rope_kernel.py)
 ATTENTION = True  # cuDNN's attention inside `cudnn_attention` blocks (a long prompt's graph)
 
 _here = threading.local()  # .depth: `inside` blocks the calling thread is in; .cudnn: `cudnn_attention` blocks
+_cudnn_refused: list[str] = []  # why cuDNN's attention failed once in this process (then never asked again)
+log = logging.getLogger(__name__)
 
 
 def routed(gate_up: torch.Tensor, down: torch.Tensor, hidden: torch.Tensor, top_k_index: torch.Tensor,
@@ -175,10 +179,15 @@ def _dispatch_attention() -> None:
 
     def sdpa_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
                                is_causal=None, **kwargs):
-        if (ATTENTION and getattr(_here, "cudnn", 0) > 0 and not kwargs.get("softcap")
+        if (ATTENTION and getattr(_here, "cudnn", 0) > 0 and not _cudnn_refused and not kwargs.get("softcap")
                 and kwargs.get("position_bias") is None
                 and _cudnn_runs_here(module, query, key, value, attention_mask, dropout, is_causal)):
-            return _cudnn_sdpa(query, key, value, scaling).transpose(1, 2).contiguous(), None  # [B, L, H, D]
+            try:
+                return _cudnn_sdpa(query, key, value, scaling).transpose(1, 2).contiguous(), None  # [B, L, H, D]
+            except RuntimeError as exc:  # a cuDNN or GPU without this kernel: flash's, from now on
+                # (the warm-up forwards before a capture meet this first: a capture never sees it)
+                _cudnn_refused.append(str(exc))
+                log.warning("cuDNN's attention failed (%.200s); prompts keep flash attention", exc)
         return library(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                        is_causal=is_causal, **kwargs)
 
@@ -198,7 +207,8 @@ def _cudnn_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, sca
 def _cudnn_runs_here(module, query, key, value, mask, dropout, is_causal) -> bool:
     """Where cuDNN's kernel gives what the library's call would: the causal attention of a prompt from an
     empty cache (no mask, as many keys as queries, more than one row, no dropout, a causal module), on
-    CUDA in bfloat16 or float16, heads at most 128 wide and a multiple of 8, whole groups of query heads."""
+    CUDA in bfloat16 or float16, heads at most 128 wide and a multiple of 8, whole groups of query heads,
+    where the GPU and cuDNN have the kernel."""
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     if not (causal and mask is None and dropout == 0.0 and query.dim() == 4 and key.dim() == 4):
         return False
@@ -206,7 +216,14 @@ def _cudnn_runs_here(module, query, key, value, mask, dropout, is_causal) -> boo
     return (query.is_cuda and L > 1 and key.shape[2] == L and value.shape == key.shape and key.shape[0] == B
             and key.shape[3] == D and H % key.shape[1] == 0 and D % 8 == 0 and D <= 128
             and query.dtype in (torch.bfloat16, torch.float16) and query.dtype == key.dtype == value.dtype
-            and torch.backends.cudnn.is_available())
+            and _cudnn_attention_exists(query.device))
+
+
+@functools.cache
+def _cudnn_attention_exists(device: torch.device) -> bool:
+    """cuDNN's fused attention: cuDNN 9 or later, on an Ampere GPU or newer (what torch's own choice asks)."""
+    version = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+    return bool(version and version >= 90000 and torch.cuda.get_device_capability(device) >= (8, 0))
 
 
 def _plain_rope(fn) -> bool:
