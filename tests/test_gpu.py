@@ -857,8 +857,10 @@ def test_qwen3_long_prompt_replays_a_graph_captured_between_turns():
     finally:
         prompt_ops._cudnn_sdpa = real_cudnn
     layers = len(thinker.model.layers)
-    # The eager forward in the block, then the capture's two warm-up forwards and its own: cuDNN's.
-    assert cudnn_calls == [700] * layers + [1024] * (3 * layers), cudnn_calls
+    # The eager forward in the block, then the capture's two warm-up forwards and its own: cuDNN's (where
+    # this GPU has the kernel; elsewhere flash's throughout).
+    has = prompt_ops._cudnn_attention_exists(torch.device("cuda", torch.cuda.current_device()))
+    assert cudnn_calls == ([700] * layers + [1024] * (3 * layers) if has else []), cudnn_calls
     assert cache.length == 700
     worst = max(_relative(b, a) for a, b in zip(eager, graphed))
     worst_cache = max(_relative(b[:, :, :700], a) for a, b in zip(rows, cache.keys + cache.values))
@@ -876,6 +878,8 @@ def test_cudnn_attention_on_cache_slices_is_flashs(rows):
 
     from omni_cli.runtime import prompt_ops
 
+    if not prompt_ops._cudnn_attention_exists(torch.device("cuda", torch.cuda.current_device())):
+        pytest.skip("this GPU or cuDNN has no fused attention (the prompts keep flash's)")
     g = torch.Generator(device="cuda").manual_seed(rows)
     q = torch.randn(1, 32, rows, 128, device="cuda", dtype=torch.bfloat16, generator=g)
     buffer = torch.randn(2, 1, 4, 4096, 128, device="cuda", dtype=torch.bfloat16, generator=g)
