@@ -1,5 +1,5 @@
 """SDPA's backends side by side for a prompt's causal attention at Qwen-Omni's widths (GPU only): each backend
-timed in a CUDA graph and eagerly, and whether it captures at all.
+timed in a CUDA graph (scripts/quant_gpu.py's timer), and whether it captures at all.
 
     python scripts/attn_backends.py [--rows 2560 512 64] [--heads 32] [--kv-heads 4] [--dim 128]
 
@@ -16,27 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-
-def timed_us(fn, calls: int = 10, runs: int = 20) -> float:
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    times = []
-    for _ in range(runs):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(1000 * a.elapsed_time(b) / calls)
-    return sorted(times)[len(times) // 2]
+from quant_gpu import _graph_time  # scripts/ is on sys.path when this file runs; its CUDA-graph timer
 
 
 def main() -> None:
@@ -69,7 +49,7 @@ def main() -> None:
                 try:
                     got = call()
                     row["max_abs_vs_math"] = float((got.float() - want).abs().max())
-                    row["us"] = round(timed_us(call), 1)
+                    row["us"] = round(_graph_time(call, calls=10, repeats=20) * 1e6, 1)
                 except Exception as exc:  # noqa: BLE001 - a refusal is a result here
                     row["error"] = f"{type(exc).__name__}: {exc}"[:200]
                 print(json.dumps(row), flush=True)

@@ -145,6 +145,11 @@ def _dac_time(time_info: Any) -> float | None:
     return float(t) if t > 0 else None
 
 
+# The adaptive start's defaults (SpeakerSink's docstring): the least and the most audio queued before playing,
+# and the reply length the production rate is judged over (seconds).
+PREBUFFER, MAX_PREBUFFER, HORIZON = 0.2, 4.0, 3.0
+
+
 class Arrivals:
     """The writes the adaptive start judges by: the last two (time, samples) and the longest wait between
     two writes so far (seconds)."""
@@ -159,8 +164,8 @@ class Arrivals:
         self.last = (self.last + [(now, samples)])[-2:]
 
 
-def start_needed(rate: float, arrivals: Arrivals, prebuffer: float = 0.2, max_prebuffer: float = 4.0,
-                 horizon: float = 3.0) -> tuple[float, str]:
+def start_needed(rate: float, arrivals: Arrivals, prebuffer: float = PREBUFFER, max_prebuffer: float = MAX_PREBUFFER,
+                 horizon: float = HORIZON) -> tuple[float, str]:
     """`SpeakerSink`'s adaptive start (its docstring): seconds of audio to queue before playing, and the
     term that asks for them, from the producer's `rate` (audio seconds a second since it began) and the
     writes so far."""
@@ -232,9 +237,9 @@ class SpeakerSink(SinkBase):
     sounddevice module (tests pass a fake with OutputStream, CallbackStop and query_devices).
     """
 
-    def __init__(self, device: str | int | None = None, *, prebuffer: float = 0.2, max_prebuffer: float = 4.0,
-                 horizon: float = 3.0, latency: Any = "high", blocksize: int = 0, hint: str = PLAY_HINT,
-                 backend: Any = None) -> None:
+    def __init__(self, device: str | int | None = None, *, prebuffer: float = PREBUFFER,
+                 max_prebuffer: float = MAX_PREBUFFER, horizon: float = HORIZON, latency: Any = "high",
+                 blocksize: int = 0, hint: str = PLAY_HINT, backend: Any = None) -> None:
         super().__init__()
         self._sd = backend if backend is not None else import_sounddevice(hint)
         self.hint = hint
